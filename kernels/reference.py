@@ -1,0 +1,103 @@
+"""Pure-PyTorch reference of the CSA2 hot ops.
+
+Each op is written as the formula, materialising the gathered rows and the score matrices. This is the path
+used on CPU and the ground truth the Triton kernels are checked against; it is not meant for long contexts.
+Argument conventions are in docs/DESIGN.md ("Kernel ops").
+"""
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B,N,D], idx [B,T,K] (any value, clamped) -> [B,T,K,D]."""
+    B, T, K = idx.shape
+    flat = idx.clamp(0, x.shape[1] - 1).reshape(B, T * K, 1).expand(-1, -1, x.shape[-1])
+    return x.gather(1, flat).view(B, T, K, x.shape[-1])
+
+
+def window_slots(win_lo: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token positions t, t-1, ..., t-window+1 of each query and whether each is inside [win_lo, t]."""
+    B, T = win_lo.shape
+    t = torch.arange(T, device=win_lo.device).view(1, T, 1)
+    positions = (t - torch.arange(window, device=win_lo.device).view(1, 1, window)).expand(B, T, window)
+    return positions, positions >= win_lo.unsqueeze(-1)
+
+
+def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int):
+    """Attention of each query over its sliding window and its selected compressed entries, with a sink.
+
+    Returns (out [B,T,H,D] in q's dtype, selected_mass [B,T,K] fp32 without grad). ``selected_mass`` is the
+    head-summed probability on each selected slot: the indexer-loss target before normalisation.
+    """
+    positions, valid = window_slots(win_lo, window)
+    keys = _gather_rows(kv_window, positions)
+    if topk_idx is not None:
+        keys = torch.cat([keys, _gather_rows(kv_comp, topk_idx)], dim=2)
+        valid = torch.cat([valid, topk_idx >= 0], dim=2)
+    keys = keys.float()
+    scores = torch.einsum("bthd,btnd->bthn", q.float(), keys) * scale
+    scores = scores.masked_fill(~valid.unsqueeze(2), NEG_INF)
+    sink_logit = sink.float().view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink_logit], dim=-1), dim=-1)[..., :-1]
+    out = torch.einsum("bthn,btnd->bthd", probs, keys).to(q.dtype)
+    selected_mass = probs[..., window:].sum(2).detach() if topk_idx is not None else None
+    return out, selected_mass
+
+
+def index_scores(q, w, k):
+    """I[b,t,s] = sum_h w[b,t,h] * relu(q[b,t,h] . k[b,s]) for every entry s."""
+    dots = torch.einsum("bthd,bsd->btsh", q.float(), k.float())
+    return (dots.relu() * w.float().unsqueeze(2)).sum(-1)
+
+
+def _visible(vis_lo, vis_hi, n_entries):
+    s = torch.arange(n_entries, device=vis_lo.device).view(1, 1, -1)
+    return (s >= vis_lo.unsqueeze(-1)) & (s < vis_hi.unsqueeze(-1))
+
+
+def _doc_block(vis_lo, n_entries, block_size):
+    """Doc-relative block number of every entry, seen from each query (negative before its document)."""
+    s = torch.arange(n_entries, device=vis_lo.device).view(1, 1, -1)
+    return torch.div(s - vis_lo.unsqueeze(-1), block_size, rounding_mode="floor")
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k best finite scores along the last dim, -1 where fewer exist."""
+    n = min(k, scores.shape[-1])
+    values, idx = scores.topk(n, dim=-1)
+    idx = idx.masked_fill(values == NEG_INF, -1)
+    return F.pad(idx, (0, k - n), value=-1)
+
+
+def indexer_select(q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_size: int = 8,
+                   keep_blocks: int = 0):
+    """Top-k entries of the lightning indexer, optionally restricted to / producing candidate blocks."""
+    with torch.no_grad():
+        S = k.shape[1]
+        scores = index_scores(q, w, k)
+        allowed = _visible(vis_lo, vis_hi, S)
+        block = _doc_block(vis_lo, S, block_size)
+        if cand_blocks is not None:
+            in_cand = (block.unsqueeze(-1) == cand_blocks.long().unsqueeze(-2)).any(-1)
+            allowed &= in_cand
+        scores = scores.masked_fill(~allowed, NEG_INF)
+        topk_idx = _top(scores, topk)
+        if not keep_blocks:
+            return topk_idx, None
+        n_blocks = -(-S // block_size)
+        block_scores = scores.new_full((*scores.shape[:2], n_blocks), NEG_INF)
+        block_scores.scatter_reduce_(2, block.clamp(0, n_blocks - 1), scores, "amax")
+        newest = torch.div(vis_hi - 1 - vis_lo, block_size, rounding_mode="floor")
+        has_entry = (vis_hi > vis_lo).unsqueeze(-1)
+        block_scores.scatter_(2, newest.clamp(min=0).unsqueeze(-1), torch.where(has_entry, float("inf"), NEG_INF))
+        return topk_idx, _top(block_scores, keep_blocks)
+
+
+def index_logits(q, w, k, topk_idx):
+    """Differentiable indexer scores of the selected entries (the student logits), -inf on empty slots."""
+    k_sel = _gather_rows(k, topk_idx).float()
+    dots = torch.einsum("bthd,btkd->btkh", q.float(), k_sel)
+    logits = (dots.relu() * w.float().unsqueeze(2)).sum(-1)
+    return logits.masked_fill(topk_idx < 0, NEG_INF)

@@ -1,0 +1,138 @@
+"""CSA2 attention: window-only, Full, Reindex and Reuse layers (SPEC §1).
+
+Every layer owns its query (low-rank), its sliding-window KV, its sink and its grouped output projection. A Full
+layer also owns the compressor (main KV) and the whole indexer; a Reindex layer only the indexer's query side.
+Shared tensors travel through the ``SharedState`` of the forward, never through module attributes.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from model.config import ModelArgs
+from model.geometry import EntryGeometry
+from model.layout import LayerPlan, Mode
+from model.norm import RMSNorm
+from model.rope import Rotary
+from model.state import SharedState
+
+
+def linear(dim_in: int, dim_out: int) -> nn.Linear:
+    return nn.Linear(dim_in, dim_out, bias=False)
+
+
+class Compressor(nn.Module):
+    """Main KV of a Full layer: softmax-gated pooling of each complete group of m tokens, then RMSNorm.
+
+    Returns the pre-RoPE latent (the index keys are projected from it); RoPE is applied by the readers."""
+
+    def __init__(self, args: ModelArgs, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = linear(args.dim, args.head_dim)
+        self.wgate = linear(args.dim, args.head_dim) if ratio > 1 else None
+        self.norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, entries: EntryGeometry) -> torch.Tensor:
+        if self.ratio == 1:  # one entry per token, stored in token order
+            return self.norm(self.wkv(x))
+        x32 = x.float()  # the gated pooling runs in fp32 (reference config)
+        group = entries.first_token.unsqueeze(-1) + torch.arange(self.ratio, device=x.device)  # [B,S,m]
+        rows = group.flatten(1).unsqueeze(-1).expand(-1, -1, x.shape[-1])
+        xg = x32.gather(1, rows).view(*group.shape, -1)  # [B,S,m,dim]
+        content = F.linear(xg, self.wkv.weight.float())
+        gate = F.linear(xg, self.wgate.weight.float())
+        pooled = (gate.softmax(dim=2) * content).sum(2) * entries.valid.unsqueeze(-1)
+        return self.norm(pooled).to(x.dtype)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer. Its inputs are detached: it learns only from the indexer KL (SPEC §2).
+
+    A Full layer's indexer also owns the index-key projection (``wk``, ``k_norm``) of its KV."""
+
+    def __init__(self, args: ModelArgs, owns_keys: bool):
+        super().__init__()
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.wq_b = linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim)
+        self.weights_proj = linear(args.dim, args.index_n_heads)
+        if owns_keys:
+            self.wk = linear(args.head_dim, args.index_head_dim)
+            self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
+
+    def keys(self, latent: torch.Tensor, rotary: Rotary, entries: EntryGeometry) -> torch.Tensor:
+        return rotary(self.k_norm(self.wk(latent.detach())), entries.pos)
+
+    def queries(self, x, qr, rotary: Rotary, pos) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        q = rotary(self.wq_b(qr.detach()).view(B, T, self.n_heads, self.head_dim), pos)
+        weights = self.weights_proj(x.detach()) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return q, weights
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, plan: LayerPlan, candidate_topk_blocks: int, candidate_block_size: int):
+        super().__init__()
+        self.plan, self.args = plan, args
+        self.candidate_topk_blocks, self.candidate_block_size = candidate_topk_blocks, candidate_block_size
+        H, D = args.n_heads, args.head_dim
+        self.wq_a = linear(args.dim, args.q_lora_rank)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = linear(args.q_lora_rank, H * D)
+        self.wkv = linear(args.dim, D)
+        self.kv_norm = RMSNorm(D, args.norm_eps)
+        self.wo_a = linear(H * D // args.o_groups, args.o_groups * args.o_lora_rank)
+        self.wo_b = linear(args.o_groups * args.o_lora_rank, args.dim)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        if plan.mode is Mode.FULL:
+            self.compressor = Compressor(args, plan.ratio)
+        if plan.selects:
+            self.indexer = Indexer(args, owns_keys=plan.mode is Mode.FULL)
+        compressed = plan.mode is not Mode.WINDOW
+        self.rotary = Rotary(args.rope_head_dim, args.compress_rope_theta if compressed else args.rope_theta,
+                             args if compressed else None)
+
+    def forward(self, x: torch.Tensor, state: SharedState) -> torch.Tensor:
+        B, T, _ = x.shape
+        args, plan, pos = self.args, self.plan, state.tokens.pos
+        ops = kernels.ops(args.kernel_backend, x.device)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.rotary(self.wq_b(qr).view(B, T, args.n_heads, args.head_dim), pos)
+        kv_window = self.rotary(self.kv_norm(self.wkv(x)), pos)
+        kv_comp = topk = None
+        if plan.mode is not Mode.WINDOW:
+            entries = state.entries(plan.ratio)
+            if plan.mode is Mode.FULL:
+                state.kv[plan.layer_id] = self.compressor(x, entries)
+                state.index_k[plan.layer_id] = self.indexer.keys(state.kv[plan.layer_id], self.rotary, entries)
+            if plan.selects:
+                self._select(ops, x, qr, state, entries)
+            kv_comp = self.rotary(state.kv[plan.kv_source], entries.pos)
+            topk = state.topk[plan.index_source]
+        out, selected_mass = ops.sparse_attention(q, kv_window, state.window_lo, kv_comp, topk, self.attn_sink,
+                                                  args.head_dim ** -0.5, args.window_size)
+        if topk is not None:
+            state.add_reader_mass(plan.index_source, selected_mass)
+        return self._project_out(self.rotary(out, pos, inverse=True))
+
+    def _select(self, ops, x, qr, state: SharedState, entries: EntryGeometry) -> None:
+        """Top-k selection of this Full/Reindex layer (and candidate blocks if it is the candidate source)."""
+        plan = self.plan
+        q_index, weights = self.indexer.queries(x, qr, self.rotary, state.tokens.pos)
+        k_index = state.index_k[plan.kv_source]
+        topk, blocks = ops.indexer_select(
+            q_index, weights, k_index, entries.vis_lo, entries.vis_hi, self.args.index_topk,
+            cand_blocks=state.candidates.get(plan.candidate_source), block_size=self.candidate_block_size,
+            keep_blocks=self.candidate_topk_blocks if plan.makes_candidates else 0)
+        state.topk[plan.layer_id] = topk
+        if blocks is not None:
+            state.candidates[plan.layer_id] = blocks
+        state.index_logits[plan.layer_id] = ops.index_logits(q_index, weights, k_index, topk)
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b."""
+        B, T = out.shape[:2]
+        G, R = self.args.o_groups, self.args.o_lora_rank
+        grouped = out.reshape(B, T, G, -1)
+        low = torch.einsum("btgd,grd->btgr", grouped, self.wo_a.weight.view(G, R, -1))
+        return self.wo_b(low.flatten(2))
