@@ -12,3 +12,14 @@ def compose(overrides: list[str]) -> DictConfig:
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def run_cli(action) -> None:
+    """Run a CLI action; a bad config or override ends with its message instead of a traceback."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        action()
+    except (ValueError, HydraException, OmegaConfBaseException) as err:
+        raise SystemExit(f"error: {err}") from None

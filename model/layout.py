@@ -199,10 +199,9 @@ def layout_from_config(cfg) -> Layout:
 
 
 def main(argv: list[str]) -> None:
-    from model.cli import compose
+    from model.cli import compose, run_cli
 
-    cfg = compose(argv)
-    print(layout_from_config(cfg.layout).table())
+    run_cli(lambda: print(layout_from_config(compose(argv).layout).table()))
 
 
 if __name__ == "__main__":

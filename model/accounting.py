@@ -1,0 +1,103 @@
+"""Parameter and KV-cache accounting, counted on the real modules built on the meta device.
+
+``python -m model.accounting [overrides] [format=json]`` prints, for any model/layout config, the figures of
+SPEC §1.6: attention parameters common to every layer, what Reindex and Full layers add, all compression and
+indexing parameters, compressed entries per token and inference KV-cache bytes per token.
+"""
+import json
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from model.attention import Attention
+from model.config import ModelArgs
+from model.layout import LayerPlan, Layout, Mode
+from model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """Inference storage of one compressed entry (SPEC §1.6): FP4 (e2m1) values with one byte-sized scale per
+    block, e4m3 per 16 values for the main KV, one per 32 for the index keys."""
+
+    value_bits: int = 4
+    main_scale_block: int = 16
+    index_scale_block: int = 32
+
+    def entry_bytes(self, width: int, scale_block: int) -> float:
+        return width * self.value_bits / 8 + width / scale_block
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _attention(args: ModelArgs, mode: Mode, ratio: int) -> Attention:
+    plan = LayerPlan(0, ratio, mode, kv_source=0, index_source=0)
+    return Attention(args, plan, candidate_topk_blocks=1, candidate_block_size=1)
+
+
+def account(args: ModelArgs, layout: Layout, cache: CacheFormat = CacheFormat()) -> dict:
+    with torch.device("meta"):
+        model = Transformer(args, layout)
+        common = _numel(_attention(args, Mode.REUSE, 1))
+        extra = {(mode, m): _numel(_attention(args, mode, m)) - common
+                 for mode, m in ((Mode.REINDEX, 1), (Mode.FULL, 2), (Mode.FULL, 1))}
+    full_layers = [model.layers[p.layer_id].attn for p in layout.plan if p.mode is Mode.FULL]
+    entries = sum(1 / a.plan.ratio for a in full_layers)
+    kv_bytes = sum((cache.entry_bytes(a.compressor.norm.weight.numel(), cache.main_scale_block)
+                    + cache.entry_bytes(a.indexer.k_norm.weight.numel(), cache.index_scale_block)) / a.plan.ratio
+                   for a in full_layers)
+    compress_index = sum(_numel(getattr(block.attn, part)) for block in model.layers
+                         for part in ("compressor", "indexer") if hasattr(block.attn, part))
+    return {
+        "params_common_per_layer": common,
+        "params_reindex_extra": extra[(Mode.REINDEX, 1)],
+        "params_full_extra_m2": extra[(Mode.FULL, 2)],
+        "params_full_extra_m1": extra[(Mode.FULL, 1)],
+        "params_compress_index_total": compress_index,
+        "entries_per_token": entries,
+        "kv_bytes_per_token": kv_bytes,
+        "params_total": _numel(model),
+        "layers": {mode.value: n for mode, n in layout.counts().items()},
+    }
+
+
+def render(figures: dict) -> str:
+    lines = []
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{v} {k}" for k, v in value.items())
+        elif isinstance(value, int):
+            value = f"{value:,}  ({value / 1e6:.2f}M)"
+        else:
+            value = f"{value:g}"
+        lines.append(f"{key:<30} {value}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    from model.cli import compose, run_cli
+    from model.layout import layout_from_config
+
+    fmt = "table"
+    overrides = []
+    for arg in argv:
+        if arg.startswith("format="):
+            fmt = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    if fmt not in ("table", "json"):
+        raise SystemExit(f"error: format={fmt!r}: use format=json or leave it out for a table")
+
+    def report():
+        cfg = compose(overrides)
+        figures = account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout))
+        print(json.dumps(figures) if fmt == "json" else render(figures))
+
+    run_cli(report)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
