@@ -10,6 +10,7 @@ from torch import nn
 
 import kernels
 from model.config import ModelArgs
+from model.diagnostics import index_recall
 from model.geometry import EntryGeometry
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
@@ -113,6 +114,9 @@ class Attention(nn.Module):
                                                   args.head_dim ** -0.5, args.window_size)
         if topk is not None:
             state.add_reader_mass(plan.index_source, selected_mass)
+            if state.collect_recall:
+                state.index_recall[plan.layer_id] = index_recall(q, kv_comp, entries.vis_lo, entries.vis_hi, topk,
+                                                                 args.head_dim ** -0.5)
         return self._project_out(self.rotary(out, pos, inverse=True))
 
     def _select(self, ops, x, qr, state: SharedState, entries: EntryGeometry) -> None:

@@ -16,8 +16,9 @@ FIELDS = ("kv", "index_k", "topk", "candidates", "index_logits", "index_target")
 
 
 class SharedState:
-    def __init__(self, layout: Layout, doc_ids: torch.Tensor, window: int):
+    def __init__(self, layout: Layout, doc_ids: torch.Tensor, window: int, collect_recall: bool = False):
         self.layout = layout
+        self.collect_recall = collect_recall
         self.tokens = TokenGeometry.from_doc_ids(doc_ids)
         self.window_lo = self.tokens.window_lo(window)
         self._entries: dict[int, EntryGeometry] = {}
@@ -28,6 +29,7 @@ class SharedState:
         self.index_logits: dict[int, torch.Tensor] = {}  # index source -> student logits [B,T,K]
         self.index_target: dict[int, torch.Tensor] = {}  # index source -> sum of readers' normalised mass
         self.indexer_losses: dict[int, torch.Tensor] = {}  # index source -> KL, once its last reader ran
+        self.index_recall: dict[int, torch.Tensor] = {}  # reading layer -> recall (evaluation diagnostic)
 
     def entries(self, ratio: int) -> EntryGeometry:
         if ratio not in self._entries:

@@ -41,6 +41,7 @@ class Block(nn.Module):
 class ModelOutput:
     logits: torch.Tensor  # [B,T,V] fp32
     indexer_losses: dict[int, torch.Tensor]  # index source layer -> KL of its selection (SPEC §2)
+    index_recall: dict[int, torch.Tensor]  # reading layer -> recall vs its dense attention (collect_recall only)
 
 
 class Transformer(nn.Module):
@@ -62,18 +63,21 @@ class Transformer(nn.Module):
             scale = 1 / math.sqrt(2 * len(self.layers)) if name.endswith(("wo_b.weight", "ffn.w2.weight")) else 1
             nn.init.normal_(p, std=std * scale)
 
-    def new_state(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> SharedState:
+    def new_state(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
+                  collect_recall: bool = False) -> SharedState:
         if doc_ids is None:
             doc_ids = torch.zeros_like(input_ids)
-        return SharedState(self.layout, doc_ids, self.args.window_size)
+        return SharedState(self.layout, doc_ids, self.args.window_size, collect_recall)
 
-    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> ModelOutput:
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                collect_recall: bool = False) -> ModelOutput:
+        """Logits and per-source indexer losses; ``collect_recall`` adds each reading layer's index recall."""
         self.check_token_ids(input_ids)
-        state = self.new_state(input_ids, doc_ids)
+        state = self.new_state(input_ids, doc_ids, collect_recall)
         h = self.embed(input_ids)
         for layer in self.layers:
             h = layer(h, state)
-        return ModelOutput(self.head(self.norm(h)).float(), state.indexer_losses)
+        return ModelOutput(self.head(self.norm(h)).float(), state.indexer_losses, state.index_recall)
 
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
         """An out-of-range id would index past the embedding (a device assert on GPU): fail with the id."""
