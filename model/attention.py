@@ -2,7 +2,8 @@
 
 Every layer owns its query (low-rank), its sliding-window KV, its sink and its grouped output projection. A Full
 layer also owns the compressor (main KV) and the whole indexer; a Reindex layer only the indexer's query side.
-Shared tensors travel through the ``SharedState`` of the forward, never through module attributes.
+Shared tensors come in and go out as explicit arguments (the block moves them to and from the forward's
+``SharedState``), never through module attributes.
 """
 import torch
 import torch.nn.functional as F
@@ -11,11 +12,10 @@ from torch import nn
 import kernels
 from model.config import ModelArgs
 from model.diagnostics import index_recall
-from model.geometry import EntryGeometry
+from model.geometry import EntryGeometry, Geometry
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
 from model.rope import Rotary
-from model.state import SharedState
 
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
@@ -93,45 +93,48 @@ class Attention(nn.Module):
         self.rotary = Rotary(args.rope_head_dim, args.compress_rope_theta if compressed else args.rope_theta,
                              args if compressed else None)
 
-    def forward(self, x: torch.Tensor, state: SharedState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, geometry: Geometry, reads: dict[str, torch.Tensor],
+                collect_recall: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Pure function of its inputs (so activation recomputation may re-run it): ``reads`` holds the shared
+        tensors this layer consumes (``SharedState.reads``), the returned dict those it produces."""
         B, T, _ = x.shape
-        args, plan, pos = self.args, self.plan, state.tokens.pos
+        args, plan, pos = self.args, self.plan, geometry.tokens.pos
         ops = kernels.ops(args.kernel_backend, x.device)
         qr = self.q_norm(self.wq_a(x))
         q = self.rotary(self.wq_b(qr).view(B, T, args.n_heads, args.head_dim), pos)
         kv_window = self.rotary(self.kv_norm(self.wkv(x)), pos)
-        kv_comp = topk = None
+        produced, kv_comp, topk = {}, None, None
         if plan.mode is not Mode.WINDOW:
-            entries = state.entries(plan.ratio)
+            entries = geometry.entries(plan.ratio)
             if plan.mode is Mode.FULL:
-                state.kv[plan.layer_id] = self.compressor(x, entries)
-                state.index_k[plan.layer_id] = self.indexer.keys(state.kv[plan.layer_id], self.rotary, entries)
+                latent = produced["kv"] = self.compressor(x, entries)
+                index_k = produced["index_k"] = self.indexer.keys(latent, self.rotary, entries)
+            else:
+                latent, index_k = reads["kv"], reads.get("index_k")
             if plan.selects:
-                self._select(ops, x, qr, state, entries)
-            kv_comp = self.rotary(state.kv[plan.kv_source], entries.pos)
-            topk = state.topk[plan.index_source]
-        out, selected_mass = ops.sparse_attention(q, kv_window, state.window_lo, kv_comp, topk, self.attn_sink,
+                produced.update(self._select(ops, x, qr, pos, entries, index_k, reads.get("candidates")))
+            topk = produced["topk"] if plan.selects else reads["topk"]
+            kv_comp = self.rotary(latent, entries.pos)
+        out, selected_mass = ops.sparse_attention(q, kv_window, geometry.window_lo, kv_comp, topk, self.attn_sink,
                                                   args.head_dim ** -0.5, args.window_size)
         if topk is not None:
-            state.add_reader_mass(plan.index_source, selected_mass)
-            if state.collect_recall:
-                state.index_recall[plan.layer_id] = index_recall(q, kv_comp, entries.vis_lo, entries.vis_hi, topk,
-                                                                 args.head_dim ** -0.5)
-        return self._project_out(self.rotary(out, pos, inverse=True))
+            produced["selected_mass"] = selected_mass
+            if collect_recall:
+                produced["recall"] = index_recall(q, kv_comp, entries.vis_lo, entries.vis_hi, topk,
+                                                  args.head_dim ** -0.5)
+        return self._project_out(self.rotary(out, pos, inverse=True)), produced
 
-    def _select(self, ops, x, qr, state: SharedState, entries: EntryGeometry) -> None:
+    def _select(self, ops, x, qr, pos, entries: EntryGeometry, index_k, candidates) -> dict[str, torch.Tensor]:
         """Top-k selection of this Full/Reindex layer (and candidate blocks if it is the candidate source)."""
-        plan = self.plan
-        q_index, weights = self.indexer.queries(x, qr, self.rotary, state.tokens.pos)
-        k_index = state.index_k[plan.kv_source]
+        q_index, weights = self.indexer.queries(x, qr, self.rotary, pos)
         topk, blocks = ops.indexer_select(
-            q_index, weights, k_index, entries.vis_lo, entries.vis_hi, self.args.index_topk,
-            cand_blocks=state.candidates.get(plan.candidate_source), block_size=self.candidate_block_size,
-            keep_blocks=self.candidate_topk_blocks if plan.makes_candidates else 0)
-        state.topk[plan.layer_id] = topk
+            q_index, weights, index_k, entries.vis_lo, entries.vis_hi, self.args.index_topk,
+            cand_blocks=candidates, block_size=self.candidate_block_size,
+            keep_blocks=self.candidate_topk_blocks if self.plan.makes_candidates else 0)
+        selection = {"topk": topk, "index_logits": ops.index_logits(q_index, weights, index_k, topk)}
         if blocks is not None:
-            state.candidates[plan.layer_id] = blocks
-        state.index_logits[plan.layer_id] = ops.index_logits(q_index, weights, k_index, topk)
+            selection["candidates"] = blocks
+        return selection
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b."""

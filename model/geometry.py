@@ -56,3 +56,18 @@ class EntryGeometry:
         valid = torch.zeros(B, S, dtype=torch.bool, device=t.device)
         valid[b, slot] = True
         return cls(m, vis_lo, done, first_token, pos, valid)
+
+
+class Geometry:
+    """All the geometry of one forward: token positions, window starts, and entries per compression ratio."""
+
+    def __init__(self, doc_ids: torch.Tensor, window: int):
+        self.doc_ids = doc_ids
+        self.tokens = TokenGeometry.from_doc_ids(doc_ids)
+        self.window_lo = self.tokens.window_lo(window)
+        self._entries: dict[int, EntryGeometry] = {}
+
+    def entries(self, ratio: int) -> EntryGeometry:
+        if ratio not in self._entries:
+            self._entries[ratio] = EntryGeometry.from_tokens(self.tokens, ratio)
+        return self._entries[ratio]

@@ -9,8 +9,8 @@ normalised attention mass on the selected entries, and the last reader turns the
 import torch
 import torch.nn.functional as F
 
-from model.geometry import EntryGeometry, TokenGeometry
-from model.layout import Layout
+from model.geometry import Geometry
+from model.layout import LayerPlan, Layout, Mode
 
 FIELDS = ("kv", "index_k", "topk", "candidates", "index_logits", "index_target")
 
@@ -19,9 +19,7 @@ class SharedState:
     def __init__(self, layout: Layout, doc_ids: torch.Tensor, window: int, collect_recall: bool = False):
         self.layout = layout
         self.collect_recall = collect_recall
-        self.tokens = TokenGeometry.from_doc_ids(doc_ids)
-        self.window_lo = self.tokens.window_lo(window)
-        self._entries: dict[int, EntryGeometry] = {}
+        self.geometry = Geometry(doc_ids, window)
         self.kv: dict[int, torch.Tensor] = {}  # Full layer -> pre-RoPE latent [B,S,head_dim]
         self.index_k: dict[int, torch.Tensor] = {}  # Full layer -> post-RoPE index keys [B,S,index_head_dim]
         self.topk: dict[int, torch.Tensor] = {}  # index source -> selected entries [B,T,K], -1 empty
@@ -31,23 +29,42 @@ class SharedState:
         self.indexer_losses: dict[int, torch.Tensor] = {}  # index source -> KL, once its last reader ran
         self.index_recall: dict[int, torch.Tensor] = {}  # reading layer -> recall (evaluation diagnostic)
 
-    def entries(self, ratio: int) -> EntryGeometry:
-        if ratio not in self._entries:
-            self._entries[ratio] = EntryGeometry.from_tokens(self.tokens, ratio)
-        return self._entries[ratio]
+    def reads(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
+        """The shared tensors layer ``plan`` consumes."""
+        reads = {}
+        if plan.mode in (Mode.REINDEX, Mode.REUSE):
+            reads["kv"] = self.kv[plan.kv_source]
+        if plan.mode is Mode.REINDEX:
+            reads["index_k"] = self.index_k[plan.kv_source]
+        if plan.mode is Mode.REUSE:
+            reads["topk"] = self.topk[plan.index_source]
+        if plan.candidate_source is not None:
+            reads["candidates"] = self.candidates[plan.candidate_source]
+        return reads
+
+    def write(self, plan: LayerPlan, produced: dict[str, torch.Tensor]) -> None:
+        """Store what layer ``plan`` produced, add its reading of a selection, then drop what it used last."""
+        for field in FIELDS:
+            if field in produced:
+                getattr(self, field)[plan.layer_id] = produced[field]
+        if "selected_mass" in produced:
+            self._add_reader_mass(plan.index_source, produced["selected_mass"])
+        if "recall" in produced:
+            self.index_recall[plan.layer_id] = produced["recall"]
+        self._release_after(plan.layer_id)
 
     def live(self) -> dict[str, list[int]]:
         """Producing layers of the shared tensors alive now, per field (what a boundary here would carry)."""
         return {f: sorted(getattr(self, f)) for f in FIELDS if getattr(self, f)}
 
-    def add_reader_mass(self, index_source: int, mass: torch.Tensor) -> None:
+    def _add_reader_mass(self, index_source: int, mass: torch.Tensor) -> None:
         """A layer read the selection of ``index_source``: add its attention distribution on the selected set."""
         total = mass.sum(-1, keepdim=True)
         share = torch.where(total > 0, mass / total.clamp_min(torch.finfo(mass.dtype).tiny), 0.0)
         previous = self.index_target.get(index_source)
         self.index_target[index_source] = share if previous is None else previous + share
 
-    def release_after(self, layer_id: int) -> None:
+    def _release_after(self, layer_id: int) -> None:
         """Drop every field whose last consumer is ``layer_id``; a finished selection becomes its KL first."""
         ending = [(f, src) for (f, src), last in self.layout.last_use.items()
                   if last == layer_id and src in getattr(self, f)]

@@ -1,10 +1,12 @@
 """The CSA2 decoder stack: embedding, pre-norm blocks (CSA2 attention + dense SwiGLU FFN), final norm, LM head."""
 import math
+from functools import partial
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention, linear
 from model.config import ModelArgs
@@ -25,16 +27,26 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: LayerPlan):
         super().__init__()
-        self.layer_id = plan.layer_id
+        self.recompute = False  # set by the parallel config (activation checkpointing of this layer)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.attn = Attention(args, plan, layout.candidate_topk_blocks, layout.candidate_block_size)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn = FeedForward(args.dim, args.inter_dim)
 
     def forward(self, x: torch.Tensor, state: SharedState) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), state)
-        state.release_after(self.layer_id)
-        return x + self.ffn(self.ffn_norm(x))
+        """Runs the layer on the forward's shared state. With ``recompute`` the layer is a non-reentrant
+        checkpoint: its shared inputs are explicit arguments, so recomputation in backward sees the same tensors
+        even after the state has dropped them."""
+        plan = self.attn.plan
+        run = partial(checkpoint, self._compute, use_reentrant=False) if self.recompute else self._compute
+        x, produced = run(x, state.geometry, state.reads(plan), state.collect_recall)
+        state.write(plan, produced)
+        return x
+
+    def _compute(self, x, geometry, reads, collect_recall):
+        attn_out, produced = self.attn(self.attn_norm(x), geometry, reads, collect_recall)
+        x = x + attn_out
+        return x + self.ffn(self.ffn_norm(x)), produced
 
 
 @dataclass
