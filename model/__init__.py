@@ -17,7 +17,7 @@ def __getattr__(name):
     return getattr(importlib.import_module(_EXPORTS[name]), name)
 
 
-def build_model(model_cfg, layout_cfg, device=None):
+def build_model(model_cfg, layout_cfg, device=None, seed: int = 0):
     """A Transformer from the ``model`` and ``layout`` config nodes (validated; errors name the problem)."""
     import torch
 
@@ -26,4 +26,4 @@ def build_model(model_cfg, layout_cfg, device=None):
     from model.transformer import Transformer
 
     with torch.device(device or "cpu"):
-        return Transformer(ModelArgs.from_config(model_cfg), layout_from_config(layout_cfg))
+        return Transformer(ModelArgs.from_config(model_cfg), layout_from_config(layout_cfg), seed=seed)

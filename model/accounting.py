@@ -44,12 +44,12 @@ def account(args: ModelArgs, layout: Layout, cache: CacheFormat = CacheFormat())
         common = _numel(_attention(args, Mode.REUSE, 1))
         extra = {(mode, m): _numel(_attention(args, mode, m)) - common
                  for mode, m in ((Mode.REINDEX, 1), (Mode.FULL, 2), (Mode.FULL, 1))}
-    full_layers = [model.layers[p.layer_id].attn for p in layout.plan if p.mode is Mode.FULL]
+    full_layers = [model.layers[str(p.layer_id)].attn for p in layout.plan if p.mode is Mode.FULL]
     entries = sum(1 / a.plan.ratio for a in full_layers)
     kv_bytes = sum((cache.entry_bytes(a.compressor.norm.weight.numel(), cache.main_scale_block)
                     + cache.entry_bytes(a.indexer.k_norm.weight.numel(), cache.index_scale_block)) / a.plan.ratio
                    for a in full_layers)
-    compress_index = sum(_numel(getattr(block.attn, part)) for block in model.layers
+    compress_index = sum(_numel(getattr(block.attn, part)) for block in model.layers.values()
                          for part in ("compressor", "indexer") if hasattr(block.attn, part))
     return {
         "params_common_per_layer": common,

@@ -47,6 +47,26 @@ class Compressor(nn.Module):
         return self.norm(pooled).to(x.dtype)
 
 
+class IndexKeys(nn.Module):
+    """Index-key projection of a Full layer's KV: ``RoPE(k_norm(wk(latent)))`` from the detached pre-RoPE latent.
+
+    Owned by the Full layer's indexer; a pipeline stage that needs the keys of a Full layer living on another
+    stage holds a replica of this module (a shadow indexer) and recomputes them from the carried latent."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.wk = linear(args.head_dim, args.index_head_dim)
+        self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
+
+    def forward(self, latent: torch.Tensor, rotary: Rotary, entries: EntryGeometry) -> torch.Tensor:
+        return index_keys(self, latent, rotary, entries)
+
+
+def index_keys(owner: nn.Module, latent: torch.Tensor, rotary: Rotary, entries: EntryGeometry) -> torch.Tensor:
+    """``RoPE(k_norm(wk(latent)))`` with the ``wk``/``k_norm`` of ``owner`` (an Indexer or its IndexKeys replica)."""
+    return rotary(owner.k_norm(owner.wk(latent.detach())), entries.pos)
+
+
 class Indexer(nn.Module):
     """Lightning indexer. Its inputs are detached: it learns only from the indexer KL (SPEC §2).
 
@@ -57,12 +77,12 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
         self.wq_b = linear(args.q_lora_rank, args.index_n_heads * args.index_head_dim)
         self.weights_proj = linear(args.dim, args.index_n_heads)
-        if owns_keys:
-            self.wk = linear(args.head_dim, args.index_head_dim)
-            self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
+        if owns_keys:  # registered as wk / k_norm directly so that names read like the reference weights
+            keys = IndexKeys(args)
+            self.wk, self.k_norm = keys.wk, keys.k_norm
 
     def keys(self, latent: torch.Tensor, rotary: Rotary, entries: EntryGeometry) -> torch.Tensor:
-        return rotary(self.k_norm(self.wk(latent.detach())), entries.pos)
+        return index_keys(self, latent, rotary, entries)
 
     def queries(self, x, qr, rotary: Rotary, pos) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
@@ -89,9 +109,7 @@ class Attention(nn.Module):
             self.compressor = Compressor(args, plan.ratio)
         if plan.selects:
             self.indexer = Indexer(args, owns_keys=plan.mode is Mode.FULL)
-        compressed = plan.mode is not Mode.WINDOW
-        self.rotary = Rotary(args.rope_head_dim, args.compress_rope_theta if compressed else args.rope_theta,
-                             args if compressed else None)
+        self.rotary = Rotary.for_layer(args, compressed=plan.mode is not Mode.WINDOW)
 
     def forward(self, x: torch.Tensor, geometry: Geometry, reads: dict[str, torch.Tensor],
                 collect_recall: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

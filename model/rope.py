@@ -38,6 +38,13 @@ class Rotary(nn.Module):
         self.dim = dim
         self._freqs = {torch.device("cpu"): rope_frequencies(dim, base, yarn)}
 
+    @classmethod
+    def for_layer(cls, args: ModelArgs, compressed: bool) -> "Rotary":
+        """Compressed layers (any mode) rotate with compress_rope_theta and YaRN, window-only layers without."""
+        if compressed:
+            return cls(args.rope_head_dim, args.compress_rope_theta, args)
+        return cls(args.rope_head_dim, args.rope_theta)
+
     def _freqs_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._freqs:
             self._freqs[device] = self._freqs[torch.device("cpu")].to(device)

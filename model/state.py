@@ -28,6 +28,7 @@ class SharedState:
         self.index_target: dict[int, torch.Tensor] = {}  # index source -> sum of readers' normalised mass
         self.indexer_losses: dict[int, torch.Tensor] = {}  # index source -> KL, once its last reader ran
         self.index_recall: dict[int, torch.Tensor] = {}  # reading layer -> recall (evaluation diagnostic)
+        self.on_store = None  # optional callback(field, layer, tensor) for every tensor stored (a ledger)
 
     def reads(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
         """The shared tensors layer ``plan`` consumes."""
@@ -46,7 +47,7 @@ class SharedState:
         """Store what layer ``plan`` produced, add its reading of a selection, then drop what it used last."""
         for field in FIELDS:
             if field in produced:
-                getattr(self, field)[plan.layer_id] = produced[field]
+                self._store(field, plan.layer_id, produced[field])
         if "selected_mass" in produced:
             self._add_reader_mass(plan.index_source, produced["selected_mass"])
         if "recall" in produced:
@@ -62,7 +63,12 @@ class SharedState:
         total = mass.sum(-1, keepdim=True)
         share = torch.where(total > 0, mass / total.clamp_min(torch.finfo(mass.dtype).tiny), 0.0)
         previous = self.index_target.get(index_source)
-        self.index_target[index_source] = share if previous is None else previous + share
+        self._store("index_target", index_source, share if previous is None else previous + share)
+
+    def _store(self, field: str, layer: int, tensor: torch.Tensor) -> None:
+        getattr(self, field)[layer] = tensor
+        if self.on_store is not None:
+            self.on_store(field, layer, tensor)
 
     def _release_after(self, layer_id: int) -> None:
         """Drop every field whose last consumer is ``layer_id``; a finished selection becomes its KL first."""

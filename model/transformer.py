@@ -1,5 +1,6 @@
 """The CSA2 decoder stack: embedding, pre-norm blocks (CSA2 attention + dense SwiGLU FFN), final norm, LM head."""
 import math
+import zlib
 from functools import partial
 from dataclasses import dataclass
 
@@ -57,42 +58,63 @@ class ModelOutput:
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, layout: Layout):
+    """The CSA2 stack, or a contiguous slice of it (``layer_ids``) for a pipeline stage.
+
+    A slice holds the embedding only if it starts at layer 0 and the final norm and head only if it ends at the
+    last layer; its parameter names are the full model's (``layers.<id>.``), so a stage's state dict is a subset
+    of the model's and checkpoints do not depend on the split. Initial values depend only on (seed, parameter
+    name), so every split starts from the same weights."""
+
+    def __init__(self, args: ModelArgs, layout: Layout, layer_ids: range | None = None, seed: int = 0):
         super().__init__()
         self.args, self.layout = args, layout
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, layout, plan) for plan in layout.plan)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.head = linear(args.dim, args.vocab_size)
-        self.reset_parameters()
+        layer_ids = range(layout.n_layers) if layer_ids is None else layer_ids
+        self.has_embed, self.has_head = layer_ids.start == 0, layer_ids.stop == layout.n_layers
+        if self.has_embed:
+            self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): Block(args, layout, layout.plan[i]) for i in layer_ids})
+        if self.has_head:
+            self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.head = linear(args.dim, args.vocab_size)
+        init_parameters(self.named_parameters(), args, layout.n_layers, seed)
 
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) for matrices; residual-branch outputs scaled by 1/sqrt(2 * n_layers)."""
-        std = self.args.init_std
-        for name, p in self.named_parameters():
-            if p.dim() < 2 or p.is_meta:
-                continue
-            scale = 1 / math.sqrt(2 * len(self.layers)) if name.endswith(("wo_b.weight", "ffn.w2.weight")) else 1
-            nn.init.normal_(p, std=std * scale)
-
-    def new_state(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None,
-                  collect_recall: bool = False) -> SharedState:
-        if doc_ids is None:
-            doc_ids = torch.zeros_like(input_ids)
+    def new_state(self, doc_ids: torch.Tensor, collect_recall: bool = False) -> SharedState:
         return SharedState(self.layout, doc_ids, self.args.window_size, collect_recall)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """An out-of-range id would index past the embedding (a device assert on GPU): fail with the id."""
+        bad = (input_ids < 0) | (input_ids >= self.args.vocab_size)
+        if bad.any():
+            raise ValueError(f"token id {input_ids[bad][0].item()} is outside the model's vocabulary "
+                             f"[0, {self.args.vocab_size})")
+        return self.embed(input_ids)
+
+    def run_layers(self, h: torch.Tensor, state: SharedState) -> torch.Tensor:
+        for layer in self.layers.values():
+            h = layer(h, state)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(h)).float()
 
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 collect_recall: bool = False) -> ModelOutput:
         """Logits and per-source indexer losses; ``collect_recall`` adds each reading layer's index recall."""
-        self.check_token_ids(input_ids)
-        state = self.new_state(input_ids, doc_ids, collect_recall)
-        h = self.embed(input_ids)
-        for layer in self.layers:
-            h = layer(h, state)
-        return ModelOutput(self.head(self.norm(h)).float(), state.indexer_losses, state.index_recall)
+        state = self.new_state(torch.zeros_like(input_ids) if doc_ids is None else doc_ids, collect_recall)
+        h = self.run_layers(self.embed_tokens(input_ids), state)
+        return ModelOutput(self.logits(h), state.indexer_losses, state.index_recall)
 
-    def check_token_ids(self, input_ids: torch.Tensor) -> None:
-        """An out-of-range id would index past the embedding (a device assert on GPU): fail with the id."""
-        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.args.vocab_size):
-            bad = input_ids[(input_ids < 0) | (input_ids >= self.args.vocab_size)][0].item()
-            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self.args.vocab_size})")
+
+def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int, rename=lambda name: name) -> None:
+    """Normal(0, init_std) for matrices, residual-branch outputs scaled by 1/sqrt(2 * n_layers); norms keep 1,
+    sinks 0. Each tensor draws from a generator seeded by (seed, its name), so values do not depend on which
+    other parameters a process builds (pipeline stages, shadow replicas under their owner's ``rename``)."""
+    for name, p in named_parameters:
+        if p.dim() < 2 or p.is_meta:
+            continue
+        name = rename(name)
+        scale = 1 / math.sqrt(2 * n_layers) if name.endswith(("wo_b.weight", "ffn.w2.weight")) else 1
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        values = torch.empty(p.shape, dtype=torch.float32).normal_(std=args.init_std * scale, generator=generator)
+        with torch.no_grad():
+            p.copy_(values)

@@ -1,0 +1,210 @@
+"""DeepSpeed pipeline integration: the CSA2 ``PipelineModule`` and an engine that keeps shadow indexers exact.
+
+Every training job runs through this engine, one stage or many, so that pipeline parallelism is a config
+switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
+- shadow indexers: replica gradients are summed into the owner (and the replicas) before the data-parallel
+  reduction, only the owner's copy is in the optimizer, and after the step the owner's values are broadcast
+  to its replicas, so replicas stay bitwise equal to the owner;
+- gradient clipping by the global norm over all stages (DeepSpeed's fp32 clipping, given a pipeline grid,
+  counts only the first stage's gradients), with the norm kept for logging;
+- a non-finite loss skips the whole step on every rank (no parameter, optimizer or schedule change).
+Checkpoints hold the model per transformer layer under the full model's names, so they load under any split.
+"""
+import os
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe import schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
+
+from model.config import ModelArgs
+from model.layout import Layout
+from parallel.partition import StagePlan
+from parallel.stage import SHADOW_PREFIX, PipelineStage, owner_name, shadow_sources
+
+IGNORE_INDEX = -100
+
+
+class LanguageModelLoss:
+    """LM cross-entropy + ``coef`` x the sum of the per-source indexer KLs (SPEC §2), remembering the parts of the
+    latest microbatch so that the engine can report them per source."""
+
+    def __init__(self, coef: float, sources: list[int]):
+        self.coef, self.sources = coef, sources
+        self.parts: OrderedDict[str, torch.Tensor] | None = None
+
+    def part_names(self) -> list[str]:
+        return ["lm_loss", "indexer_loss", *(f"indexer_loss/layer{s}" for s in self.sources)]
+
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        logits, indexer_losses = outputs
+        lm = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        indexer = indexer_losses.sum()
+        values = torch.cat([torch.stack([lm, indexer]), indexer_losses]).detach()
+        self.parts = OrderedDict(zip(self.part_names(), values))
+        return lm + self.coef * indexer
+
+
+class CSA2PipelineModule(PipelineModule):
+    def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn: LanguageModelLoss,
+                 micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int, recompute: bool):
+        os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
+        specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
+                           recompute) for s in range(len(plan.stages))]
+        super().__init__(layers=specs, num_stages=len(plan.stages), loss_fn=loss_fn, partition_method="uniform")
+        self.layout, self.plan, self.index_k = layout, plan, index_k
+
+    @property
+    def stage(self) -> PipelineStage:
+        return self.forward_funcs[0]
+
+    def owned_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates: everything but shadow replicas."""
+        return [p for n, p in self.stage.named_parameters() if not n.startswith(SHADOW_PREFIX)]
+
+    def get_additional_losses(self):
+        parts = self.loss_fn.parts
+        if parts is None:  # not the last stage: only the names matter (the engine broadcasts the values)
+            parts = OrderedDict((name, torch.zeros(())) for name in self.loss_fn.part_names())
+        return parts
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        """One file per transformer layer (plus embedding and head), named by the full model's layer ids."""
+        if self._grid.data_parallel_id != 0:
+            return
+        checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        for part, tensors in split_by_layer(self.stage.owned_state_dict()).items():
+            checkpoint_engine.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, part))
+
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+        wanted = split_by_layer(self.stage.owned_state_dict())
+        state = {}
+        for part in wanted:
+            path = os.path.join(load_dir, part)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"checkpoint {load_dir} has no {part}: it was written by another model")
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+        self.stage.model.load_state_dict(state, strict=strict)
+
+
+def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Group a (stage) state dict into checkpoint files: ``layer_<id>.pt``, ``embed.pt``, ``head.pt``."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        if name.startswith("layers."):
+            part = f"layer_{int(name.split('.')[1]):03d}.pt"
+        else:
+            part = "embed.pt" if name.startswith("embed.") else "head.pt"
+        parts.setdefault(part, {})[name] = tensor
+    return parts
+
+
+class CSA2PipelineEngine(PipelineEngine):
+    def __init__(self, *args, max_grad_norm: float = 0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm = None  # global gradient norm of the last step (before clipping)
+        self.nonfinite_steps = 0  # consecutive skipped steps
+        self.last_step_skipped = False
+        self._shadow_links = self._link_shadows()
+
+    def _link_shadows(self) -> list[tuple[object, int, list[torch.nn.Parameter]]]:
+        """(process group, owner rank, my tensors) for every shadowed Full layer that my stage owns or mirrors.
+
+        Groups are created in the same order on every rank, as torch.distributed requires."""
+        module: CSA2PipelineModule = self.module
+        layout, plan, topo = module.layout, module.plan, module._topo
+        holders: dict[int, list[int]] = {}
+        if module.index_k == "shadow":
+            for stage, layers in enumerate(plan.stages):
+                for source in shadow_sources(layout, layers):
+                    holders.setdefault(source, [plan.stage_of(source)]).append(stage)
+        me = module.stage
+        links = []
+        for source in sorted(holders):
+            for data in range(topo.get_dim("data")):
+                ranks = [topo.get_rank(pipe=s, data=data) for s in holders[source]]
+                group = dist.new_group(ranks)
+                if self.global_rank not in ranks:
+                    continue
+                if self.stage_id == holders[source][0]:
+                    named = dict(me.model.named_parameters())
+                    tensors = [named[owner_name(source, n)] for n in ("wk.weight", "k_norm.weight")]
+                else:
+                    tensors = list(me.shadows[str(source)].parameters())
+                links.append((group, ranks[0], tensors))
+        return links
+
+    def _reduce_tied_and_shadow_grads(self):
+        PipelineEngine._exec_reduce_tied_grads(self)
+        for group, _, tensors in self._shadow_links:
+            has = torch.tensor([float(any(t.grad is not None for t in tensors))], device=self.device)
+            flat = torch.cat([has] + [(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1).float()
+                                      for t in tensors])
+            dist.all_reduce(flat, group=group)
+            if flat[0] == 0:
+                continue
+            offset = 1
+            for t in tensors:
+                t.grad = flat[offset: offset + t.numel()].view_as(t).to(t.dtype)
+                offset += t.numel()
+
+    def _guarded_optimizer_step(self, lr_kwargs=None):
+        bad = torch.zeros(1, device=self.device)
+        if self.is_last_stage() and not torch.isfinite(self.total_loss).all():
+            bad.fill_(1)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        self.last_step_skipped = bool(bad.item())
+        if self.last_step_skipped:
+            self.nonfinite_steps += 1
+            self.optimizer.zero_grad()
+            self.zero_grad()
+            self.skipped_steps += 1
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            return
+        self.nonfinite_steps = 0
+        self._clip_gradients()
+        PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+        for group, owner, tensors in self._shadow_links:
+            for t in tensors:
+                dist.broadcast(t.data, src=owner, group=group)
+
+    def _clip_gradients(self) -> None:
+        """Scale owned gradients so that their norm over the whole pipeline is at most ``max_grad_norm``.
+
+        The per-tensor squared norms of all stages are gathered and summed in the full model's parameter order,
+        so the norm (and every clipped gradient) is bitwise the single-stage one. Runs after the data-parallel
+        reduction, so every replica of a stage sees the same norm."""
+        grads = [p.grad for p in self.module.owned_parameters() if p.grad is not None]
+        local = torch.stack([g.float().pow(2).sum() for g in grads]) if grads else torch.zeros(0)
+        per_stage = [None] * self.num_stages
+        dist.all_gather_object(per_stage, local.cpu(), group=self.grid.get_pipe_parallel_group())
+        self.grad_norm = torch.cat(per_stage).sum().sqrt().to(self.device)
+        if self.max_grad_norm > 0:
+            scale = torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(scale.to(g.dtype))
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        schedule.ReduceTiedGrads: _reduce_tied_and_shadow_grads,
+        schedule.OptimizerStep: _guarded_optimizer_step,
+    }
+
+
+def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None) -> CSA2PipelineEngine:
+    """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class, only the owned parameters
+    handed to the optimizer, and ``gradient_clipping`` done by the engine across stages."""
+    config = dict(config)
+    max_grad_norm = config.get("gradient_clipping", 0.0)
+    config["gradient_clipping"] = 0.0  # DeepSpeed's own clipping is off (its default is not 0)
+    config_class = DeepSpeedConfig(config, module.mpu())
+    return CSA2PipelineEngine(args=None, model=module, optimizer=None, model_parameters=module.owned_parameters(),
+                              training_data=None, lr_scheduler=lr_scheduler, mpu=module.mpu(),
+                              dist_init_required=False, collate_fn=None, config=config, config_class=config_class,
+                              max_grad_norm=max_grad_norm)

@@ -1,0 +1,92 @@
+"""Which layers run on which pipeline stage: explicit cuts, or a balanced split of a per-layer cost model.
+
+The cost of a layer is its forward FLOPs at the configured sequence length, counted per mode (projections,
+window + sparse attention, compressor and index keys for Full layers, index scoring for Full/Reindex layers,
+dense FFN); the LM head is charged to the last layer. Stages are contiguous and minimise the largest stage cost.
+"""
+from dataclasses import dataclass
+
+from model.config import ModelArgs
+from model.layout import Layout, Mode
+
+
+class PartitionError(ValueError):
+    """A stage split that cannot run; the message says which rule it breaks."""
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stages: tuple[range, ...]
+
+    def stage_of(self, layer: int) -> int:
+        return next(s for s, layers in enumerate(self.stages) if layer in layers)
+
+    @property
+    def cuts(self) -> list[int]:
+        return [layers.start for layers in self.stages[1:]]
+
+
+def layer_costs(args: ModelArgs, layout: Layout, seq_len: int) -> list[float]:
+    """Forward FLOPs of every layer at ``seq_len`` tokens (one sequence)."""
+    T, D, H, hd = seq_len, args.dim, args.n_heads, args.head_dim
+    Hi, Di = args.index_n_heads, args.index_head_dim
+    projections = 2 * T * (D * args.q_lora_rank + args.q_lora_rank * H * hd + D * hd
+                           + H * hd * args.o_lora_rank + args.o_groups * args.o_lora_rank * D)
+    ffn = 6 * T * D * args.inter_dim
+    costs = []
+    for p in layout.plan:
+        entries = T // p.ratio if p.ratio else 0
+        read = min(args.index_topk, entries)
+        cost = projections + ffn + 4 * T * H * hd * (min(args.window_size, T) + read)
+        if p.mode is Mode.FULL:
+            cost += 2 * T * D * hd * (2 if p.ratio > 1 else 1) + 2 * entries * hd * Di
+        if p.selects:
+            scored = entries / 2  # causal: a query sees half the entries on average
+            if p.candidate_source is not None:
+                scored = min(scored, layout.candidate_topk_blocks * layout.candidate_block_size)
+            cost += 2 * T * (args.q_lora_rank * Hi * Di + D * Hi) + 2 * T * Hi * Di * (scored + read)
+        costs.append(float(cost))
+    costs[-1] += 2 * T * D * args.vocab_size
+    return costs
+
+
+def balanced_cuts(costs: list[float], n_stages: int) -> list[int]:
+    """Contiguous split of ``costs`` into ``n_stages`` non-empty parts minimising the largest part (exact DP)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[float("inf")] * (n + 1) for _ in range(n_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for end in range(s, n + 1):
+            for start in range(s - 1, end):
+                worst = max(best[s - 1][start], prefix[end] - prefix[start])
+                if worst < best[s][end]:
+                    best[s][end], choice[s][end] = worst, start
+    cuts, end = [], n
+    for s in range(n_stages, 1, -1):
+        end = choice[s][end]
+        cuts.append(end)
+    return sorted(cuts)
+
+
+def partition(args: ModelArgs, layout: Layout, seq_len: int, n_stages: int, cuts=None) -> StagePlan:
+    n = layout.n_layers
+    if n_stages < 1:
+        raise PartitionError(f"parallel.pipeline_stages={n_stages}: need at least one stage")
+    if n_stages > n:
+        raise PartitionError(f"parallel.pipeline_stages={n_stages} is more stages than the model's {n} layers")
+    if cuts is None:
+        cuts = balanced_cuts(layer_costs(args, layout, seq_len), n_stages)
+    cuts = [int(c) for c in cuts]
+    if len(cuts) != n_stages - 1:
+        raise PartitionError(f"parallel.cuts={cuts} gives {len(cuts) + 1} stages, "
+                             f"but parallel.pipeline_stages={n_stages}")
+    bounds = [0, *cuts, n]
+    for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if not 0 <= lo < hi <= n:
+            raise PartitionError(f"parallel.cuts={cuts} leaves stage {s} empty or outside layers 0..{n - 1}: "
+                                 "cuts must be strictly increasing layer ids in 1..n_layers-1")
+    return StagePlan(tuple(range(lo, hi) for lo, hi in zip(bounds, bounds[1:])))

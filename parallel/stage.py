@@ -1,0 +1,85 @@
+"""One pipeline stage: a slice of the CSA2 stack between two extended payloads, plus its shadow indexers.
+
+DeepSpeed's ``PipelineModule`` holds exactly one of these per stage (built from a ``LayerSpec`` only on the
+ranks of that stage). The first stage takes ``(input_ids, doc_ids)``; the last returns ``(logits,
+indexer_losses)`` for the loss; the others exchange ``Payload`` tensors. The shared state of a microbatch exists
+only inside one ``forward`` call (and in what autograd saved for its backward), never on the module.
+"""
+import torch
+from torch import nn
+
+from model.attention import IndexKeys
+from model.config import ModelArgs
+from model.layout import Layout, Mode
+from model.rope import Rotary
+from model.transformer import Transformer, init_parameters
+from parallel.ledger import Ledger
+from parallel.partition import StagePlan
+from parallel.payload import Payload, boundary_fields
+
+SHADOW_PREFIX = "shadows."
+
+
+def shadow_sources(layout: Layout, layers: range) -> list[int]:
+    """Full layers outside ``layers`` whose index keys a Reindex layer inside ``layers`` reads."""
+    return sorted({p.kv_source for p in layout.plan if p.layer_id in layers and p.mode is Mode.REINDEX
+                   and p.kv_source not in layers})
+
+
+def owner_name(source: int, shadow_param: str) -> str:
+    """The owner's name of a shadow parameter (``wk.weight`` -> ``layers.<source>.attn.indexer.wk.weight``)."""
+    return f"layers.{source}.attn.indexer.{shadow_param}"
+
+
+class PipelineStage(nn.Module):
+    def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, stage_id: int, micro_batch: int,
+                 seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
+                 recompute: bool = False):
+        super().__init__()
+        if index_k not in ("shadow", "payload"):
+            raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
+        layers = plan.stages[stage_id]
+        self.stage_id, self.layout = stage_id, layout
+        self.model = Transformer(args, layout, layers, seed)
+        for block in self.model.layers.values():
+            block.recompute = recompute
+        sources = shadow_sources(layout, layers) if index_k == "shadow" else []
+        self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in sources})
+        for s, shadow in self.shadows.items():
+            init_parameters(shadow.named_parameters(), args, layout.n_layers, seed, lambda n, s=s: owner_name(s, n))
+            for p in shadow.parameters():
+                p.ds_pipe_replicated = True  # DeepSpeed leaves replicas out of the gradient norm
+        self.shadow_rotary = Rotary.for_layer(args, compressed=True)
+
+        def payload(last_layer):
+            return Payload(boundary_fields(args, layout, last_layer, micro_batch, seq_len, dtype, index_k))
+
+        self.incoming = payload(layers.start - 1) if layers.start > 0 else None
+        self.outgoing = payload(layers.stop - 1) if layers.stop < layout.n_layers else None
+        self.ledger = Ledger(stage_id)
+
+    def forward(self, inputs):
+        if self.incoming is None:
+            input_ids, doc_ids = inputs
+            state = self.model.new_state(doc_ids)
+            h = self.model.embed_tokens(input_ids)
+        else:
+            h, state = self.incoming.unpack(*inputs, self.model.new_state)
+            self._recompute_index_keys(state)
+        self.ledger.watch(state)
+        h = self.model.run_layers(h, state)
+        if self.outgoing is not None:
+            return self.outgoing.pack(h, state)
+        losses = [state.indexer_losses[s] for s in sorted(state.indexer_losses)]
+        return self.model.logits(h), torch.stack(losses) if losses else h.new_zeros(0, dtype=torch.float32)
+
+    def _recompute_index_keys(self, state) -> None:
+        """Shadow indexers: this stage's Reindex layers need index keys of Full layers on earlier stages."""
+        for source, shadow in self.shadows.items():
+            source = int(source)
+            entries = state.geometry.entries(self.layout.compress_ratios[source])
+            state.index_k[source] = shadow(state.kv[source], self.shadow_rotary, entries)
+
+    def owned_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters this stage owns, under the full model's names (what it writes to checkpoints)."""
+        return self.model.state_dict()
