@@ -1,0 +1,450 @@
+"""Training data: documents -> tokens -> best-fit packed rows of `seq_len` tokens -> micro-batches.
+
+A batch is a dict of int64 tensors (DESIGN.md, "Data API"): `input_ids [B,T]`, `labels [B,T]`, `doc_ids [B,T]`.
+
+Shift convention. A document of n tokens becomes `[BOS] t1 .. tn [EOS]`, i.e. n+1 *positions*, each an
+(input, label) pair: (BOS, t1), (t1, t2), .., (tn, EOS). Positions are cut into chunks of at most `seq_len`; a
+chunk is one document for the model (its doc-relative positions restart at 0). A chunk of L positions thus
+holds L+1 tokens of its document, so every label is the next token of the *same* document, also at the last
+position of a chunk (whose label is the first input of the following chunk). No prediction is lost at chunk
+cuts, no label crosses a document, and labels are -100 (`IGNORE_INDEX`) only on padding. Padding sits at the
+end of a row, reads `pad_id`, and has a doc id of its own (one more than the row's last chunk); doc ids
+restart at 0 in every row.
+
+Packing. Documents are read into a buffer until it holds `pack_buffer` rows' worth of positions; its chunks,
+plus the chunks held back by the previous buffer, are packed best-fit decreasing into rows. The `pack_carry`
+least-full rows are held back for the next buffer (except at the end of an epoch); the others are emitted in
+a seeded random order (so one batch does not hold the consecutive chunks of a long document).
+
+Determinism and resume. Epoch e reads documents in an order fixed by (shuffle_seed, e) (a permutation for
+map-style datasets, a seeded buffer shuffle for streaming ones), and a buffer's row order is fixed by
+(shuffle_seed, e, index of its first document). Hence "epoch, first document of the current buffer, the
+chunks held back into it, rows of it already emitted" fixes all later batches: that is the whole
+`state_dict()`. Resuming re-reads the buffer from its first document (streaming sources re-read the epoch up
+to it) and skips the emitted rows.
+
+Data parallelism. There is one global stream of micro-batches; rank r of W yields global batches r, W+r,
+2W+r, ... Every rank reads and tokenizes the whole stream (W times the tokenizing work of sharding by
+document) and in exchange the state is the same on every rank (checkpoint rank 0's), the ranks' batches are
+disjoint by construction, and a run may resume on another number of ranks. The padding counters count the
+global stream too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import itertools
+import os
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from train.tokenizer import Tokenizer, load_tokenizer
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The `data` config group (conf/data/*.yaml); unknown keys are rejected to catch typos."""
+
+    source: str = "stdlib"  # "stdlib": Python sources under `path`; "hf": a `datasets` source
+    path: str | None = None  # stdlib: root of *.py files (None: this interpreter's stdlib); hf: files or a name
+    name: str | None = None  # hf: dataset config name
+    split: str = "train"  # hf: split to read
+    text_field: str = "text"  # hf: column holding the document text
+    sample_by: str = "document"  # hf .txt files: one document per "document" (file), "paragraph" or "line"
+    streaming: bool = False  # read through an IterableDataset
+    shuffle_buffer: int = 10_000  # streaming: documents in the shuffle buffer
+    tokenizer: str | None = None  # None: byte-level; else a `tokenizers` JSON file
+    bos_token: str | None = None  # special token names in that file (None: guessed from common names)
+    eos_token: str | None = None
+    pad_token: str | None = None
+    seq_len: int = 2048
+    micro_batch_size: int = 4
+    shuffle_seed: int = 0
+    heldout_fraction: float = 0.05  # documents whose key hashes below this are held out
+    pack_buffer: int = 256  # rows' worth of tokens packed together; larger: less padding, more memory
+    pack_carry: int = 64  # least-full rows of a buffer held back and refilled by the next buffer
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+class MapDocuments:
+    """Texts of a map-style dataset, read in a fresh seeded permutation every epoch."""
+
+    _FETCH = 256  # rows fetched from Arrow per call: per-row access is slow
+
+    def __init__(self, dataset: datasets.Dataset, text_field: str = "text", seed: int = 0,
+                 description: str = "in-memory dataset"):
+        _check_field(dataset.column_names, text_field, description)
+        if len(dataset) == 0:
+            raise ValueError(f"dataset is empty: {description}")
+        self._dataset = dataset.select_columns([text_field])
+        self.text_field, self.seed, self.description = text_field, seed, description
+
+    def texts(self, epoch: int, start: int) -> Iterator[str]:
+        """Texts of `epoch` from its `start`-th document on."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(len(self._dataset))
+        for lo in range(start, len(order), self._FETCH):
+            yield from self._dataset[order[lo:lo + self._FETCH].tolist()][self.text_field]
+
+
+class StreamingDocuments:
+    """Texts of an IterableDataset, buffer-shuffled with a per-epoch seed; `start` is reached by re-reading."""
+
+    def __init__(self, dataset: datasets.IterableDataset, text_field: str = "text", seed: int = 0,
+                 shuffle_buffer: int = 10_000, description: str = "streaming dataset"):
+        if dataset.column_names is not None:
+            _check_field(dataset.column_names, text_field, description)
+        self._dataset = dataset
+        self.text_field, self.seed, self.shuffle_buffer = text_field, seed, shuffle_buffer
+        self.description = description
+
+    def texts(self, epoch: int, start: int) -> Iterator[str]:
+        """Texts of `epoch` from its `start`-th document on."""
+        generator = np.random.default_rng([self.seed, epoch])
+        shuffled = self._dataset.shuffle(generator=generator, buffer_size=self.shuffle_buffer)
+        for example in itertools.islice(shuffled, start, None):
+            if self.text_field not in example:
+                _check_field(list(example), self.text_field, self.description)
+            yield example[self.text_field]
+
+
+def _check_field(columns: list[str], text_field: str, description: str) -> None:
+    if text_field not in columns:
+        raise ValueError(f"text field {text_field!r} is not a column of {description} (columns: {columns})")
+
+
+_SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_STRING_FEATURES = datasets.Features({"path": datasets.Value("string"), "text": datasets.Value("string")})
+
+
+def python_source_dataset(root: str | None = None) -> datasets.Dataset:
+    """Every `*.py` file under `root` (default: this interpreter's standard library) as one document.
+
+    It is the default corpus because it is real text present on every machine, needing no download. Columns:
+    `path` (relative to root, posix: a key stable across machines) and `text`. Files are read as bytes and
+    decoded with replacement so that a stray non-UTF-8 byte cannot stop training. Test and third-party
+    package directories are skipped.
+    """
+    base = Path(root).expanduser() if root is not None else Path(sysconfig.get_paths()["stdlib"])
+    if not base.is_dir():
+        raise FileNotFoundError(f"data.path {str(base)!r} does not exist or is not a directory")
+    files = sorted(_python_files(base), key=lambda f: f.relative_to(base).as_posix())
+    return datasets.Dataset.from_dict(
+        {"path": [f.relative_to(base).as_posix() for f in files],
+         "text": [f.read_bytes().decode("utf-8", errors="replace") for f in files]},
+        features=_STRING_FEATURES)
+
+
+def _python_files(base: Path) -> Iterator[Path]:
+    for directory, subdirs, names in os.walk(base):
+        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS]
+        yield from (Path(directory, n) for n in names if n.endswith(".py"))
+
+
+_FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+                  ".parquet": "parquet", ".csv": "csv"}
+
+
+def hf_dataset(path: str, name: str | None = None, split: str = "train", streaming: bool = False,
+               sample_by: str = "document") -> datasets.Dataset | datasets.IterableDataset:
+    """A `datasets` source: local data files (a file or a directory of them), else `load_dataset(path, name)`.
+
+    A directory is read recursively; all its data files must have one format. Text files are decoded with
+    replacement of invalid bytes and give one document per file by default (`sample_by`).
+    """
+    local = _local_data_files(path)
+    if local is None:
+        return datasets.load_dataset(path, name, split=split, streaming=streaming)
+    builder, files = local
+    options = {"sample_by": sample_by, "encoding_errors": "replace", "keep_linebreaks": True} \
+        if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=streaming,
+                                 **options)
+
+
+def _local_data_files(path: str) -> tuple[str, list[str]] | None:
+    """(builder, files) for a local path; None for a dataset name; errors for missing or empty paths."""
+    location = Path(path).expanduser()
+    if location.is_dir():
+        files = sorted(str(f) for f in location.rglob("*") if f.is_file() and f.suffix in _FILE_BUILDERS)
+    elif location.is_file():
+        files = [str(location)]
+    elif os.path.isabs(path) or path.startswith((".", "~")) or location.suffix in _FILE_BUILDERS:
+        raise FileNotFoundError(f"data.path {path!r} does not exist")
+    else:
+        return None
+    if not files:
+        raise ValueError(f"dataset is empty: {path!r} holds no data files ({', '.join(_FILE_BUILDERS)})")
+    formats = {_FILE_BUILDERS.get(Path(f).suffix) for f in files}
+    if len(formats) != 1 or None in formats:
+        raise ValueError(f"data.path {path!r}: need data files of one known format {_FILE_BUILDERS}, "
+                         f"got {sorted(Path(f).suffix for f in files)}")
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ValueError(f"dataset is empty: every data file of {path!r} is empty")
+    return formats.pop(), files
+
+
+def is_heldout(key: str, fraction: float) -> bool:
+    """Stable (machine- and run-independent) hash split: a key is held out iff its hash falls below `fraction`."""
+    digest = hashlib.blake2b(key.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+def _split(dataset, key_field: str, fraction: float, heldout: bool):
+    """The held-out part (`heldout`) or the rest; keys are file paths (stdlib) or texts (hf: duplicates of a
+    document land on the same side)."""
+    return dataset.filter(lambda batch: [is_heldout(k or "", fraction) == heldout for k in batch[key_field]],
+                          batched=True)
+
+
+def build_documents(config: DataConfig, heldout: bool = False) -> MapDocuments | StreamingDocuments:
+    """The document source of `config`, train part or held-out part."""
+    part = f"{'held-out' if heldout else 'train'} part, heldout_fraction={config.heldout_fraction}"
+    if config.source == "stdlib":
+        root = config.path or sysconfig.get_paths()["stdlib"]
+        description = f"Python sources under {root!r} ({part})"
+        dataset = _split(python_source_dataset(root), "path", config.heldout_fraction, heldout)
+        if config.streaming and len(dataset) > 0:
+            dataset = dataset.to_iterable_dataset()
+        text_field = "text"
+    elif config.source == "hf":
+        if config.path is None:
+            raise ValueError("data.source=hf needs data.path (data files, a directory or a dataset name)")
+        description = f"dataset {config.path!r} (name={config.name}, split={config.split}, {part})"
+        dataset = hf_dataset(config.path, config.name, config.split, config.streaming, config.sample_by)
+        text_field = config.text_field
+        if dataset.column_names is not None:
+            _check_field(dataset.column_names, text_field, description)
+        dataset = _split(dataset, text_field, config.heldout_fraction, heldout)
+    else:
+        raise ValueError(f"unknown data.source {config.source!r}; expected 'stdlib' or 'hf'")
+    if isinstance(dataset, datasets.IterableDataset):
+        return StreamingDocuments(dataset, text_field, config.shuffle_seed, config.shuffle_buffer, description)
+    return MapDocuments(dataset, text_field, config.shuffle_seed, description)
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+def best_fit_pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing bin packing: indices of `lengths` per bin, no bin summing above `capacity`.
+
+    Items go longest first (ties in input order) into the open bin with the least room that fits them, so
+    bins are nearly full and the result is deterministic.
+    """
+    bins: list[list[int]] = []
+    open_bins: list[tuple[int, int]] = []  # (free room, bin index), sorted
+    for item in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        size = lengths[item]
+        if not 0 < size <= capacity:
+            raise ValueError(f"item length {size} is not in 1..{capacity}")
+        slot = bisect.bisect_left(open_bins, (size, -1))
+        if slot == len(open_bins):
+            room, index = capacity, len(bins)
+            bins.append([])
+        else:
+            room, index = open_bins.pop(slot)
+        bins[index].append(item)
+        if room > size:
+            bisect.insort(open_bins, (room - size, index))
+    return bins
+
+
+def chunk_spans(num_positions: int, seq_len: int) -> list[tuple[int, int]]:
+    """(start, length) of the chunks of a document with `num_positions` positions, each at most `seq_len`."""
+    return [(start, min(seq_len, num_positions - start)) for start in range(0, num_positions, seq_len)]
+
+
+class PackedLoader:
+    """Endless iterator over packed micro-batches of one data-parallel rank, with exact resume.
+
+    `documents` is a `MapDocuments` / `StreamingDocuments` (anything with `texts(epoch, start)` and
+    `description`). `vocab_size` (default: the tokenizer's) bounds the token ids; a larger id (a tokenizer
+    that does not match the model) is a ValueError. `tokens_total` / `tokens_padding` count the global
+    stream; `padding_fraction` is their ratio.
+
+    The `pack_carry` least-full rows of a buffer are not emitted: their chunks join the next buffer, where
+    new chunks can fill them up. On the stdlib corpus (12M tokens) this takes the padding of plain best-fit
+    packing from 2.7e-3 to 2.7e-5 of the tokens at seq_len 512 (5.6e-3 to 1.0e-4 at 4096; SPEC 4 asks for
+    <= 1e-4), for `pack_carry` rows of tokens in the state. The last buffer of an epoch holds nothing back, so
+    an epoch emits each of its tokens exactly once; its few part-filled rows are what a small corpus shows
+    (whole stdlib epoch: 3.4e-4 at 512, 1.4e-3 at 4096).
+    """
+
+    def __init__(self, documents, tokenizer: Tokenizer, *, seq_len: int, micro_batch_size: int,
+                 shuffle_seed: int = 0, pack_buffer: int = 256, pack_carry: int = 64, rank: int = 0,
+                 world_size: int = 1, vocab_size: int | None = None):
+        if (min(seq_len, micro_batch_size, world_size) < 1 or not 0 <= pack_carry < pack_buffer
+                or not 0 <= rank < world_size):
+            raise ValueError(f"bad loader geometry: seq_len={seq_len} micro_batch_size={micro_batch_size} "
+                             f"pack_buffer={pack_buffer} pack_carry={pack_carry} rank={rank} "
+                             f"world_size={world_size} (need 0 <= pack_carry < pack_buffer)")
+        if shuffle_seed < 0:
+            raise ValueError(f"shuffle_seed must be >= 0, got {shuffle_seed}")
+        self.documents, self.tokenizer = documents, tokenizer
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.pack_buffer, self.pack_carry = pack_buffer, pack_carry
+        self.shuffle_seed, self.rank, self.world_size = shuffle_seed, rank, world_size
+        self.vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
+        self._check_ids(np.array([tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id]), "the special tokens")
+        self.tokens_total = self.tokens_padding = 0
+        # Position in the global stream (all of the state): the current buffer starts at document
+        # `_buf_start` of `_epoch` plus the chunks `_carry_in` left by the buffer before; `_rows_done` of
+        # its rows are out.
+        self._epoch = self._buf_start = self._rows_done = 0
+        self._carry_in: list[np.ndarray] = []
+        self._rows: list[list[tuple[int, int, int]]] | None = None  # None: rebuild from the position
+        # Derived from the current buffer, to go on without re-reading.
+        self._docs: list[np.ndarray] = []
+        self._carry_out: list[np.ndarray] = []
+        self._texts: Iterator[str] | None = None
+        self._next_doc = 0
+        self._epoch_done = False
+
+    @property
+    def padding_fraction(self) -> float:
+        return self.tokens_padding / self.tokens_total if self.tokens_total else 0.0
+
+    def __iter__(self) -> PackedLoader:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        mine = []
+        for step in range(self.world_size * self.micro_batch_size):
+            row = self._take_row()
+            if step // self.micro_batch_size == self.rank:
+                mine.append(self._build_row(row))
+        return {key: torch.from_numpy(np.stack(column)) for key, column in
+                zip(("input_ids", "labels", "doc_ids"), zip(*mine))}
+
+    def state_dict(self) -> dict:
+        """Position in the global stream (same on every rank) and the settings that fix the stream.
+
+        Only ints and int64 tensors, so `torch.load(weights_only=True)` reads it back.
+        """
+        return {"epoch": self._epoch, "buf_start": self._buf_start, "rows_done": self._rows_done,
+                "carry": [torch.tensor(chunk) for chunk in self._carry_in],
+                "tokens_total": self.tokens_total, "tokens_padding": self.tokens_padding,
+                "stream": self._stream_settings()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly after the batch at which `state` was taken (any rank count / micro-batch size)."""
+        if state["stream"] != self._stream_settings():
+            raise ValueError(f"data state was saved for stream {state['stream']}, "
+                             f"this loader makes {self._stream_settings()}")
+        self._epoch, self._buf_start, self._rows_done = state["epoch"], state["buf_start"], state["rows_done"]
+        self._carry_in = [chunk.cpu().numpy().astype(np.int64) for chunk in state["carry"]]
+        self.tokens_total, self.tokens_padding = state["tokens_total"], state["tokens_padding"]
+        self._rows = None
+
+    def _stream_settings(self) -> dict:
+        return {"seq_len": self.seq_len, "shuffle_seed": self.shuffle_seed, "pack_buffer": self.pack_buffer,
+                "pack_carry": self.pack_carry, "vocab_size": self.vocab_size}
+
+    def _take_row(self) -> list[tuple[int, int, int]]:
+        """Next row of the global stream as (document, start, length) chunks; updates the counters."""
+        if self._rows is None:
+            texts = self.documents.texts(self._epoch, self._buf_start)
+            self._fill(self._epoch, self._buf_start, texts, self._carry_in)
+        while self._rows_done == len(self._rows):
+            self._next_buffer()
+        row = self._rows[self._rows_done]
+        self._rows_done += 1
+        self.tokens_total += self.seq_len
+        self.tokens_padding += self.seq_len - sum(length for _, _, length in row)
+        return row
+
+    def _next_buffer(self) -> None:
+        if self._epoch_done:
+            self._fill(self._epoch + 1, 0, self.documents.texts(self._epoch + 1, 0), [])
+        else:
+            self._fill(self._epoch, self._next_doc, self._texts, self._carry_out)
+        self._rows_done = 0
+
+    def _fill(self, epoch: int, start: int, texts: Iterator[str], carry_in: list[np.ndarray]) -> None:
+        """Read and pack the buffer at document `start` of `epoch` (where `texts` stands) plus `carry_in`."""
+        docs, consumed, epoch_done = self._read(texts)
+        if start == 0 and not docs:
+            raise ValueError(f"dataset is empty (no non-empty document): {self.documents.description}")
+        self._docs = carry_in + docs
+        chunks = [(doc, span_start, length) for doc, tokens in enumerate(self._docs)
+                  for span_start, length in chunk_spans(len(tokens) - 1, self.seq_len)]
+        bins = [[chunks[i] for i in b] for b in best_fit_pack([c[2] for c in chunks], self.seq_len)]
+        fills = [sum(length for _, _, length in b) for b in bins]
+        partial = sorted((fill, b) for b, fill in enumerate(fills) if fill < self.seq_len)
+        held = [] if epoch_done else [b for _, b in partial[:self.pack_carry]]
+        emitted = sorted(set(range(len(bins))) - set(held))
+        order = np.random.default_rng([self.shuffle_seed, epoch, start]).permutation(len(emitted))
+        self._rows = [bins[emitted[k]] for k in order]
+        self._carry_out = [self._docs[doc][s:s + length + 1].copy() for b in held for doc, s, length in bins[b]]
+        self._epoch, self._buf_start, self._carry_in = epoch, start, carry_in
+        self._texts, self._next_doc, self._epoch_done = texts, start + consumed, epoch_done
+
+    def _read(self, texts: Iterator[str]) -> tuple[list[np.ndarray], int, bool]:
+        """Tokenized documents up to the buffer budget, the number of texts consumed, and whether the epoch
+        ran out."""
+        budget, positions, consumed, docs = self.pack_buffer * self.seq_len, 0, 0, []
+        for text in texts:
+            consumed += 1
+            if text:
+                docs.append(self._tokenize(text))
+                positions += len(docs[-1]) - 1
+                if positions >= budget:
+                    return docs, consumed, False
+        return docs, consumed, True
+
+    def _tokenize(self, text: str) -> np.ndarray:
+        tokens = np.concatenate(([self.tokenizer.bos_id], self.tokenizer.encode_array(text),
+                                 [self.tokenizer.eos_id])).astype(np.int64)
+        self._check_ids(tokens, f"a document of {self.documents.description}")
+        return tokens
+
+    def _check_ids(self, tokens: np.ndarray, where: str) -> None:
+        bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} in {where} is outside the vocabulary (vocab_size "
+                             f"{self.vocab_size}): the tokenizer does not match the model")
+
+    def _build_row(self, row: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        input_ids = np.full(self.seq_len, self.tokenizer.pad_id, dtype=np.int64)
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        doc_ids = np.full(self.seq_len, len(row), dtype=np.int64)  # padding: one id past the last chunk
+        position = 0
+        for chunk_id, (doc, start, length) in enumerate(row):
+            tokens = self._docs[doc]
+            end = position + length
+            input_ids[position:end] = tokens[start:start + length]
+            labels[position:end] = tokens[start + 1:start + length + 1]
+            doc_ids[position:end] = chunk_id
+            position = end
+        return input_ids, labels, doc_ids
+
+
+def build_loader(cfg, *, rank: int = 0, world_size: int = 1, heldout: bool = False,
+                 vocab_size: int | None = None) -> PackedLoader:
+    """The loader of `cfg` (the `data` config group: a DictConfig, a mapping or a DataConfig).
+
+    `heldout=True` gives the held-out documents (for evaluation: build a fresh loader per evaluation to see
+    the same batches each time). `vocab_size` is the model's, if it should bound the token ids.
+    """
+    config = cfg if isinstance(cfg, DataConfig) else DataConfig(**_plain(cfg))
+    tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token, config.pad_token)
+    return PackedLoader(build_documents(config, heldout), tokenizer, seq_len=config.seq_len,
+                        micro_batch_size=config.micro_batch_size, shuffle_seed=config.shuffle_seed,
+                        pack_buffer=config.pack_buffer, pack_carry=config.pack_carry, rank=rank,
+                        world_size=world_size, vocab_size=vocab_size)
+
+
+def _plain(cfg) -> dict:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    return dict(cfg)
