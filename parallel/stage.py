@@ -57,6 +57,7 @@ class PipelineStage(nn.Module):
         self.incoming = payload(layers.start - 1) if layers.start > 0 else None
         self.outgoing = payload(layers.stop - 1) if layers.stop < layout.n_layers else None
         self.ledger = Ledger(stage_id)
+        self.backward_traversals = 0  # backward passes that reached this stage's input (one per microbatch)
 
     def forward(self, inputs):
         if self.incoming is None:
@@ -67,11 +68,16 @@ class PipelineStage(nn.Module):
             h, state = self.incoming.unpack(*inputs, self.model.new_state)
             self._recompute_index_keys(state)
         self.ledger.watch(state)
+        if h.requires_grad:
+            h.register_hook(self._count_traversal)
         h = self.model.run_layers(h, state)
         if self.outgoing is not None:
             return self.outgoing.pack(h, state)
         losses = [state.indexer_losses[s] for s in sorted(state.indexer_losses)]
         return self.model.logits(h), torch.stack(losses) if losses else h.new_zeros(0, dtype=torch.float32)
+
+    def _count_traversal(self, grad: torch.Tensor) -> None:
+        self.backward_traversals += 1
 
     def _recompute_index_keys(self, state) -> None:
         """Shadow indexers: this stage's Reindex layers need index keys of Full layers on earlier stages."""
