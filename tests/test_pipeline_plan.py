@@ -1,0 +1,111 @@
+"""Stage split, payload schema and plan printout (single process)."""
+import pytest
+import torch
+
+from model import ModelArgs, layout_from_config
+from model.cli import compose
+from parallel.partition import PartitionError, partition
+from parallel.payload import Payload, boundary_fields
+from parallel.plan import PipelineConfigError, check_pipeline, describe
+from parallel.stage import shadow_sources
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = compose([])
+    return ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+
+
+@pytest.fixture(scope="module")
+def v41():
+    cfg = compose(["model=v41_flash", "layout=v41"])
+    return ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+
+
+def fields(args, layout, last_layer, index_k="shadow"):
+    return {(f.name, f.source) for f in boundary_fields(args, layout, last_layer, 2, 64, torch.float32, index_k)}
+
+
+def test_payload_carries_exactly_the_live_fields(tiny):
+    args, layout = tiny
+    # Full 2 | Reuse 3: the Reuse layer needs layer 2's KV and selection, and the KL needs its logits/target.
+    assert fields(args, layout, 2) == {("h", None), ("doc_ids", None), ("kv", 2), ("topk", 2),
+                                       ("index_logits", 2), ("index_target", 2)}
+    # 6,7 | 8: layer 6's selection is finished (its KL travels), its KV and candidates are still needed.
+    assert fields(args, layout, 7) == {("h", None), ("doc_ids", None), ("kv", 6), ("candidates", 6),
+                                       ("indexer_loss", 2), ("indexer_loss", 4), ("indexer_loss", 6)}
+    assert ("index_k", 6) in fields(args, layout, 7, "payload")
+    # Reindex 8 | Reuse 9
+    assert {("topk", 8), ("index_logits", 8), ("index_target", 8), ("kv", 6)} <= fields(args, layout, 8)
+    assert ("candidates", 6) not in fields(args, layout, 8)
+
+
+def test_shadow_indexers_where_index_keys_are_needed(tiny, v41):
+    assert shadow_sources(tiny[1], range(8, 10)) == [6]
+    assert shadow_sources(tiny[1], range(3, 8)) == []
+    assert shadow_sources(v41[1], range(21, 31)) == [20]
+
+
+def test_payload_round_trip_is_exact(tiny):
+    args, layout = tiny
+    payload = Payload(boundary_fields(args, layout, 7, 2, 64, torch.float32, "payload"))
+    from model.transformer import Transformer
+
+    model = Transformer(args, layout, range(0, 8))
+    doc_ids = torch.zeros(2, 64, dtype=torch.long)
+    doc_ids[:, 30:] = 1
+    state = model.new_state(doc_ids)
+    h = model.run_layers(model.embed_tokens(torch.randint(0, args.vocab_size, (2, 64))), state)
+    floats, raw = payload.pack(h, state)
+    assert floats.dtype == torch.float32 and raw.dtype == torch.uint8
+    h2, state2 = Payload(payload.fields).unpack(floats, raw, model.new_state)
+    assert torch.equal(h2, h) and torch.equal(state2.geometry.doc_ids, doc_ids)
+    for (name, source) in {(f.name, f.source) for f in payload.fields} - {("h", None), ("doc_ids", None)}:
+        got = state2.indexer_losses[source] if name == "indexer_loss" else getattr(state2, name)[source]
+        want = state.indexer_losses[source] if name == "indexer_loss" else getattr(state, name)[source]
+        assert got.dtype == want.dtype and torch.equal(got, want), (name, source)
+
+
+def test_payload_schema_mismatch_is_caught(tiny):
+    args, layout = tiny
+    sender = Payload(boundary_fields(args, layout, 7, 2, 64, torch.float32, "payload"))
+    receiver = Payload(boundary_fields(args, layout, 7, 2, 64, torch.float32, "shadow"))
+    floats = torch.zeros(sum(f.numel for f in sender.float_fields))
+    raw = torch.zeros(8 + sum(f.padded_bytes for f in sender.byte_fields), dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="pipeline payload mismatch"):
+        receiver.unpack(floats, raw, None)
+
+
+def test_partition_rules(tiny, v41):
+    args, layout = tiny
+    assert partition(args, layout, 256, 4, [3, 8, 9]).stages == (range(0, 3), range(3, 8), range(8, 9), range(9, 10))
+    assert len(partition(*v41, 65536, 8).stages) == 8
+    with pytest.raises(PartitionError, match="more stages than the model's 10 layers"):
+        partition(args, layout, 256, 11)
+    with pytest.raises(PartitionError, match="stage 1 empty"):
+        partition(args, layout, 256, 3, [4, 4])
+    with pytest.raises(PartitionError, match="gives 3 stages"):
+        partition(args, layout, 256, 2, [3, 5])
+    with pytest.raises(PipelineConfigError, match="does not divide the 6 launched processes"):
+        check_pipeline(4, 6, 8)
+    with pytest.raises(PipelineConfigError, match="fewer than parallel.pipeline_stages=4"):
+        check_pipeline(4, 4, 2)
+    assert check_pipeline(2, 8, 2) == 4
+
+
+def test_balanced_split_evens_the_cost(v41):
+    from parallel.partition import layer_costs
+
+    args, layout = v41
+    costs = layer_costs(args, layout, 65536)
+    stages = partition(args, layout, 65536, 4).stages
+    loads = [sum(costs[i] for i in s) for s in stages]
+    assert max(loads) / (sum(costs) / 4) < 1.1
+
+
+def test_plan_printout_names_every_boundary_field(v41):
+    args, layout = v41
+    plan = partition(args, layout, 65536, 4, [11, 21, 31])
+    text = describe(args, layout, plan, 1, 65536, torch.bfloat16, "shadow")
+    assert "boundary 1->2" in text and "candidates[20]" in text and "int16" in text
+    assert "shadow indexers for Full layer(s) [20]" in text and "index K of layer 20" in text
