@@ -13,6 +13,8 @@ NEG_INF = float("-inf")
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [B,N,D], idx [B,T,K] (any value, clamped) -> [B,T,K,D]."""
     B, T, K = idx.shape
+    if x.shape[1] == 0:  # no entries yet (sequence shorter than one group): every slot is empty
+        return x.new_zeros(B, T, K, x.shape[-1])
     flat = idx.clamp(0, x.shape[1] - 1).reshape(B, T * K, 1).expand(-1, -1, x.shape[-1])
     return x.gather(1, flat).view(B, T, K, x.shape[-1])
 
@@ -76,6 +78,10 @@ def indexer_select(q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_s
     """Top-k entries of the lightning indexer, optionally restricted to / producing candidate blocks."""
     with torch.no_grad():
         S = k.shape[1]
+        if S == 0:  # sequence shorter than one group: nothing to select
+            empty = torch.full((*q.shape[:2], topk), -1, dtype=torch.long, device=q.device)
+            return empty, (torch.full((*q.shape[:2], keep_blocks), -1, dtype=torch.long, device=q.device)
+                           if keep_blocks else None)
         scores = index_scores(q, w, k)
         allowed = _visible(vis_lo, vis_hi, S)
         block = _doc_block(vis_lo, S, block_size)

@@ -37,12 +37,12 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, entries: EntryGeometry) -> torch.Tensor:
         if self.ratio == 1:  # one entry per token, stored in token order
             return self.norm(self.wkv(x))
-        x32 = x.float()  # the gated pooling runs in fp32 (reference config)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # the gated pooling runs in (at least) fp32
         group = entries.first_token.unsqueeze(-1) + torch.arange(self.ratio, device=x.device)  # [B,S,m]
         rows = group.flatten(1).unsqueeze(-1).expand(-1, -1, x.shape[-1])
-        xg = x32.gather(1, rows).view(*group.shape, -1)  # [B,S,m,dim]
-        content = F.linear(xg, self.wkv.weight.float())
-        gate = F.linear(xg, self.wgate.weight.float())
+        xg = x.to(dtype).gather(1, rows).view(*group.shape, x.shape[-1])  # [B,S,m,dim]
+        content = F.linear(xg, self.wkv.weight.to(dtype))
+        gate = F.linear(xg, self.wgate.weight.to(dtype))
         pooled = (gate.softmax(dim=2) * content).sum(2) * entries.valid.unsqueeze(-1)
         return self.norm(pooled).to(x.dtype)
 
