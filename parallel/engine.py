@@ -197,14 +197,16 @@ class CSA2PipelineEngine(PipelineEngine):
     }
 
 
-def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None) -> CSA2PipelineEngine:
-    """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class, only the owned parameters
-    handed to the optimizer, and ``gradient_clipping`` done by the engine across stages."""
+def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
+                 model_parameters=None) -> CSA2PipelineEngine:
+    """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class, only owned parameters
+    handed to the optimizer (``model_parameters``: param groups of them; default all owned), and
+    ``gradient_clipping`` done by the engine across stages."""
     config = dict(config)
     max_grad_norm = config.get("gradient_clipping", 0.0)
     config["gradient_clipping"] = 0.0  # DeepSpeed's own clipping is off (its default is not 0)
     config_class = DeepSpeedConfig(config, module.mpu())
-    return CSA2PipelineEngine(args=None, model=module, optimizer=None, model_parameters=module.owned_parameters(),
-                              training_data=None, lr_scheduler=lr_scheduler, mpu=module.mpu(),
-                              dist_init_required=False, collate_fn=None, config=config, config_class=config_class,
-                              max_grad_norm=max_grad_norm)
+    return CSA2PipelineEngine(args=None, model=module, optimizer=None,
+                              model_parameters=model_parameters or module.owned_parameters(), training_data=None,
+                              lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=False, collate_fn=None,
+                              config=config, config_class=config_class, max_grad_norm=max_grad_norm)

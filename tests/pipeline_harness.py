@@ -5,7 +5,8 @@ replicas, the ledger's findings and the backward-traversal counter."""
 import os
 
 import torch
-import torch.multiprocessing as mp
+
+from parallel.local import spawn
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 64, 2, 4, 2
 
@@ -20,17 +21,12 @@ def batches(vocab: int):
         yield (x, doc), torch.roll(x, -1, 1)
 
 
-def _worker(rank, world, out, cuts, index_k, recompute, port):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    import deepspeed
-
+def _worker(rank, world, out, cuts, index_k, recompute):
     from model import ModelArgs, layout_from_config
     from model.cli import compose
     from parallel.engine import CSA2PipelineModule, LanguageModelLoss, build_engine
     from parallel.partition import partition
 
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     cfg = compose([])
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     plan = partition(args, layout, SEQ_LEN, world, cuts)
@@ -54,8 +50,8 @@ def _worker(rank, world, out, cuts, index_k, recompute, port):
                 "backward_traversals": stage.backward_traversals, "stage": engine.stage_id}, f"{out}/rank{rank}.pt")
 
 
-def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: bool = False, port: int = 29600):
+def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: bool = False):
     """Run the job in ``stages`` processes; returns the per-rank results."""
     os.makedirs(out, exist_ok=True)
-    mp.spawn(_worker, args=(stages, out, cuts, index_k, recompute, port), nprocs=stages)
+    spawn(_worker, stages, stages, out, cuts, index_k, recompute)
     return [torch.load(f"{out}/rank{r}.pt", weights_only=True) for r in range(stages)]

@@ -18,15 +18,13 @@ CASES = {  # name -> (stages, cuts, index_k, recompute)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return harness.run(str(tmp_path_factory.mktemp("p1")), 1, port=29610)[0]
+    return harness.run(str(tmp_path_factory.mktemp("p1")), 1)[0]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pipelined(request, tmp_path_factory):
     stages, cuts, index_k, recompute = CASES[request.param]
-    port = 29620 + 10 * list(CASES).index(request.param)
-    return CASES[request.param], harness.run(str(tmp_path_factory.mktemp("pp")), stages, cuts, index_k,
-                                             recompute, port)
+    return CASES[request.param], harness.run(str(tmp_path_factory.mktemp("pp")), stages, cuts, index_k, recompute)
 
 
 def _merged(ranks, key):
