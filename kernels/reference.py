@@ -10,6 +10,11 @@ import torch.nn.functional as F
 NEG_INF = float("-inf")
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Accumulate in fp32 at least (fp64 stays fp64, so the reference can be checked against an fp64 oracle)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [B,N,D], idx [B,T,K] (any value, clamped) -> [B,T,K,D]."""
     B, T, K = idx.shape
@@ -38,10 +43,11 @@ def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float
     if topk_idx is not None:
         keys = torch.cat([keys, _gather_rows(kv_comp, topk_idx)], dim=2)
         valid = torch.cat([valid, topk_idx >= 0], dim=2)
-    keys = keys.float()
-    scores = torch.einsum("bthd,btnd->bthn", q.float(), keys) * scale
+    dtype = _compute_dtype(q)
+    keys = keys.to(dtype)
+    scores = torch.einsum("bthd,btnd->bthn", q.to(dtype), keys) * scale
     scores = scores.masked_fill(~valid.unsqueeze(2), NEG_INF)
-    sink_logit = sink.float().view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+    sink_logit = sink.to(dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
     probs = torch.softmax(torch.cat([scores, sink_logit], dim=-1), dim=-1)[..., :-1]
     out = torch.einsum("bthn,btnd->bthd", probs, keys).to(q.dtype)
     selected_mass = probs[..., window:].sum(2).detach() if topk_idx is not None else None
@@ -50,8 +56,9 @@ def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float
 
 def index_scores(q, w, k):
     """I[b,t,s] = sum_h w[b,t,h] * relu(q[b,t,h] . k[b,s]) for every entry s."""
-    dots = torch.einsum("bthd,bsd->btsh", q.float(), k.float())
-    return (dots.relu() * w.float().unsqueeze(2)).sum(-1)
+    dtype = _compute_dtype(q)
+    dots = torch.einsum("bthd,bsd->btsh", q.to(dtype), k.to(dtype))
+    return (dots.relu() * w.to(dtype).unsqueeze(2)).sum(-1)
 
 
 def _visible(vis_lo, vis_hi, n_entries):
@@ -97,13 +104,15 @@ def indexer_select(q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_s
         block_scores.scatter_reduce_(2, block.clamp(0, n_blocks - 1), scores, "amax")
         newest = torch.div(vis_hi - 1 - vis_lo, block_size, rounding_mode="floor")
         has_entry = (vis_hi > vis_lo).unsqueeze(-1)
-        block_scores.scatter_(2, newest.clamp(min=0).unsqueeze(-1), torch.where(has_entry, float("inf"), NEG_INF))
+        forced = torch.where(has_entry, float("inf"), NEG_INF).to(block_scores.dtype)
+        block_scores.scatter_(2, newest.clamp(min=0).unsqueeze(-1), forced)
         return topk_idx, _top(block_scores, keep_blocks)
 
 
 def index_logits(q, w, k, topk_idx):
     """Differentiable indexer scores of the selected entries (the student logits), -inf on empty slots."""
-    k_sel = _gather_rows(k, topk_idx).float()
-    dots = torch.einsum("bthd,btkd->btkh", q.float(), k_sel)
-    logits = (dots.relu() * w.float().unsqueeze(2)).sum(-1)
+    dtype = _compute_dtype(q)
+    k_sel = _gather_rows(k, topk_idx).to(dtype)
+    dots = torch.einsum("bthd,btkd->btkh", q.to(dtype), k_sel)
+    logits = (dots.relu() * w.to(dtype).unsqueeze(2)).sum(-1)
     return logits.masked_fill(topk_idx < 0, NEG_INF)

@@ -88,7 +88,8 @@ class SharedState:
 def indexer_kl(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """Mean over queries with a selection of KL(target || softmax(logits)) on the selected slots (-inf = empty)."""
     valid = logits > float("-inf")
-    log_q = F.log_softmax(logits.float().masked_fill(~valid, -1e30), dim=-1)
+    log_q = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)).masked_fill(~valid, -1e30),
+                          dim=-1)
     terms = torch.where(valid & (target > 0), torch.xlogy(target, target) - target * log_q, 0.0)
     has_selection = valid.any(-1)
     return terms.sum(-1)[has_selection].sum() / has_selection.sum().clamp_min(1)

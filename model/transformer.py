@@ -52,7 +52,7 @@ class Block(nn.Module):
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B,T,V] fp32
+    logits: torch.Tensor  # [B,T,V] fp32 (fp64 in an fp64 model)
     indexer_losses: dict[int, torch.Tensor]  # index source layer -> KL of its selection (SPEC §2)
     index_recall: dict[int, torch.Tensor]  # reading layer -> recall vs its dense attention (collect_recall only)
 
@@ -95,7 +95,8 @@ class Transformer(nn.Module):
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(h)).float()
+        logits = self.head(self.norm(h))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 collect_recall: bool = False) -> ModelOutput:
