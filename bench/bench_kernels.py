@@ -1,0 +1,383 @@
+"""GPU correctness and speed of the Triton kernels (run by bench/gpu_kernels.sh on the H200).
+
+``check``: bf16 kernels against the fp32 PyTorch reference at medium shapes, on fresh random inputs, outputs
+poisoned with NaN (relative error of outputs and every gradient < 1e-2; top-k compared up to near-ties).
+``bench``: times at T = 65,536 against baselines measured in the same process (bf16 matmul rate, cuDNN dense
+causal SDPA, chunked torch.matmul + torch.topk), and peak memory at two lengths.
+Both print a table last and write JSON to ``--out``. ``--smoke`` runs the same code at tiny shapes on the CPU
+through the Triton interpreter, to test this script without a GPU.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from kernels import reference, triton_attention, triton_ops  # noqa: E402
+from kernels.triton_indexer import _full_scores  # noqa: E402
+from kernels.triton_testing import packed_geometry, random_topk  # noqa: E402
+
+DEV = "cpu" if SMOKE else "cuda"
+BF16 = torch.float32 if SMOKE else torch.bfloat16  # the interpreter computes bf16 wrongly
+RESULTS = {}
+
+
+def n(real, smoke):
+    """A size: the real one on the GPU, a tiny one under --smoke."""
+    return smoke if SMOKE else real
+
+
+def sync():
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+def section(fn):
+    """Run one section; a failure is recorded and printed, and the other sections still run."""
+    def run(*args):
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - a broken section must not hide the others' numbers
+            traceback.print_exc()
+            RESULTS[fn.__name__] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    return run
+
+
+def ms(fn) -> float:
+    """Median time of fn in milliseconds (CUDA events through triton.testing.do_bench); one wall-clock run under
+    --smoke."""
+    if SMOKE:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+def rel_err(got, want) -> float:
+    if not torch.isfinite(got).all():
+        return float("nan")
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
+
+
+def leaf(x, dtype):
+    """A fresh leaf of x rounded to bf16 first: the reference sees the kernel's inputs, so only the kernels'
+    arithmetic is compared (ReLU masks of index_logits would otherwise flip on input rounding alone)."""
+    return x.detach().to(BF16).to(dtype).requires_grad_()
+
+
+# ----------------------------------------------------------------------------------------------- check
+
+def attention_inputs(doc_lens, m, H, D, W, K, with_selected):
+    win_lo, vis_lo, vis_hi = packed_geometry(doc_lens, m, W, DEV)
+    B, T = win_lo.shape
+    data = dict(q=torch.randn(B, T, H, D, device=DEV), kv_window=torch.randn(B, T, D, device=DEV),
+                kv_comp=torch.randn(B, T // m, D, device=DEV) if with_selected else None,
+                sink=torch.randn(H, device=DEV))
+    topk = random_topk(vis_lo, vis_hi, K, empty_frac=0.05, duplicate=True) if with_selected else None
+    return data, win_lo, topk
+
+
+def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
+    data, win_lo, topk = attention_inputs(doc_lens, m, H, D, W, K, with_selected)
+    errs = {}
+    outs = {}
+    for impl, dtype in (("triton", BF16), ("reference", torch.float32)):
+        leaves = {k: leaf(v, dtype) for k, v in data.items() if v is not None}
+        fn = triton_ops.sparse_attention if impl == "triton" else reference.sparse_attention
+        out, mass = fn(leaves["q"], leaves["kv_window"], win_lo, leaves.get("kv_comp"), topk, leaves["sink"],
+                       D ** -0.5, W)
+        grad = torch.randn_like(out, dtype=torch.float32) if impl == "triton" else outs["triton"][2]
+        grads = torch.autograd.grad(out, list(leaves.values()), grad.to(out.dtype))
+        outs[impl] = (out, mass, grad, dict(zip(leaves, grads)))
+    (out, mass, _, grads), (ref_out, ref_mass, _, ref_grads) = outs["triton"], outs["reference"]
+    errs["out"] = rel_err(out, ref_out)
+    if with_selected:
+        errs["selected_mass"] = rel_err(mass, ref_mass)
+    for k in grads:
+        errs["d" + k] = rel_err(grads[k], ref_grads[k])
+    RESULTS[name] = {"rel_err": errs, "pass": all(e < 1e-2 for e in errs.values())}
+
+
+@section
+def check_attention():
+    H, D, W, K = n(64, 4), n(512, 32), n(128, 8), n(512, 16)
+    check_attention_case("attention_m1", n([[700, 1348]], [[10, 27]]), 1, H, D, W, K, True)
+    check_attention_case("attention_m2", n([[500, 1037]], [[9, 26]]), 2, H, D, W, K, True)
+    check_attention_case("attention_window_only", n([[300, 724]], [[5, 20]]), 1, H, D, W, 0, False)
+
+
+def pick_quality(picks, ref_picks, table):
+    """Compare top-k picks under bf16 scoring: empty-slot counts, validity, distinctness, score gap, recall."""
+    filled = picks >= 0
+    values = table.gather(-1, picks.clamp(min=0)).masked_fill(~filled, float("-inf"))
+    ref_values = table.gather(-1, ref_picks.clamp(min=0)).masked_fill(ref_picks < 0, float("-inf"))
+    got = values.sort(-1, descending=True).values
+    want = ref_values.sort(-1, descending=True).values
+    finite = torch.isfinite(want)
+    ordered = picks.sort(-1).values
+    repeated = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any().item()
+    scale = want[finite].abs().max().item()
+    same = (picks.unsqueeze(-1) == ref_picks.unsqueeze(-2)) & filled.unsqueeze(-1)
+    return {"same_empty_count": torch.equal(filled.sum(-1), (ref_picks >= 0).sum(-1)),
+            "all_allowed": bool(torch.isfinite(values[filled]).all()), "repeated": repeated,
+            "max_score_gap_rel": ((got[finite] - want[finite]).abs().max().item() / scale) if finite.any() else 0.0,
+            "recall": (same.any(-1).sum() / filled.sum().clamp(min=1)).item()}
+
+
+def masked_table(q, w, k, vis_lo, vis_hi, block_size, cand=None):
+    s = torch.arange(k.shape[1], device=DEV)
+    allowed = (s >= vis_lo.unsqueeze(-1)) & (s < vis_hi.unsqueeze(-1))
+    if cand is not None:
+        block = torch.div(s - vis_lo.unsqueeze(-1), block_size, rounding_mode="floor")
+        allowed &= (block.unsqueeze(-1) == cand.unsqueeze(-2)).any(-1)
+    return reference.index_scores(q, w, k).masked_fill(~allowed, float("-inf"))
+
+
+@section
+def check_indexer():
+    _, vis_lo, vis_hi = packed_geometry(n([[1500, 2596]], [[20, 44]]), 1, 1, DEV)
+    T, NH, DI, topk, bs, keep = n(4096, 64), n(32, 2), n(128, 16), n(512, 8), 8, n(128, 3)
+    q, w, k = torch.randn(1, T, NH, DI, device=DEV), torch.randn(1, T, NH, device=DEV), torch.randn(1, T, DI, device=DEV)
+    qb, wb, kb = q.to(BF16), w.to(BF16), k.to(BF16)
+    # The reference scores the bf16-rounded inputs in fp32, so only the kernels' accumulation differs.
+    qr, wr, kr = qb.float(), wb.float(), kb.float()
+    picks, blocks = triton_ops.indexer_select(qb, wb, kb, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
+    ref_picks, ref_blocks = reference.indexer_select(qr, wr, kr, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
+    table = masked_table(qr, wr, kr, vis_lo, vis_hi, bs)
+    RESULTS["indexer_full_topk"] = pick_quality(picks, ref_picks, table)
+    cand = ref_blocks
+    picks, _ = triton_ops.indexer_select(qb, wb, kb, vis_lo, vis_hi, topk, cand, bs)
+    ref_picks, _ = reference.indexer_select(qr, wr, kr, vis_lo, vis_hi, topk, cand, bs)
+    RESULTS["indexer_cand_topk"] = pick_quality(picks, ref_picks, masked_table(qr, wr, kr, vis_lo, vis_hi, bs, cand))
+    RESULTS["indexer_blocks_recall"] = ((blocks.unsqueeze(-1) == ref_blocks.unsqueeze(-2)) & (blocks >= 0).unsqueeze(-1)
+                                        ).any(-1).sum().item() / max(1, (ref_blocks >= 0).sum().item())
+
+
+@section
+def check_index_logits():
+    _, vis_lo, vis_hi = packed_geometry(n([[700, 1348]], [[10, 27]]), 1, 1, DEV)
+    T, NH, DI, K = n(2048, 37), n(32, 2), n(128, 16), n(512, 8)
+    data = dict(q=torch.randn(1, T, NH, DI, device=DEV), w=torch.randn(1, T, NH, device=DEV),
+                k=torch.randn(1, T, DI, device=DEV))
+    idx = random_topk(vis_lo, vis_hi, K, empty_frac=0.05, duplicate=True)
+    grad = torch.randn(1, T, K, device=DEV)
+    res = {}
+    for impl, dtype in (("triton", BF16), ("reference", torch.float32)):
+        leaves = {n: leaf(v, dtype) for n, v in data.items()}
+        fn = triton_ops.index_logits if impl == "triton" else reference.index_logits
+        logits = fn(leaves["q"], leaves["w"], leaves["k"], idx)
+        res[impl] = (logits, torch.autograd.grad(logits, list(leaves.values()), grad.masked_fill(idx < 0, 0)))
+    valid = idx >= 0
+    errs = {"logits": rel_err(res["triton"][0][valid], res["reference"][0][valid])}
+    errs.update({"d" + n: rel_err(g, r) for n, g, r in zip(data, res["triton"][1], res["reference"][1])})
+    RESULTS["index_logits"] = {"rel_err": errs, "pass": all(e < 1e-2 for e in errs.values()) and
+                               torch.equal(res["triton"][0] == float("-inf"), ~valid)}
+
+
+# ----------------------------------------------------------------------------------------------- bench
+
+@section
+def bench_matmul():
+    size = n(8192, 64)
+    a, b = torch.randn(size, size, device=DEV, dtype=BF16), torch.randn(size, size, device=DEV, dtype=BF16)
+    t = ms(lambda: a @ b)
+    RESULTS["matmul_8192_bf16"] = {"ms": t, "tflops": 2 * size ** 3 / t / 1e9}
+
+
+def attention_problem(T, H, D, W, K):
+    win_lo, vis_lo, vis_hi = packed_geometry([[T]], 1, W, DEV)
+    q = torch.randn(1, T, H, D, device=DEV, dtype=BF16, requires_grad=True)
+    kv_window = torch.randn(1, T, D, device=DEV, dtype=BF16, requires_grad=True)
+    kv_comp = torch.randn(1, T, D, device=DEV, dtype=BF16, requires_grad=True)
+    sink = torch.randn(H, device=DEV, requires_grad=True)
+    topk = random_topk(vis_lo, vis_hi, K)
+    return (q, kv_window, win_lo, kv_comp, topk, sink, D ** -0.5, W)
+
+
+def peak_mib(fn) -> float:
+    """Peak memory fn allocates beyond what is allocated before it, in MiB."""
+    if SMOKE:
+        fn()
+        return 0.0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+@section
+def bench_attention():
+    T, H, D, W, K = n(65536, 64), n(64, 4), n(512, 32), n(128, 8), n(512, 16)
+    args = attention_problem(T, H, D, W, K)
+    out, _ = triton_ops.sparse_attention(*args)
+    grad = torch.randn_like(out)
+    leaves = [args[0], args[1], args[3], args[5]]
+    fwd = ms(lambda: triton_ops.sparse_attention(*args))
+    bwd = ms(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
+    flops = 4 * T * H * (W + K) * D
+    RESULTS["attention_64k"] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9,
+                                "bwd_tflops": 2.5 * flops / bwd / 1e9, "flops_fwd": flops}
+    # Stage ablations: time without the selected-mass epilogue and without the dkv atomics (results then wrong).
+    triton_attention.ABLATE.update({"mass_pass", "dkv_atomics"})
+    try:
+        RESULTS["attention_64k"]["fwd_ms_without_mass_pass"] = ms(lambda: triton_ops.sparse_attention(*args))
+        RESULTS["attention_64k"]["bwd_ms_without_dkv_atomics"] = ms(
+            lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
+    finally:
+        triton_attention.ABLATE.clear()
+    del out, grad, args
+    mem = {}
+    for t in (T // 2, T):
+        args = attention_problem(t, H, D, W, K)
+        grad = torch.randn_like(args[0])
+
+        def step():
+            o, _ = triton_ops.sparse_attention(*args)
+            torch.autograd.grad(o, [args[0], args[1], args[3], args[5]], grad)
+        mem[t] = peak_mib(step)
+        del args, grad
+    RESULTS["attention_peak_mib"] = mem
+
+
+def sdpa(backend_name):
+    """Dense causal SDPA at T = 65,536, 64 heads x 128, bf16, through one forced backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    T, H, d = n(65536, 64), n(64, 2), n(128, 16)
+    q, k, v = (torch.randn(1, H, T, d, device=DEV, dtype=BF16, requires_grad=True) for _ in range(3))
+    attend = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(getattr(SDPBackend, backend_name)):
+        out = attend(q, k, v, is_causal=True)
+        grad = torch.randn_like(out)
+        fwd = ms(lambda: attend(q, k, v, is_causal=True))
+        bwd = ms(lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+    flops = 4 * T * T // 2 * H * d
+    RESULTS[f"sdpa_{backend_name.lower()}_causal_64k"] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9,
+                                                          "bwd_tflops": 2.5 * flops / bwd / 1e9}
+
+
+@section
+def bench_sdpa_cudnn():
+    sdpa("CUDNN_ATTENTION")
+
+
+@section
+def bench_sdpa_flash():
+    sdpa("FLASH_ATTENTION")
+
+
+def indexer_problem(T, NH=32, DI=128):
+    _, vis_lo, vis_hi = packed_geometry([[T]], 1, 1, DEV)
+    q = torch.randn(1, T, NH, DI, device=DEV, dtype=BF16)
+    w = torch.rand(1, T, NH, device=DEV, dtype=BF16)
+    k = torch.randn(1, T, DI, device=DEV, dtype=BF16)
+    return q, w, k, vis_lo, vis_hi
+
+
+def torch_select(q, w, k, vis_hi, topk, chunk):
+    """Baseline: chunked torch.matmul + ReLU-weighted head sum + torch.topk (causal, one document)."""
+    T, NH = q.shape[1], q.shape[2]
+    out = torch.empty(1, T, topk, dtype=torch.long, device=DEV)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        hi = int(t1)
+        dots = torch.matmul(q[0, t0:t1], k[0, :hi].T)  # [n, NH, hi]
+        scores = (dots.relu() * w[0, t0:t1, :, None]).sum(1, dtype=torch.float32)
+        visible = torch.arange(hi, device=DEV) < vis_hi[0, t0:t1, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        n = min(topk, hi)
+        out[0, t0:t1, :n] = scores.topk(n, -1).indices
+    return out
+
+
+@section
+def bench_indexer():
+    T, NH, DI, topk, bs, keep = n(65536, 128), n(32, 2), n(128, 16), n(512, 8), 8, n(2048, 4)
+    q, w, k, vis_lo, vis_hi = indexer_problem(T, NH, DI)
+    rate = RESULTS["matmul_8192_bf16"]["tflops"]
+    full_flops = T * (T + 1) // 2 * NH * DI * 2
+    cand_flops = T * keep * bs * NH * DI * 2
+    res = {"gemm_ms_full": full_flops / rate / 1e9, "gemm_ms_cand": cand_flops / rate / 1e9}
+    res["select_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk))
+    res["select_blocks_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs,
+                                                                   keep_blocks=keep))
+    chunk = n(1024, 32)  # what indexer_select picks at T = 65,536 (SCORE_CHUNK_BYTES)
+    res["scores_only_ms"] = ms(lambda: [_full_scores(q[0, t0:t0 + chunk], w[0, t0:t0 + chunk], k[0],
+                                                     vis_lo[0, t0:t0 + chunk], vis_hi[0, t0:t0 + chunk], 0,
+                                                     t0 + chunk, t0 + chunk) for t0 in range(0, T, chunk)])
+    _, cand = triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
+    res["cand_select_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs))
+    res["torch_chunked_ms"] = ms(lambda: torch_select(q, w, k, vis_hi, topk, n(512, 32)))
+    del cand
+    res["peak_mib"] = {}
+    for t in (T // 2, T):
+        problem = indexer_problem(t, NH, DI)
+        res["peak_mib"][t] = peak_mib(lambda: triton_ops.indexer_select(*problem, topk, block_size=bs, keep_blocks=keep))
+    RESULTS["indexer_64k"] = res
+
+
+@section
+def bench_index_logits():
+    T, NH, DI, K = n(65536, 64), n(32, 2), n(128, 16), n(512, 8)
+    res = {}
+    for t in (T // 2, T):
+        q, w, k, vis_lo, vis_hi = indexer_problem(t, NH, DI)
+        q, w, k = (x.requires_grad_() for x in (q, w, k))
+        idx = random_topk(vis_lo, vis_hi, K)
+        logits = triton_ops.index_logits(q, w, k, idx)
+        grad = torch.randn_like(logits)
+        if t == T:
+            res["fwd_ms"] = ms(lambda: triton_ops.index_logits(q, w, k, idx))
+            res["bwd_ms"] = ms(lambda: torch.autograd.grad(logits, (q, w, k), grad, retain_graph=True))
+        res[f"peak_mib_{t}"] = peak_mib(lambda: torch.autograd.grad(triton_ops.index_logits(q, w, k, idx), (q, w, k),
+                                                                    grad))
+        del logits, grad
+    for t in (T // 16, T // 8):
+        q, w, k, vis_lo, vis_hi = indexer_problem(t, NH, DI)
+        q, w, k = (x.requires_grad_() for x in (q, w, k))
+        idx = random_topk(vis_lo, vis_hi, K)
+        res[f"reference_peak_mib_{t}"] = peak_mib(
+            lambda: torch.autograd.grad(reference.index_logits(q, w, k, idx).sum(), (q, w, k)))
+    RESULTS["index_logits_64k"] = res
+
+
+def table() -> str:
+    lines = []
+    for name, value in RESULTS.items():
+        lines.append(f"{name}: {json.dumps(value, default=float)}")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["check", "bench"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    args = parser.parse_args()
+    os.environ["CSA2_KERNEL_POISON"] = "1" if args.mode == "check" else "0"
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    print("cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    steps = ([check_attention, check_indexer, check_index_logits] if args.mode == "check" else
+             [bench_matmul, bench_attention, bench_sdpa_cudnn, bench_sdpa_flash, bench_indexer, bench_index_logits])
+    for step in steps:
+        step()
+        print(table().splitlines()[-1] if RESULTS else "", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(RESULTS, f, indent=1, default=float)
+    print("\n==== " + args.mode + " ====\n" + table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Helpers shared by the Triton kernels: autotune config lists, output allocation, gathered-row loads.
+
+Under ``TRITON_INTERPRET=1`` (the CPU test path) every kernel gets one small config: autotuning there would
+only multiply the interpreter's cost, and block sizes must stay tiny for the test shapes.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton 3.6 lowers an fp32 tl.atomic_add to one scalar `atom` per element; on the GPU add_rows issues 16-byte
+# `red.global.add.v4.f32` (sm_90) through inline PTX instead. The interpreter cannot run PTX.
+VECTOR_ATOMICS = tl.constexpr(not INTERPRET)
+POISON_ENV = "CSA2_KERNEL_POISON"
+
+
+def configs(hopper: list[dict], interpret: dict) -> list[triton.Config]:
+    """Autotune configs: the Hopper list on a GPU, the single interpreter config under TRITON_INTERPRET.
+
+    Each dict holds the kernel's block-size constexprs plus ``num_warps`` and ``num_stages``.
+    """
+    chosen = [interpret] if INTERPRET else hopper
+    launch = ("num_warps", "num_stages")
+    return [triton.Config({k: v for k, v in c.items() if k not in launch}, num_warps=c["num_warps"],
+                          num_stages=c["num_stages"]) for c in chosen]
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An output buffer every element of which a kernel must write.
+
+    With ``CSA2_KERNEL_POISON=1`` (set by the tests) it is filled with NaN (floats) or -7 (ints) instead of
+    left uninitialised, so an element a kernel forgets to write fails the comparison with the reference.
+    """
+    if os.environ.get(POISON_ENV) != "1":
+        return torch.empty(shape, dtype=dtype, device=device)
+    fill = float("nan") if dtype.is_floating_point else -7
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+@triton.jit
+def load_rows(base, rows, valid, D: tl.constexpr):
+    """Rows ``base[rows]`` of a row-major [*, D] tensor as a [len(rows), D] tile; invalid rows read as 0.
+
+    Row offsets are widened to int64: at real width a row index times D can pass 2**31.
+    """
+    dims = tl.arange(0, D)
+    return tl.load(base + rows[:, None].to(tl.int64) * D + dims[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def add_rows(base, rows, valid, values, D: tl.constexpr):
+    """Atomically add a [len(rows), D] fp32 tile into rows ``base[rows]``; rows may repeat (selected slots)."""
+    if VECTOR_ATOMICS:
+        # Element (r, 4j + i) of values is v_i[r, j]: one vector reduction per 4 consecutive floats.
+        quads = tl.reshape(values, [values.shape[0], D // 4, 2, 2])
+        even, odd = tl.split(quads)
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        ptrs = base + rows[:, None].to(tl.int64) * D + 4 * tl.arange(0, D // 4)[None, :]
+        flags = tl.broadcast_to(valid[:, None].to(tl.int32), ptrs.shape)
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred p;
+            setp.ne.b32 p, $6, 0;
+            @p red.relaxed.gpu.global.add.v4.f32 [$1], {$2, $3, $4, $5};
+            mov.b32 $0, 0;
+            }""",
+            "=r,l,f,f,f,f,r", [ptrs.to(tl.int64), v0, v1, v2, v3, flags], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        dims = tl.arange(0, D)
+        tl.atomic_add(base + rows[:, None].to(tl.int64) * D + dims[None, :], values, mask=valid[:, None],
+                      sem="relaxed")

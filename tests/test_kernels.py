@@ -1,0 +1,167 @@
+"""Triton kernels against the PyTorch reference, on the CPU through the Triton interpreter (fp32, tiny shapes).
+
+Every run draws fresh random inputs (the seed is printed on failure) and kernel outputs are poisoned with NaN
+(``CSA2_KERNEL_POISON``) so an element a kernel forgets to write fails. Top-k picks are compared up to ties:
+same number of filled slots, every pick allowed and distinct, and the reference scores of the picks equal the
+reference's best scores.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+os.environ["CSA2_KERNEL_POISON"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels import ops, reference  # noqa: E402
+from kernels import triton_indexer, triton_ops  # noqa: E402
+from kernels.triton_testing import packed_geometry  # noqa: E402
+from kernels.triton_testing import random_topk as draw_topk  # noqa: E402
+
+NEG_INF = float("-inf")
+TOL = 1e-4
+
+
+@pytest.fixture
+def seed():
+    value = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(value)
+    return value
+
+
+def rel_err(got, want) -> float:
+    assert torch.isfinite(got).all(), "non-finite values (unwritten poisoned elements?)"
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
+
+
+def random_topk(vis_lo, vis_hi, K):
+    """Random visible entries with ~20% empty slots and slot 1 duplicating slot 0."""
+    return draw_topk(vis_lo, vis_hi, K, empty_frac=0.2, duplicate=True)
+
+
+# (doc lengths per row, m, heads, head dim, window, top-k); T = 37 is not a multiple of m = 2, early tokens see
+# fewer entries than K, and row 0 packs three documents.
+ATTN_CASES = [([[5, 14, 18], [37]], 2, 4, 32, 8, 12), ([[20, 17], [3, 34]], 1, 16, 16, 16, 16)]
+
+
+@pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
+@pytest.mark.parametrize("with_selected", [True, False])
+def test_sparse_attention(seed, doc_lens, m, H, D, W, K, with_selected):
+    win_lo, vis_lo, vis_hi = packed_geometry(doc_lens, m, W)
+    B, T = win_lo.shape
+    q = torch.randn(B, T, H, D, requires_grad=True)
+    kv_window = torch.randn(B, T, D, requires_grad=True)
+    kv_comp = torch.randn(B, T // m, D, requires_grad=True) if with_selected else None
+    topk_idx = random_topk(vis_lo, vis_hi, K) if with_selected else None
+    sink = torch.randn(H, requires_grad=True)
+    args = (q, kv_window, win_lo, kv_comp, topk_idx, sink, D ** -0.5, W)
+    out, mass = triton_ops.sparse_attention(*args)
+    ref_out, ref_mass = reference.sparse_attention(*args)
+    assert rel_err(out, ref_out) < TOL, seed
+    if with_selected:
+        assert not mass.requires_grad
+        assert rel_err(mass, ref_mass) < TOL, seed
+        assert (mass[topk_idx < 0] == 0).all(), seed
+    else:
+        assert mass is None
+    grad = torch.randn_like(out)
+    leaves = {"dq": q, "dkv_window": kv_window, "dkv_comp": kv_comp, "dsink": sink}
+    leaves = {name: x for name, x in leaves.items() if x is not None}
+    got = torch.autograd.grad(out, list(leaves.values()), grad)
+    want = torch.autograd.grad(ref_out, list(leaves.values()), grad)
+    for name, g, w in zip(leaves, got, want):
+        assert rel_err(g, w) < TOL, (name, seed)
+
+
+def masked_scores(q, w, k, vis_lo, vis_hi, block_size, cand=None):
+    """Reference scores [B,T,S], -inf outside the visible range (and outside the candidate blocks if given)."""
+    S = k.shape[1]
+    s = torch.arange(S)
+    allowed = (s >= vis_lo.unsqueeze(-1)) & (s < vis_hi.unsqueeze(-1))
+    if cand is not None:
+        block = torch.div(s - vis_lo.unsqueeze(-1), block_size, rounding_mode="floor")
+        allowed &= (block.unsqueeze(-1) == cand.unsqueeze(-2)).any(-1)
+    return reference.index_scores(q, w, k).masked_fill(~allowed, NEG_INF)
+
+
+def block_table(scores, vis_lo, vis_hi, block_size):
+    """Block scores [B,T,n_blocks]: max over the block's allowed entries, +inf on the newest visible block."""
+    B, T, S = scores.shape
+    n_blocks = -(-S // block_size)
+    block = torch.div(torch.arange(S) - vis_lo.unsqueeze(-1), block_size, rounding_mode="floor")
+    table = torch.full((B, T, n_blocks), NEG_INF).scatter_reduce(2, block.clamp(0, n_blocks - 1), scores, "amax")
+    newest = torch.div(vis_hi - 1 - vis_lo, block_size, rounding_mode="floor").clamp(min=0).unsqueeze(-1)
+    forced = torch.where(vis_hi > vis_lo, float("inf"), NEG_INF).unsqueeze(-1)
+    return table.scatter(2, newest, forced)
+
+
+def check_picks(picks, ref_picks, table, seed):
+    """picks [B,T,k] equal ref_picks up to ties, judged by their values in ``table`` [B,T,N]."""
+    assert ((picks >= -1) & (picks < table.shape[-1])).all(), seed
+    assert torch.equal((picks < 0).sum(-1), (ref_picks < 0).sum(-1)), ("number of empty slots", seed)
+    filled = picks >= 0
+    values = table.gather(2, picks.clamp(min=0))
+    assert (values[filled] > NEG_INF).all(), ("picked a disallowed entry", seed)
+    ordered = picks.masked_fill(~filled, -1).sort(-1).values
+    assert not ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(), ("repeated pick", seed)
+    ref_values = table.gather(2, ref_picks.clamp(min=0)).masked_fill(ref_picks < 0, NEG_INF)
+    got = values.masked_fill(~filled, NEG_INF).sort(-1, descending=True).values
+    want = ref_values.sort(-1, descending=True).values
+    finite = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), finite), seed
+    assert torch.allclose(got[finite], want[finite], rtol=TOL, atol=TOL), seed
+
+
+# (doc lengths per row, m, index heads, index dim, top-k, block size, kept blocks)
+INDEX_CASES = [([[5, 14, 18], [37]], 2, 3, 16, 6, 4, 3), ([[20, 17], [3, 34]], 1, 2, 16, 5, 2, 4)]
+
+
+@pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep", INDEX_CASES)
+def test_indexer_select(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep):
+    _, vis_lo, vis_hi = packed_geometry(doc_lens, m, 1)
+    B, T = vis_lo.shape
+    q, w, k = torch.randn(B, T, NH, DI), torch.randn(B, T, NH), torch.randn(B, T // m, DI)
+    width = int((vis_hi - vis_lo).max())
+    monkeypatch.setattr(triton_indexer, "SCORE_CHUNK_BYTES", 4 * width * 7)  # chunks of 7 queries
+
+    picks, blocks = triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
+    ref_picks, ref_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
+    scores = masked_scores(q, w, k, vis_lo, vis_hi, bs)
+    check_picks(picks, ref_picks, scores, seed)
+    check_picks(blocks, ref_blocks, block_table(scores, vis_lo, vis_hi, bs), seed)
+
+    cand = ref_blocks.clone()
+    cand[..., -1] = cand[..., 0]  # a repeated block must be scored once
+    cand[..., 1] = -1
+    monkeypatch.setattr(triton_indexer, "SCORE_CHUNK_BYTES", 4 * keep * bs * 5)  # chunks of 5 queries
+    picks, blocks = triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs, keep)
+    ref_picks, ref_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs, keep)
+    scores = masked_scores(q, w, k, vis_lo, vis_hi, bs, cand)
+    check_picks(picks, ref_picks, scores, seed)
+    check_picks(blocks, ref_blocks, block_table(scores, vis_lo, vis_hi, bs), seed)
+
+
+@pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep", INDEX_CASES)
+def test_index_logits(seed, doc_lens, m, NH, DI, topk, bs, keep):
+    _, vis_lo, vis_hi = packed_geometry(doc_lens, m, 1)
+    B, T = vis_lo.shape
+    q = torch.randn(B, T, NH, DI, requires_grad=True)
+    w = torch.randn(B, T, NH, requires_grad=True)
+    k = torch.randn(B, T // m, DI, requires_grad=True)
+    idx = random_topk(vis_lo, vis_hi, topk)
+    logits = triton_ops.index_logits(q, w, k, idx)
+    ref_logits = reference.index_logits(q, w, k, idx)
+    empty = idx < 0
+    assert torch.equal(logits == NEG_INF, empty), seed
+    assert rel_err(logits[~empty], ref_logits[~empty]) < TOL, seed
+    grad = torch.randn_like(logits)
+    for name, g, want in zip(("dq", "dw", "dk"), torch.autograd.grad(logits, (q, w, k), grad),
+                             torch.autograd.grad(ref_logits, (q, w, k), grad)):
+        assert rel_err(g, want) < TOL, (name, seed)
+
+
+def test_dispatch_forces_triton():
+    assert ops("triton", torch.device("cpu")) is triton_ops
+    assert ops("auto", torch.device("cpu")) is reference
