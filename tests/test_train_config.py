@@ -1,0 +1,65 @@
+"""Config composition, the generated DeepSpeed config, launcher arguments and config errors (no training)."""
+import os
+
+import pytest
+import torch
+from hydra.errors import HydraException
+
+from model.cli import compose
+from train.__main__ import strip_launcher_args
+from train.app import check_config
+from train.engine import deepspeed_config, resolve_precision, warmup_cosine
+
+
+def test_defaults_and_overrides_compose():
+    cfg = compose(["train.max_steps=7", "layout=all_full", "data.seq_len=512", "logger.mode=disabled",
+                   "parallel.zero_stage=2", "train.resume=auto"])
+    assert (cfg.model.name, cfg.layout.name) == ("tiny", "all_full")
+    assert cfg.train.max_steps == 7 and cfg.train.resume == "auto" and cfg.data.seq_len == 512
+    assert cfg.logger.mode == "disabled" and cfg.parallel.pipeline_stages == 1
+    check_config(cfg)
+
+
+def test_deepspeed_config_follows_hydra():
+    cfg = compose(["data.micro_batch_size=3", "train.grad_accum_steps=2", "train.grad_clip=0.5", "train.lr=1e-3"])
+    ds = deepspeed_config(cfg, resolve_precision("auto", torch.device("cpu")))
+    assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": False}
+    assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["torch_adam"] is True
+    assert ds["optimizer"]["params"]["lr"] == 1e-3 and ds["zero_optimization"] == {"stage": 1}
+    with pytest.raises(ValueError, match="parallel.zero_stage"):
+        deepspeed_config(compose(["parallel.zero_stage=0"]), "fp32")
+
+
+def test_warmup_cosine_schedule():
+    ratio = warmup_cosine(warmup_steps=4, total_steps=20, min_ratio=0.1)
+    assert [ratio(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert ratio(4) == 1.0 and ratio(20) == pytest.approx(0.1) and ratio(100) == pytest.approx(0.1)
+    assert all(ratio(s) >= ratio(s + 1) for s in range(4, 30))
+
+
+@pytest.mark.parametrize("override", ["train.no_such_key=1", "layout=no_such_layout", "train.max_steps"])
+def test_invalid_override_is_a_hydra_error(override):
+    with pytest.raises(HydraException):
+        compose([override])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.vocab_size=200"], "model.vocab_size"),
+    (["logger.mode=cloudy"], "logger.mode"),
+    (["train.max_steps=0"], "train.max_steps"),
+    (["train.max_steps=many"], "train.max_steps"),
+    (["train.stop_at=50", "train.max_steps=10"], "train.stop_at"),
+    (["layout.kv_source_layer_ids=[3]"], "layer"),
+])
+def test_bad_settings_fail_before_training(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        check_config(compose(overrides))
+
+
+def test_launcher_local_rank_moves_to_env(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert strip_launcher_args(["--local_rank=3", "train.max_steps=2"]) == ["train.max_steps=2"]
+    assert os.environ["LOCAL_RANK"] == "3"
+    assert strip_launcher_args(["train.lr=1", "--local-rank", "1"]) == ["train.lr=1"]
+    assert os.environ["LOCAL_RANK"] == "1"

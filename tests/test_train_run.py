@@ -1,0 +1,162 @@
+"""End-to-end runs of ``train.app.run`` on a small config: files, exact resume, checkpoint errors, bad steps."""
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.cli import compose
+from train import checkpoint, engine as engine_module
+from train.app import TrainingDiverged, run
+from train.checkpoint import CheckpointError
+from train.loss import Loss, compute_loss
+from train.metrics import read_rows
+
+# Short rows of a small corpus (the stdlib's email package) keep a step well under a second on CPU.
+SMALL = ["data.seq_len=64", "data.micro_batch_size=2", f"data.path={sysconfig.get_paths()['stdlib']}/email",
+         "data.heldout_fraction=0.2", "train.progress=false", "logger.mode=disabled", "train.warmup_steps=2",
+         "train.eval.batches=1", "train.eval.probe_examples=0"]
+TRAIN_KEYS = {"step", "loss", "lm_loss", "indexer_loss", "lr", "grad_norm", "tokens_per_s", "padding_fraction",
+              "memory_mb", "skipped"}
+
+
+def _run(run_dir, *overrides):
+    return run(compose(SMALL + list(overrides)), run_dir)
+
+
+def _train_rows(run_dir):
+    return [r for r in read_rows(run_dir / "metrics.jsonl") if r.get("split") != "eval"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """20 steps with the wandb logger offline and the probes on: the run the file checks look at."""
+    run_dir = tmp_path_factory.mktemp("run")
+    final = _run(run_dir, "train.max_steps=20", "train.checkpoint_every=5", "logger.mode=offline",
+                 "train.eval.every=10", "train.eval.probe_examples=2", "train.eval.probe_len=192",
+                 "train.eval.mqar_pairs=2", "train.eval.mqar_queries=1")
+    return run_dir, final
+
+
+def test_loss_falls_and_files_are_written(trained):
+    run_dir, final = trained
+    rows = _train_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    assert all(TRAIN_KEYS <= set(r) for r in rows)
+    assert any(k.startswith("indexer_loss/layer") for k in rows[0])
+    first, last = (sum(r["loss"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
+    assert last < first - 0.5, (first, last)
+    evals = [r for r in read_rows(run_dir / "metrics.jsonl") if r.get("split") == "eval"]
+    assert [r["step"] for r in evals] == [10, 20]
+    assert {"lm_loss", "passkey_acc", "mqar_acc"} <= set(evals[-1]) and evals[-1] == {**final, "split": "eval"}
+    assert any(k.startswith("index_recall/layer") for k in evals[-1])
+    assert (run_dir / "loss_curve.png").stat().st_size > 0
+    assert (run_dir / "config.yaml").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step00000020"
+    assert sorted(p.name for p in ckpt.glob("step*")) == ["step00000015", "step00000020"]  # keep_checkpoints=2
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    final_straight = _run(straight, "train.max_steps=6")
+    _run(split, "train.max_steps=6", "train.stop_at=3")
+    assert (split / "checkpoints" / "latest").read_text() == "step00000003"
+    final_split = _run(split, "train.max_steps=6", "train.resume=auto")
+    timing = {"tokens_per_s", "memory_mb"}
+    exact = [[{k: v for k, v in row.items() if k not in timing} for row in _train_rows(d)] for d in (split, straight)]
+    assert exact[0] == exact[1]  # every loss part, grad norm and lr, bit for bit
+    assert final_split == final_straight
+
+
+def test_resume_paths(trained, tmp_path):
+    ckpt = trained[0] / "checkpoints"
+    assert checkpoint.find(str(ckpt), tmp_path) == checkpoint.CheckpointRef(ckpt, "step00000020")
+    assert checkpoint.find(str(ckpt / "step00000015"), tmp_path) == checkpoint.CheckpointRef(ckpt, "step00000015")
+    assert checkpoint.find("auto", tmp_path) is None  # nothing to resume: a fresh start
+    assert checkpoint.find(None, ckpt) is None
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        checkpoint.find(str(tmp_path / "missing"), tmp_path)
+
+
+def test_missing_checkpoint_path_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match="train.resume="):
+        _run(tmp_path, "train.max_steps=2", f"train.resume={tmp_path / 'nowhere'}")
+
+
+def test_checkpoint_of_another_layout_names_the_difference(trained, tmp_path):
+    with pytest.raises(CheckpointError, match=r"layout\.name: checkpoint 'v41_scaled', this run 'all_full'"):
+        _run(tmp_path, "train.max_steps=40", "layout=all_full", f"train.resume={trained[0] / 'checkpoints'}")
+    with pytest.raises(CheckpointError, match=r"model\.dim: checkpoint 128, this run 64"):
+        _run(tmp_path, "train.max_steps=40", "model.dim=64", f"train.resume={trained[0] / 'checkpoints'}")
+
+
+def test_probe_longer_than_its_context_fails_before_training(tmp_path):
+    with pytest.raises(ValueError, match="too short for the passkey probe.*train.eval.probe_len"):
+        _run(tmp_path, "train.max_steps=2", "train.eval.probe_examples=2", "train.eval.probe_len=64")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _nan_from_call(monkeypatch, first_bad: int):
+    """Make every loss from the ``first_bad``-th training forward on NaN."""
+    calls = {"n": 0}
+
+    def loss_fn(*args):
+        loss = compute_loss(*args)
+        calls["n"] += 1
+        if calls["n"] >= first_bad:
+            return Loss(loss.total * float("nan"), loss.lm, loss.indexer, loss.tokens)
+        return loss
+
+    monkeypatch.setattr(engine_module, "compute_loss", loss_fn)
+
+
+def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
+    _nan_from_call(monkeypatch, first_bad=3)
+    with pytest.raises(TrainingDiverged, match=r"steps 3\.\.5 .*Last good checkpoint: step 2"):
+        _run(tmp_path, "train.max_steps=10", "train.checkpoint_every=2", "train.max_bad_steps=3")
+    rows = _train_rows(tmp_path)
+    assert [r["skipped"] for r in rows] == [False, False, True, True, True]
+    assert rows[-1]["skipped_total"] == 3
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step00000002"  # steps 4 (bad) saved nothing
+    monkeypatch.undo()
+    _run(tmp_path, "train.max_steps=3", "train.resume=auto")  # the last good checkpoint resumes
+    assert json.loads((tmp_path / "checkpoints" / "step00000003" / "trainer_state.json").read_text())["step"] == 3
+
+
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    real_save, calls = torch.save, {"n": 0}
+
+    def crashing_save(obj, path, *args, **kwargs):
+        if str(path).endswith(checkpoint.RESUME_STATE):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second checkpoint dies after DeepSpeed's files, before ours
+                raise OSError("disk full")
+        real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", crashing_save)
+    with pytest.raises(OSError, match="disk full"):
+        _run(tmp_path, "train.max_steps=2", "train.checkpoint_every=1")
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step00000001"
+    assert (ckpt / ".step00000002.partial").is_dir() and not (ckpt / "step00000002").exists()
+    assert checkpoint.find("auto", ckpt) == checkpoint.CheckpointRef(ckpt, "step00000001")
+
+
+def test_command_line_entry_point(tmp_path):
+    """``python -m train`` as a launcher starts it: Hydra app, ``--local_rank`` accepted, run dir filled."""
+    command = [sys.executable, "-m", "train", "--local_rank=0", *SMALL, "train.max_steps=2",
+               f"hydra.run.dir={tmp_path}"]
+    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}  # this process's own group
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parent.parent, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "evaluation after 2 steps" in done.stdout
+    assert (tmp_path / ".hydra" / "config.yaml").is_file() and (tmp_path / "config.yaml").is_file()
+    assert [r["step"] for r in _train_rows(tmp_path)] == [1, 2]

@@ -1,0 +1,49 @@
+"""``python -m train [overrides]``: the training job (see ``train/app.py``).
+
+Launchers speak argparse, Hydra does not: the ``deepspeed`` launcher appends ``--local_rank=N`` (older torch
+launchers pass ``--local-rank N``), which Hydra would reject as an override. The rank moves into the
+``LOCAL_RANK`` environment variable, where ``torchrun`` puts it anyway, before Hydra parses the rest.
+
+Only rank 0 writes the run directory's Hydra files and log: the other ranks log to stdout, and the job
+itself writes into rank 0's directory (Hydra's timestamped default may differ by a second across ranks).
+"""
+import os
+import re
+import sys
+
+_LOCAL_RANK = re.compile(r"--local[-_]rank(?:=(\d+))?")
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """``argv`` without ``--local_rank`` flags; their value is exported as ``LOCAL_RANK``."""
+    kept, i = [], 0
+    while i < len(argv):
+        flag = argv[i]
+        match = _LOCAL_RANK.fullmatch(flag)
+        if match is None:
+            kept.append(flag)
+            i += 1
+            continue
+        value = match.group(1)
+        if value is None:  # "--local_rank N"
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+            i += 1
+        if not value.isdigit():
+            sys.exit(f"error: {flag} needs an integer value, got {value!r}")
+        os.environ["LOCAL_RANK"] = value
+        i += 1
+    return kept
+
+
+def rank_overrides() -> list[str]:
+    """Hydra overrides that keep ranks > 0 from writing their own copy of the run directory's files."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return []
+    return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+
+
+if __name__ == "__main__":
+    sys.argv[1:] = strip_launcher_args(sys.argv[1:]) + rank_overrides()
+    from train.app import main
+
+    main()

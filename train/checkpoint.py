@@ -1,0 +1,195 @@
+"""Atomic DeepSpeed checkpoints with everything an exact resume needs.
+
+Layout of ``<checkpoint_dir>``::
+
+    latest                 # tag of the newest complete checkpoint, replaced atomically
+    step00000100/          # one tag directory per save
+        ...                # DeepSpeed's files: model, optimizer (ZeRO shards), LR scheduler
+        trainer_state.json # step, bad-step counters, the resolved run config
+        resume_state.pt    # RNG states and the loader position (plain tensors and containers)
+
+A save goes into ``.step00000100.partial`` and is renamed once every rank has written its files; only then is
+``latest`` replaced. A crash mid-save leaves a ``.partial`` directory that nothing reads and the previous
+``latest`` intact. Our own files are JSON and ``torch.load(weights_only=True)``; DeepSpeed reads its own files.
+
+Every rank is seeded alike and the loader's position is global (``train/data.py``), so rank 0's RNG and loader
+state is every rank's: one file serves any number of ranks on resume.
+"""
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+RESUME_STATE = "resume_state.pt"
+# Config keys that change how the same weights are computed, not what they are: they may differ on resume.
+RUNTIME_ONLY_KEYS = ("model.kernel_backend",)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed here; the message says which one and why."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    directory: Path  # the checkpoint dir (holds ``latest``)
+    tag: str
+
+    @property
+    def path(self) -> Path:
+        return self.directory / self.tag
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def find(resume: str | None, checkpoint_dir: Path) -> CheckpointRef | None:
+    """What ``train.resume`` points at: None (fresh run), ``auto`` or a path.
+
+    ``auto`` is the newest complete checkpoint in ``checkpoint_dir``, or a fresh start when there is none. A
+    path may be a checkpoint dir (its ``latest`` is used) or one tag directory; a path that is neither is an
+    error, never a silent fresh start.
+    """
+    if resume is None:
+        return None
+    if resume == "auto":
+        if not (checkpoint_dir / LATEST).is_file():
+            log.info("train.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)
+            return None
+        return _from_latest(checkpoint_dir)
+    path = Path(resume).expanduser().resolve()
+    if (path / LATEST).is_file():
+        return _from_latest(path)
+    if (path / TRAINER_STATE).is_file():
+        return CheckpointRef(path.parent, path.name)
+    raise CheckpointError(f"train.resume={resume}: no checkpoint there ({path} is neither a checkpoint directory "
+                          f"with a '{LATEST}' file nor a checkpoint tag directory with {TRAINER_STATE})")
+
+
+def _from_latest(directory: Path) -> CheckpointRef:
+    ref = CheckpointRef(directory, (directory / LATEST).read_text().strip())
+    if not (ref.path / TRAINER_STATE).is_file():
+        raise CheckpointError(f"{directory / LATEST} names {ref.tag!r}, but {ref.path} is not a complete checkpoint")
+    return ref
+
+
+def read_trainer_state(ref: CheckpointRef) -> dict:
+    return json.loads((ref.path / TRAINER_STATE).read_text())
+
+
+def _flatten(node, prefix: str) -> dict:
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}.{key}"))
+        return out
+    return {prefix: node}
+
+
+def check_compatible(ref: CheckpointRef, cfg: DictConfig) -> dict:
+    """The checkpoint's trainer state, after checking it was trained with this run's model and layout.
+
+    Compared before any weight is loaded, so a mismatch reads as the config keys that differ instead of a
+    tensor-shape error from deep inside ``load_state_dict``.
+    """
+    state = read_trainer_state(ref)
+    saved, current = {}, {}
+    for group in ("model", "layout"):
+        saved.update(_flatten(state["config"][group], group))
+        current.update(_flatten(OmegaConf.to_container(cfg[group], resolve=True), group))
+    differences = [f"{key}: checkpoint {saved.get(key, '<missing>')!r}, this run {current.get(key, '<missing>')!r}"
+                   for key in sorted(set(saved) | set(current))
+                   if key not in RUNTIME_ONLY_KEYS and saved.get(key) != current.get(key)]
+    if differences:
+        raise CheckpointError(f"checkpoint {ref.path} was trained with another model/layout:\n  "
+                              + "\n  ".join(differences))
+    return state
+
+
+def rng_state() -> dict:
+    """Python, NumPy and torch RNG states as tensors and plain containers (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                     gauss),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_state: dict,
+         keep: int) -> CheckpointRef:
+    """Save on every rank (collective); publish the tag only once all of it is on disk.
+
+    Rank 0's ``trainer_state`` (JSON) and ``resume_state`` (RNG and loader position) go beside DeepSpeed's
+    files. Keeps the newest ``keep`` complete checkpoints (0 = all).
+    """
+    rank = dist.get_rank()
+    ref = CheckpointRef(checkpoint_dir, tag_for(step))
+    partial = f".{ref.tag}.partial"
+    if rank == 0:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # debris of a crashed save
+    dist.barrier()
+    engine.save_checkpoint(str(checkpoint_dir), tag=partial, save_latest=False)
+    if rank == 0:
+        torch.save(resume_state, checkpoint_dir / partial / RESUME_STATE)
+        _write_text_atomic(checkpoint_dir / partial / TRAINER_STATE, json.dumps(trainer_state, indent=1))
+    dist.barrier()
+    if rank == 0:
+        replaced = checkpoint_dir / f".{ref.tag}.old"
+        if ref.path.exists():  # a rerun in the same directory reached this step again
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(ref.path, replaced)
+        os.replace(checkpoint_dir / partial, ref.path)
+        _write_text_atomic(checkpoint_dir / LATEST, ref.tag)
+        shutil.rmtree(replaced, ignore_errors=True)
+        _prune(checkpoint_dir, keep)
+    dist.barrier()
+    return ref
+
+
+def _prune(checkpoint_dir: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    tags = sorted(p for p in checkpoint_dir.glob("step*") if (p / TRAINER_STATE).is_file())
+    for old in tags[:-keep]:
+        shutil.rmtree(old)
+
+
+def load(engine, ref: CheckpointRef) -> dict:
+    """Load weights, optimizer and scheduler into ``engine``; return the RNG and loader state."""
+    load_path, _ = engine.load_checkpoint(str(ref.directory), tag=ref.tag)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed found no model states in {ref.path}")
+    return torch.load(ref.path / RESUME_STATE, weights_only=True)

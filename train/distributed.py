@@ -1,0 +1,65 @@
+"""Process-group helpers: join or create the group, and the few collectives the loop needs.
+
+Every job has a process group, even a bare ``python -m train`` (a world of one on a free local port), so
+the code never branches on "distributed or not".
+"""
+import os
+import socket
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(device: torch.device) -> None:
+    """Join the group the launcher (``torchrun``/``deepspeed``) describes, or create a world of one.
+
+    gloo on CPU, NCCL on GPU. A second call in the same process (tests) is a no-op.
+    """
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def sum_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Per-key sum over ranks; every rank passes the same keys."""
+    if dist.get_world_size() == 1:
+        return values
+    packed = torch.tensor(list(values.values()), dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        packed = packed.cuda()
+    dist.all_reduce(packed)
+    return dict(zip(values, packed.tolist()))
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Per-key mean over ranks, so logged numbers do not depend on the world size."""
+    return {k: v / dist.get_world_size() for k, v in sum_over_ranks(values).items()}
+
+
+def from_rank0(value):
+    """Rank 0's ``value`` on every rank (e.g. its run directory: Hydra's timestamp differs across ranks)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

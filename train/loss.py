@@ -1,0 +1,54 @@
+"""The training objective (SPEC §2), in one place for the training step and for evaluation.
+
+total = CE(logits, labels) + indexer_loss_coef * sum of the per-source indexer KLs. The model detaches the
+indexer's inputs and the KL target, so the coefficient scales the indexer's own learning signal and nothing else.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Loss:
+    total: torch.Tensor  # what backward sees
+    lm: torch.Tensor
+    indexer: dict[int, torch.Tensor]  # index source layer -> KL
+    tokens: int  # label tokens that entered the LM loss
+
+    @property
+    def indexer_total(self) -> torch.Tensor:
+        return sum(self.indexer.values(), torch.zeros((), device=self.lm.device))
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for logs: ``loss``, ``lm_loss``, ``indexer_loss`` and ``indexer_loss/layer{N}`` per source."""
+        row = {"loss": self.total.item(), "lm_loss": self.lm.item(), "indexer_loss": self.indexer_total.item()}
+        row.update({f"indexer_loss/layer{layer}": kl.item() for layer, kl in sorted(self.indexer.items())})
+        return row
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Mean next-token cross-entropy over labelled tokens, and their count.
+
+    A batch with no labelled token (all padding) gives 0 with a graph, not the 0/0 = NaN of a plain mean, so
+    it cannot be mistaken for a diverged step.
+    """
+    summed = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
+    count = int((labels != IGNORE_INDEX).sum())
+    return summed / max(count, 1), count
+
+
+def compute_loss(output, labels: torch.Tensor, indexer_loss_coef: float) -> Loss:
+    """The objective of one forward (``model.ModelOutput``) against its ``labels`` (-100 = ignored)."""
+    lm, count = lm_loss(output.logits, labels)
+    indexer = dict(output.indexer_losses)
+    total = lm + indexer_loss_coef * sum(indexer.values(), torch.zeros((), device=lm.device))
+    return Loss(total, lm, indexer, count)
+
+
+def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Key-wise mean of ``Loss.metrics()`` rows (micro-batches of a step, batches of an evaluation)."""
+    return {key: sum(row[key] for row in rows) / len(rows) for key in rows[0]}

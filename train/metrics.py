@@ -1,0 +1,118 @@
+"""Where the numbers go: ``metrics.jsonl`` (the record scripts read), wandb, and a loss-curve PNG.
+
+Only rank 0 writes. ``metrics.jsonl`` holds one JSON object per logged training step and one per evaluation
+(``"split": "eval"``); a resumed run first drops the rows past its checkpoint, so the file reads as one run.
+A non-finite number (the loss of a skipped step) is written as ``null``, so that the file stays strict JSON.
+The PNG is drawn from that file, for people without a wandb account.
+"""
+import json
+import math
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss_curve.png"
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """Appends rows to ``metrics.jsonl`` and mirrors them to wandb (``logger.mode``: offline|online|disabled)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = run_dir / METRICS_FILE
+        self.plot_path = run_dir / PLOT_FILE
+        self.wandb_run = None
+        if not enabled:
+            return
+        kept = [row for row in read_rows(self.path) if row["step"] <= start_step]
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        if cfg.logger.mode != "disabled":
+            self.wandb_run = _start_wandb(cfg, run_dir)
+
+    def log(self, row: dict) -> None:
+        """A training row (``step`` and scalars)."""
+        self._write(row, prefix="train")
+
+    def log_eval(self, row: dict) -> None:
+        """An evaluation row; marked ``"split": "eval"`` in the file and logged under ``eval/`` in wandb."""
+        self._write({**row, "split": "eval"}, prefix="eval")
+
+    def _write(self, row: dict, prefix: str) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({k: _finite_or_none(v) for k, v in row.items()}) + "\n")
+        if self.wandb_run is not None:
+            scalars = {f"{prefix}/{k}": v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+            self.wandb_run.log(scalars, step=row["step"])
+
+    def summarize(self, summary: dict) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update(summary)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        plot_losses(read_rows(self.path), self.plot_path)
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def _finite_or_none(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _start_wandb(cfg: DictConfig, run_dir: Path):
+    import wandb
+
+    if cfg.logger.mode not in ("offline", "online"):
+        raise ValueError(f"logger.mode must be offline, online or disabled, got {cfg.logger.mode!r}")
+    return wandb.init(
+        mode=cfg.logger.mode,
+        project=cfg.logger.project,
+        entity=cfg.logger.entity,
+        name=cfg.logger.name or f"{cfg.model.name}-{cfg.layout.name}-{run_dir.name}",
+        tags=list(cfg.logger.tags),
+        config=OmegaConf.to_container(cfg, resolve=True),
+        dir=str(run_dir),
+        settings=wandb.Settings(quiet=True),  # the closing summary is ours (train/app.py)
+    )
+
+
+def plot_losses(rows: list[dict], path: Path) -> None:
+    """Training loss (total and LM), per-source indexer KL, and held-out LM loss against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def series(part, key):  # null (skipped step) -> a gap in the line
+        return [r["step"] for r in part if key in r], [math.nan if r[key] is None else r[key] for r in part if key in r]
+
+    train = [r for r in rows if r.get("split") != "eval"]
+    evals = [r for r in rows if r.get("split") == "eval"]
+    fig, (lm_ax, kl_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("loss", "train loss"), ("lm_loss", "train LM loss")):
+        lm_ax.plot(*series(train, key), label=label, lw=1)
+    if evals:
+        lm_ax.plot(*series(evals, "lm_loss"), "o-", label="held-out LM loss")
+    lm_ax.set(xlabel="step", ylabel="nats/token", title="loss")
+    lm_ax.legend()
+    sources = sorted({k for r in train for k in r if k.startswith("indexer_loss/")},
+                     key=lambda k: int(k.rsplit("layer", 1)[-1]))
+    for key in sources:
+        kl_ax.plot(*series(train, key), label=key.split("/")[-1], lw=1)
+    kl_ax.set(xlabel="step", ylabel="KL", title="indexer loss per index source")
+    if sources:
+        kl_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
