@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels import triton_attention as attn
+from kernels import triton_dkv as dkv
 from kernels import triton_indexer as idx
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -50,10 +51,13 @@ def main():
     bf, f32, i64, i32 = "*bf16", "*fp32", "*i64", "i32"
     report(attn._fwd_kernel, dict(Q=bf, KVW=bf, WIN_LO=i64, KVC=bf, IDX=i64, SINK=f32, OUT=bf, LSE=f32, MASS=f32,
                                   PSCR="*fp16", T=i32, S=i32, H=i32, scale_log2="fp32"),
-           dict(D=512, W=128, K=512, BLOCK_H=64, MASS_PASS=True, MAX_BLOCKS=attn._max_blocks(512)))
+           dict(D=512, W=128, K=512, K_P=attn._padded_k(512), BLOCK_H=64, MASS_PASS=True))
     report(attn._bwd_kernel, dict(Q=bf, KVW=bf, WIN_LO=i64, KVC=bf, IDX=i64, SINK=f32, OUT=bf, DOUT=bf, LSE=f32, DQ=bf,
-                                  DKVW=f32, DKVC=f32, DSINK=f32, T=i32, S=i32, H=i32, scale="fp32"),
-           dict(D=512, W=128, K=512, BLOCK_H=64, ADD_DKV=True))
+                                  PART=bf, DSINK=f32, tok0=i32, T=i32, S=i32, H=i32, scale="fp32"),
+           dict(D=512, W=128, K=512, BLOCK_H=64))
+    chunk = dict(W=128, K=512, D=512)
+    report(dkv._window_reduce_kernel, dict(PART=bf, DKV=f32, tok0=i32, n_tok=i32, row0=i32, n_rows=i32), chunk)
+    report(dkv._entry_reduce_kernel, dict(PART=bf, ORDER=i64, OFFSETS=i64, DKV=f32), chunk)
     index = dict(NH=i32)
     report(idx._score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, OUT=f32, n_queries=i32, s_begin=i32,
                                    s_end=i32, C=i32, **index), dict(DI=128, NH_P=32, WHILE_LOOP=False))

@@ -10,20 +10,23 @@ Softmax runs in the log2 domain (scores pre-multiplied by scale*log2(e)). The ru
 logit and the running sum at 1 (the sink's own term), so the sink is in the denominator from the start and a
 fully masked block can never produce exp(-inf - -inf). The saved LSE is natural-log and includes the sink.
 
-Backward: dq stays in registers per token; dkv rows are shared by many queries (and duplicate slots), so each
-block's [BLOCK_N, D] contribution ``P^T dO + scale * dS^T Q`` is added with fp32 atomics into fp32 buffers
-(not bitwise deterministic; the sum order of fp32 adds varies). dsink is written per token and summed by torch,
-so it is deterministic.
+Backward: dq stays in registers per token. dkv rows are shared by many queries (and duplicate slots): each
+block's [BLOCK_N, D] contribution ``P^T dO + scale * dS^T Q`` is stored as a partial row per (token, slot) for a
+chunk of tokens, and ``kernels/triton_dkv.py`` sums the partials of each row in a fixed order (deterministic, no
+atomics). dsink is written per token and summed by torch, so it is deterministic too.
 """
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import add_rows, configs, load_rows, new_output
+from kernels import triton_dkv
+from kernels.triton_common import configs, load_rows, new_output
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels may only read constexpr globals
-# Stages the benchmark switches off to time the rest ("mass_pass", "dkv_atomics"); empty in real use.
+# Stages the benchmark switches off to time the rest ("mass_pass", "dkv_reduce"); empty in real use.
 ABLATE: set[str] = set()
+# Partial dKV rows of one backward chunk (bf16 at real width: 655 KB per token, 6,553 tokens per chunk).
+PARTIAL_CHUNK_BYTES = 4 << 30
 
 # Hopper: acc [64, 512] fp32 is 128 registers/thread over 8 warps; q [64, 512] bf16 (64 KB) plus the gathered
 # KV tiles (BLOCK_N x 1 KB per stage) must fit the 227 KB of shared memory.
@@ -79,11 +82,13 @@ def _online_softmax_step(q, kv, valid, m, l, acc, scale_log2):
 @triton.autotune(configs=_FWD_CONFIGS, key=["H", "D", "W", "K"])
 @triton.jit
 def _fwd_kernel(Q, KVW, WIN_LO, KVC, IDX, SINK, OUT, LSE, MASS, PSCR, T, S, H, scale_log2,
-                D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, MASS_PASS: tl.constexpr,
-                MAX_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+                D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr, BLOCK_H: tl.constexpr,
+                MASS_PASS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Selected mass without a second QK^T: the selected blocks' p (relative to the running max after the block)
     go to an fp16 scratch PSCR [tokens, H, K] and the running max after each block to registers (block_max);
-    once the LSE is known, p * exp2(block max - lse) summed over heads is the mass."""
+    once the LSE is known, the epilogue reads the token's whole [H, K] scratch in one load (many requests in
+    flight: a loop of one dependent load per block was latency-bound) and sums p * exp2(block max - lse) over
+    heads. K_P (K padded to a power of two >= every BLOCK_N) makes the scratch a [H, K_P / BLOCK_N, BLOCK_N] tile."""
     tok = tl.program_id(0).to(tl.int64)  # flat b*T + t
     b = tok // T
     t = tok - b * T
@@ -101,8 +106,9 @@ def _fwd_kernel(Q, KVW, WIN_LO, KVC, IDX, SINK, OUT, LSE, MASS, PSCR, T, S, H, s
         m, l, acc, _ = _online_softmax_step(q, load_rows(kvw, rows, valid, D), valid, m, l, acc, scale_log2)
     kvc = KVC + b * S * D
     pscr = PSCR + tok * H * K + heads[:, None] * K
-    blocks = tl.arange(0, MAX_BLOCKS)[None, :]
-    block_max = tl.zeros([BLOCK_H, MAX_BLOCKS], tl.float32)
+    blocks = tl.arange(0, K_P // BLOCK_N)[None, :]
+    # -inf for blocks past K: their factor exp2(-inf) is 0, never inf * 0.
+    block_max = tl.full([BLOCK_H, K_P // BLOCK_N], float("-inf"), tl.float32)
     for start in range(0, K, BLOCK_N):
         idx, valid = _selected_slots(IDX + tok * K, start, K, BLOCK_N)
         m, l, acc, p = _online_softmax_step(q, load_rows(kvc, idx, valid, D), valid, m, l, acc, scale_log2)
@@ -119,33 +125,37 @@ def _fwd_kernel(Q, KVW, WIN_LO, KVC, IDX, SINK, OUT, LSE, MASS, PSCR, T, S, H, s
 
     if MASS_PASS:
         tl.debug_barrier()  # the scratch is read back by other threads of this program
-        for start in range(0, K, BLOCK_N):
-            offs = start + tl.arange(0, BLOCK_N)
-            p = tl.load(pscr + offs[None, :], mask=hmask[:, None] & (offs < K)[None, :], other=0.0).to(tl.float32)
-            to_final = tl.exp2(tl.sum(tl.where(blocks == start // BLOCK_N, block_max, 0.0), 1) - lse2)
-            tl.store(MASS + tok * K + offs, tl.sum(p * to_final[:, None], 0), mask=offs < K)
+        cols = tl.arange(0, K_P)
+        p = tl.load(pscr + cols[None, :], mask=hmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+        to_final = tl.exp2(block_max - lse2[:, None])
+        weighted = tl.reshape(p, [BLOCK_H, K_P // BLOCK_N, BLOCK_N]) * to_final[:, :, None]
+        tl.store(MASS + tok * K + cols, tl.reshape(tl.sum(weighted, 0), [K_P]), mask=cols < K)
 
 
 @triton.jit
-def _grad_step(q, do, kv, rows, valid, lse2, delta, dq, DKV, scale, D: tl.constexpr, ADD_DKV: tl.constexpr):
-    """Gradients of one block: returns dq updated, atomically adds the block's dkv rows into DKV (fp32)."""
+def _grad_step(q, do, kv, valid, lse2, delta, dq, part, slots, in_part, scale, D: tl.constexpr):
+    """Gradients of one block: returns dq updated and stores the block's partial dkv rows at ``part + slots``
+    (masked slots get zero rows: their p and dS are 0)."""
     p = _probs(q, kv, valid, lse2, scale * LOG2E)
     dp = tl.dot(do, tl.trans(kv))
     ds = p * (dp - delta[:, None]) * scale
     dq = tl.dot(ds.to(kv.dtype), kv, dq)
     dkv_t = tl.dot(tl.trans(q), ds.to(kv.dtype))
     dkv_t = tl.dot(tl.trans(do), p.to(kv.dtype), dkv_t)
-    if ADD_DKV:
-        add_rows(DKV, rows, valid, tl.trans(dkv_t), D)
+    dims = tl.arange(0, D)
+    tl.store(part + slots[:, None] * D + dims[None, :], tl.trans(dkv_t).to(part.dtype.element_ty),
+             mask=in_part[:, None])
     return dq
 
 
-@triton.autotune(configs=_BWD_CONFIGS, key=["H", "D", "W", "K"], reset_to_zero=["DKVW", "DKVC"])
-@triton.jit
-def _bwd_kernel(Q, KVW, WIN_LO, KVC, IDX, SINK, OUT, DOUT, LSE, DQ, DKVW, DKVC, DSINK, T, S, H, scale,
-                D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, ADD_DKV: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
+@triton.autotune(configs=_BWD_CONFIGS, key=["H", "D", "W", "K"])
+@triton.jit(do_not_specialize=["tok0"])  # one compiled kernel for every chunk offset
+def _bwd_kernel(Q, KVW, WIN_LO, KVC, IDX, SINK, OUT, DOUT, LSE, DQ, PART, DSINK, tok0, T, S, H, scale,
+                D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Token tok0 + program id: dq, dsink, and its W + K partial dkv rows PART[program id], every slot written
+    (zero rows for masked slots), so the reductions may read any slot."""
+    row = tl.program_id(0).to(tl.int64)
+    tok = tok0 + row
     b = tok // T
     t = tok - b * T
     heads = tl.arange(0, BLOCK_H)
@@ -156,18 +166,21 @@ def _bwd_kernel(Q, KVW, WIN_LO, KVC, IDX, SINK, OUT, DOUT, LSE, DQ, DKVW, DKVC, 
     # Padded heads get lse = +inf: their probabilities are exactly 0 and add nothing to dkv.
     lse2 = tl.load(LSE + tok * H + heads, mask=hmask, other=float("inf")) * LOG2E
     dq = tl.zeros([BLOCK_H, D], tl.float32)
+    part = PART + row * (W + K) * D
 
     lo = tl.load(WIN_LO + tok)
     kvw = KVW + b * T * D
-    dkvw = DKVW + b * T * D
     for start in range(0, W, BLOCK_N):
         rows, valid = _window_slots(t, lo, start, W, BLOCK_N)
-        dq = _grad_step(q, do, load_rows(kvw, rows, valid, D), rows, valid, lse2, delta, dq, dkvw, scale, D, ADD_DKV)
+        slots = start + tl.arange(0, BLOCK_N)
+        dq = _grad_step(q, do, load_rows(kvw, rows, valid, D), valid, lse2, delta, dq, part, slots, slots < W, scale,
+                        D)
     kvc = KVC + b * S * D
-    dkvc = DKVC + b * S * D
     for start in range(0, K, BLOCK_N):
         idx, valid = _selected_slots(IDX + tok * K, start, K, BLOCK_N)
-        dq = _grad_step(q, do, load_rows(kvc, idx, valid, D), idx, valid, lse2, delta, dq, dkvc, scale, D, ADD_DKV)
+        offs = start + tl.arange(0, BLOCK_N)
+        dq = _grad_step(q, do, load_rows(kvc, idx, valid, D), valid, lse2, delta, dq, part, W + offs, offs < K, scale,
+                        D)
 
     dims = tl.arange(0, D)
     tl.store(DQ + tok * H * D + heads[:, None] * D + dims[None, :], dq.to(DQ.dtype.element_ty), mask=hmask[:, None])
@@ -176,14 +189,24 @@ def _bwd_kernel(Q, KVW, WIN_LO, KVC, IDX, SINK, OUT, DOUT, LSE, DQ, DKVW, DKVC, 
     tl.store(DSINK + tok * H + heads, -tl.exp2(sink2 - lse2) * delta, mask=hmask)
 
 
-def _max_blocks(k: int) -> int:
-    """Columns of the forward's per-block max registers: K / (smallest BLOCK_N = 16), a power of two."""
-    return triton.next_power_of_2(max(1, -(-k // 16)))
+def _padded_k(k: int) -> int:
+    """K padded to a power of two that every forward BLOCK_N divides (the epilogue's [H, K_P] tile)."""
+    return max(64, triton.next_power_of_2(k))
 
 
 def _block_h(n_heads: int) -> int:
     """Heads padded to a power of two of at least 16 (tl.dot's smallest M)."""
     return max(16, triton.next_power_of_2(n_heads))
+
+
+def _flat_entries(topk_idx: torch.Tensor, n_entries: int) -> torch.Tensor:
+    """Selections as flat entry ids b*S + idx over all batch rows ([B*T, K]), -1 kept for empty slots.
+
+    int32 (B*S < 2**31 at any size that fits in memory): the inverse index's radix sort then makes half the
+    passes of an int64 sort."""
+    B, T, K = topk_idx.shape
+    base = torch.arange(B, device=topk_idx.device, dtype=torch.int32).view(B, 1, 1) * n_entries
+    return torch.where(topk_idx >= 0, topk_idx.int() + base, -1).view(B * T, K)
 
 
 class SparseAttention(torch.autograd.Function):
@@ -200,13 +223,13 @@ class SparseAttention(torch.autograd.Function):
         out = new_output(q.shape, q.dtype, q.device)
         lse = new_output((B, T, H), torch.float32, q.device)
         mass = new_output((B, T, K), torch.float32, q.device)
-        mass_pass = "mass_pass" not in ABLATE
+        mass_pass = K > 0 and "mass_pass" not in ABLATE
         # p in [0, 1]: fp16 keeps 11 bits (bf16 only 8); fp32 inputs keep fp32 (the CPU tests' 1e-4 bound).
         p_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
         p_scratch = torch.empty((B, T, H, K) if mass_pass else (0,), dtype=p_dtype, device=q.device)
         _fwd_kernel[(B * T,)](q, kv_window, win_lo, kv_comp, topk_idx, sink, out, lse, mass, p_scratch, T,
-                              kv_comp.shape[1], H, scale * LOG2E.value, D=D, W=window, K=K, BLOCK_H=_block_h(H),
-                              MASS_PASS=mass_pass, MAX_BLOCKS=_max_blocks(K))
+                              kv_comp.shape[1], H, scale * LOG2E.value, D=D, W=window, K=K, K_P=_padded_k(K),
+                              BLOCK_H=_block_h(H), MASS_PASS=mass_pass)
         ctx.save_for_backward(q, kv_window, win_lo, kv_comp, topk_idx, sink, out, lse)
         ctx.scale, ctx.window, ctx.K = scale, window, K
         ctx.mark_non_differentiable(mass)
@@ -216,15 +239,31 @@ class SparseAttention(torch.autograd.Function):
     def backward(ctx, dout, _dmass):
         q, kv_window, win_lo, kv_comp, topk_idx, sink, out, lse = ctx.saved_tensors
         B, T, H, D = q.shape
+        W, K = ctx.window, ctx.K
+        dout = dout.contiguous().to(q.dtype)
         dq = new_output(q.shape, q.dtype, q.device)
-        dkvw = torch.zeros(kv_window.shape, dtype=torch.float32, device=q.device)
-        dkvc = torch.zeros(kv_comp.shape, dtype=torch.float32, device=q.device) if ctx.has_sel else dkvw
         dsink = new_output((B, T, H), torch.float32, q.device)
-        _bwd_kernel[(B * T,)](q, kv_window, win_lo, kv_comp, topk_idx, sink, out, dout.contiguous().to(q.dtype), lse,
-                              dq, dkvw, dkvc, dsink, T, kv_comp.shape[1], H, ctx.scale,
-                              D=D, W=ctx.window, K=ctx.K, BLOCK_H=_block_h(H), ADD_DKV="dkv_atomics" not in ABLATE)
-        dkv_comp = dkvc.to(kv_comp.dtype) if ctx.has_sel else None
-        return (dq, dkvw.to(kv_window.dtype), None, dkv_comp, None, dsink.sum((0, 1)).to(sink.dtype), None, None)
+        dkvw = torch.zeros((B * T, D), dtype=torch.float32, device=q.device)
+        if ctx.has_sel:
+            dkvc = torch.zeros((B * kv_comp.shape[1], D), dtype=torch.float32, device=q.device)
+            entries = _flat_entries(topk_idx, kv_comp.shape[1])
+        reduce = "dkv_reduce" not in ABLATE
+        # Partials in the input dtype: bf16 rounding of a token's contribution is the rounding its P and dS already
+        # get as bf16 MMA operands; fp32 inputs (the CPU tests) keep fp32.
+        chunk = min(B * T, max(1, PARTIAL_CHUNK_BYTES // ((W + K) * D * q.element_size())))
+        chunk_part = new_output((chunk, W + K, D), q.dtype, q.device)  # one buffer, reused by every chunk
+        for tok0 in range(0, B * T, chunk):
+            n = min(chunk, B * T - tok0)
+            part = chunk_part[:n]
+            _bwd_kernel[(n,)](q, kv_window, win_lo, kv_comp, topk_idx, sink, out, dout, lse, dq, part, dsink, tok0,
+                              T, kv_comp.shape[1], H, ctx.scale, D=D, W=W, K=K, BLOCK_H=_block_h(H))
+            if reduce:
+                triton_dkv.reduce_window(part, dkvw, tok0, W)
+                if ctx.has_sel:
+                    triton_dkv.reduce_selected(part, dkvc, entries[tok0:tok0 + n], W)
+        dkv_comp = dkvc.view(kv_comp.shape).to(kv_comp.dtype) if ctx.has_sel else None
+        return (dq, dkvw.view(kv_window.shape).to(kv_window.dtype), None, dkv_comp, None,
+                dsink.sum((0, 1)).to(sink.dtype), None, None)
 
 
 def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int):
