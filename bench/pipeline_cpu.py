@@ -34,20 +34,15 @@ def _timed(engine, table, key):
 def _worker(rank, world, cuts, microbatches, steps, index_k, out):
     from deepspeed.runtime.pipe import schedule
 
-    from model import ModelArgs, layout_from_config
     from model.cli import compose
-    from parallel.engine import CSA2PipelineModule, LanguageModelLoss, build_engine
-    from parallel.partition import partition
+    from train.engine import build_engine
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    cfg = compose([])
-    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
-    plan = partition(args, layout, SEQ_LEN, world, cuts)
-    module = CSA2PipelineModule(args, layout, plan, LanguageModelLoss(1.0, list(layout.index_source_layer_ids)),
-                                MICRO_BATCH, SEQ_LEN, torch.float32, index_k, 0, False)
-    engine = build_engine(module, {"train_micro_batch_size_per_gpu": MICRO_BATCH,
-                                   "gradient_accumulation_steps": microbatches, "steps_per_print": 10 ** 9,
-                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
+    cfg = compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
+                   f"parallel.index_k={index_k}", f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
+                   f"train.grad_accum_steps={microbatches}"])
+    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    module, plan = engine.module, engine.module.plan
     times: dict[str, float] = {}
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, **{
         k: _timed(engine, times, k) for k in (schedule.ForwardPass, schedule.BackwardPass)}}
@@ -55,7 +50,7 @@ def _worker(rank, world, cuts, microbatches, steps, index_k, out):
 
     def data():
         while True:
-            x = torch.randint(0, args.vocab_size, (MICRO_BATCH, SEQ_LEN), generator=g)
+            x = torch.randint(0, cfg.model.vocab_size, (MICRO_BATCH, SEQ_LEN), generator=g)
             yield (x, torch.zeros_like(x)), x
 
     it = data()

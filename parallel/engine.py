@@ -6,7 +6,8 @@ switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
   reduction, only the owner's copy is in the optimizer, and after the step the owner's values are broadcast
   to its replicas, so replicas stay bitwise equal to the owner;
 - gradient clipping by the global norm over all stages (DeepSpeed's fp32 clipping, given a pipeline grid,
-  counts only the first stage's gradients), with the norm kept for logging;
+  counts only the first stage's gradients), the indexer's parameters clipped by their own norm so that the
+  indexer loss never changes how far the trunk moves (SPEC §2: the indexer learns only from its KL);
 - a non-finite loss skips the whole step on every rank (no parameter, optimizer or schedule change).
 Checkpoints hold the model per transformer layer under the full model's names, so they load under any split.
 """
@@ -15,7 +16,6 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -26,31 +26,12 @@ from model.layout import Layout
 from parallel.partition import StagePlan
 from parallel.stage import SHADOW_PREFIX, PipelineStage, owner_name, shadow_sources
 
-IGNORE_INDEX = -100
-
-
-class LanguageModelLoss:
-    """LM cross-entropy + ``coef`` x the sum of the per-source indexer KLs (SPEC §2), remembering the parts of the
-    latest microbatch so that the engine can report them per source."""
-
-    def __init__(self, coef: float, sources: list[int]):
-        self.coef, self.sources = coef, sources
-        self.parts: OrderedDict[str, torch.Tensor] | None = None
-
-    def part_names(self) -> list[str]:
-        return ["lm_loss", "indexer_loss", *(f"indexer_loss/layer{s}" for s in self.sources)]
-
-    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
-        logits, indexer_losses = outputs
-        lm = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-        indexer = indexer_losses.sum()
-        values = torch.cat([torch.stack([lm, indexer]), indexer_losses]).detach()
-        self.parts = OrderedDict(zip(self.part_names(), values))
-        return lm + self.coef * indexer
-
-
 class CSA2PipelineModule(PipelineModule):
-    def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn: LanguageModelLoss,
+    """One ``PipelineStage`` per pipeline stage. ``loss_fn(outputs, labels)`` runs on the last stage; it names
+    its reported parts (``part_names()``) and keeps those of its latest microbatch in ``parts`` (scalars),
+    which DeepSpeed averages over microbatches and data-parallel ranks (``engine.get_additional_losses()``)."""
+
+    def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn,
                  micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int, recompute: bool):
         os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
         specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
@@ -107,7 +88,7 @@ class CSA2PipelineEngine(PipelineEngine):
     def __init__(self, *args, max_grad_norm: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_grad_norm = max_grad_norm
-        self.grad_norm = None  # global gradient norm of the last step (before clipping)
+        self.grad_norm = self.indexer_grad_norm = None  # global norms of the last step, before clipping
         self.nonfinite_steps = 0  # consecutive skipped steps
         self.last_step_skipped = False
         self._shadow_links = self._link_shadows()
@@ -138,6 +119,21 @@ class CSA2PipelineEngine(PipelineEngine):
                     tensors = list(me.shadows[str(source)].parameters())
                 links.append((group, ranks[0], tensors))
         return links
+
+    def owned_named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This stage's optimised parameters under the full model's names."""
+        return dict(self.module.stage.model.named_parameters())
+
+    def optimizer_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer's per-parameter state keyed by full-model parameter name, so that it can be loaded
+        under another stage split (DeepSpeed's own files are keyed by stage)."""
+        return {name: {k: v.detach().cpu() for k, v in self.optimizer.state[p].items()}
+                for name, p in self.owned_named_parameters().items() if p in self.optimizer.state}
+
+    def load_optimizer_state_by_name(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
+        for name, p in self.owned_named_parameters().items():
+            if name in states:
+                self.optimizer.state[p] = {k: v.to(p.device) for k, v in states[name].items()}
 
     def _reduce_tied_and_shadow_grads(self):
         PipelineEngine._exec_reduce_tied_grads(self)
@@ -170,25 +166,33 @@ class CSA2PipelineEngine(PipelineEngine):
         self.nonfinite_steps = 0
         self._clip_gradients()
         PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+        self.sync_shadows()
+
+    def sync_shadows(self) -> None:
+        """Copy every owner's index-key projection to its replicas (after a step, and after loading weights)."""
         for group, owner, tensors in self._shadow_links:
             for t in tensors:
                 dist.broadcast(t.data, src=owner, group=group)
 
     def _clip_gradients(self) -> None:
-        """Scale owned gradients so that their norm over the whole pipeline is at most ``max_grad_norm``.
+        """Clip trunk and indexer gradients, each group by its own norm over the whole pipeline.
 
         The per-tensor squared norms of all stages are gathered and summed in the full model's parameter order,
-        so the norm (and every clipped gradient) is bitwise the single-stage one. Runs after the data-parallel
-        reduction, so every replica of a stage sees the same norm."""
-        grads = [p.grad for p in self.module.owned_parameters() if p.grad is not None]
-        local = torch.stack([g.float().pow(2).sum() for g in grads]) if grads else torch.zeros(0)
+        so each norm (and every clipped gradient) is bitwise the single-stage one. Runs after the data-parallel
+        reduction, so every replica of a stage sees the same norms. ``grad_norm`` is the trunk's."""
+        named = [(n, p.grad) for n, p in self.owned_named_parameters().items() if p.grad is not None]
+        indexer = torch.tensor([".indexer." in n for n, _ in named], dtype=torch.bool)
+        local = torch.stack([g.float().pow(2).sum().cpu() for _, g in named]) if named else torch.zeros(0)
         per_stage = [None] * self.num_stages
-        dist.all_gather_object(per_stage, local.cpu(), group=self.grid.get_pipe_parallel_group())
-        self.grad_norm = torch.cat(per_stage).sum().sqrt().to(self.device)
-        if self.max_grad_norm > 0:
-            scale = torch.clamp(self.max_grad_norm / (self.grad_norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(scale.to(g.dtype))
+        dist.all_gather_object(per_stage, (local, indexer), group=self.grid.get_pipe_parallel_group())
+        squares, is_indexer = (torch.cat(parts) for parts in zip(*per_stage))
+        norms = {False: squares[~is_indexer].sum().sqrt(), True: squares[is_indexer].sum().sqrt()}
+        self.grad_norm, self.indexer_grad_norm = norms[False], norms[True]
+        if self.max_grad_norm <= 0:
+            return
+        scales = {k: torch.clamp(self.max_grad_norm / (v + 1e-6), max=1.0) for k, v in norms.items()}
+        for (_, g), is_idx in zip(named, indexer.tolist()):
+            g.mul_(scales[is_idx].to(g.device, g.dtype))
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

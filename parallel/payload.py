@@ -48,7 +48,10 @@ class Field:
 
 def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batch: int, seq_len: int,
                     dtype: torch.dtype, index_k: str = "shadow") -> list[Field]:
-    """Fields that cross the boundary after ``last_layer``: produced at or before it, last used after it."""
+    """Fields that cross the boundary after ``last_layer``: produced at or before it, last used after it.
+
+    ``dtype`` is the compute dtype of projections (bf16 under autocast); the residual stream ``h`` stays fp32
+    (fp32 master weights, the embedding's dtype)."""
     B, T, K = micro_batch, seq_len, args.index_topk
     ratio = layout.compress_ratios
     n_blocks = layout.candidate_topk_blocks
@@ -62,7 +65,7 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
                        block_id, False),
         "index_target": (lambda s: (B, T, K), torch.float32, torch.float32, False),
     }
-    fields = [Field("h", None, (B, T, args.dim), dtype, None, True),
+    fields = [Field("h", None, (B, T, args.dim), torch.float32, None, True),
               Field("doc_ids", None, (B, T), torch.int64, torch.int32, False)]
     for (name, source), last in sorted(layout.last_use.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if source <= last_layer < last and not (name == "index_k" and index_k == "shadow"):

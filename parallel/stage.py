@@ -35,11 +35,12 @@ class PipelineStage(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, stage_id: int, micro_batch: int,
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
                  recompute: bool = False):
+        """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights."""
         super().__init__()
         if index_k not in ("shadow", "payload"):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
         layers = plan.stages[stage_id]
-        self.stage_id, self.layout = stage_id, layout
+        self.stage_id, self.layout, self.compute_dtype = stage_id, layout, dtype
         self.model = Transformer(args, layout, layers, seed)
         for block in self.model.layers.values():
             block.recompute = recompute
@@ -60,6 +61,14 @@ class PipelineStage(nn.Module):
         self.backward_traversals = 0  # backward passes that reached this stage's input (one per microbatch)
 
     def forward(self, inputs):
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.compute_dtype == torch.bfloat16):
+            return self._forward(inputs)
+
+    @property
+    def device_type(self) -> str:
+        return next(self.parameters()).device.type
+
+    def _forward(self, inputs):
         if self.incoming is None:
             input_ids, doc_ids = inputs
             state = self.model.new_state(doc_ids)
@@ -75,6 +84,13 @@ class PipelineStage(nn.Module):
             return self.outgoing.pack(h, state)
         losses = [state.indexer_losses[s] for s in sorted(state.indexer_losses)]
         return self.model.logits(h), torch.stack(losses) if losses else h.new_zeros(0, dtype=torch.float32)
+
+    def whole_model(self, input_ids: torch.Tensor, doc_ids: torch.Tensor, collect_recall: bool = False):
+        """The full model's forward (``ModelOutput``) when this single stage holds every layer: evaluation."""
+        if self.incoming is not None or self.outgoing is not None:
+            raise RuntimeError("whole_model needs the whole model on one stage (parallel.pipeline_stages=1)")
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.compute_dtype == torch.bfloat16):
+            return self.model(input_ids, doc_ids, collect_recall)
 
     def _count_traversal(self, grad: torch.Tensor) -> None:
         self.backward_traversals += 1

@@ -22,29 +22,31 @@ def batches(vocab: int):
 
 
 def _worker(rank, world, out, cuts, index_k, recompute):
-    from model import ModelArgs, layout_from_config
     from model.cli import compose
-    from parallel.engine import CSA2PipelineModule, LanguageModelLoss, build_engine
-    from parallel.partition import partition
+    from train.engine import build_engine
 
-    cfg = compose([])
-    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
-    plan = partition(args, layout, SEQ_LEN, world, cuts)
-    loss = LanguageModelLoss(1.0, list(layout.index_source_layer_ids))
-    module = CSA2PipelineModule(args, layout, plan, loss, MICRO_BATCH, SEQ_LEN, torch.float32, index_k, 0,
-                                recompute)
-    engine = build_engine(module, {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": MICROBATCHES,
-        "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1, "torch_adam": True}}})
-    data = batches(args.vocab_size)
+    cfg = compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
+                   f"parallel.index_k={index_k}", f"parallel.recompute={'layer' if recompute else 'none'}",
+                   f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
+                   f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1"])
+    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    stage = engine.module.stage
+    first_grads = {}
+    clip = engine._clip_gradients
+
+    def snapshot_then_clip():  # the reduced gradients of the first step, before clipping and the update
+        if not first_grads:
+            first_grads.update({n: p.grad.clone() for n, p in stage.model.named_parameters() if p.grad is not None})
+        clip()
+    engine._clip_gradients = snapshot_then_clip
+    data = batches(cfg.model.vocab_size)
     losses, live_after = [], []
     for _ in range(STEPS):
         losses.append(engine.train_batch(data).item())
-        live_after.append(module.stage.ledger.live())
-    stage = module.stage
+        live_after.append(stage.ledger.live())
     torch.save({"losses": losses, "parts": {k: v.item() for k, v in engine.get_additional_losses().items()},
                 "params": {n: p.detach().clone() for n, p in stage.model.named_parameters()},
+                "first_grads": first_grads,
                 "shadows": {n: p.detach().clone() for n, p in stage.shadows.named_parameters()},
                 "live_after": live_after, "peak_microbatches": stage.ledger.peak_microbatches,
                 "backward_traversals": stage.backward_traversals, "stage": engine.stage_id}, f"{out}/rank{rank}.pt")

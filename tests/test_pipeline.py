@@ -42,18 +42,39 @@ def test_losses_equal_single_stage(reference, pipelined):
         assert ranks[-1]["parts"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
 
 
+def _shadowed_keys(name: str, stages: int, cuts) -> bool:
+    """An owner's index-key projection whose gradient is summed over stages (shadow indexers)."""
+    return stages > 1 and any(name.startswith(f"layers.6.attn.indexer.{t}") for t in ("wk", "k_norm")) and 8 in cuts
+
+
+def test_gradients_equal_single_stage(reference, pipelined):
+    """Step 1's reduced gradients: bitwise, except the index-key projection of a Full layer whose keys a later
+    stage recomputes (shadow indexers): its gradient is the sum of per-stage products instead of one product of
+    summed key gradients, a different reduction order."""
+    (stages, cuts, index_k, _), ranks = pipelined
+    grads = _merged(ranks, "first_grads")
+    assert grads.keys() == reference["first_grads"].keys()
+    for name, want in reference["first_grads"].items():
+        if index_k == "shadow" and _shadowed_keys(name, stages, cuts):
+            assert (grads[name] - want).norm() <= 1e-6 * want.norm(), name
+        else:
+            assert torch.equal(grads[name], want), name
+
+
 def test_parameters_equal_single_stage(reference, pipelined):
-    """Bitwise, except where the reduction order differs: with shadow indexers the index-key projection's
-    gradient is summed over stages instead of inside one backward (then every indexer tensor, whose inputs at
-    step 2 depend on it, may differ by rounding)."""
-    (_, _, index_k, _), ranks = pipelined
+    """After 2 steps: bitwise with index K sent as payload. With shadow indexers the trunk is still bitwise
+    (the index keys reach only the indexer loss and the selection, which does not flip here); the indexer's
+    tensors whose step-2 inputs depend on those keys differ by rounding that AdamW's per-element normalisation
+    magnifies where a gradient entry is small, so their check is the gradient one above plus this bound on all
+    other indexer tensors."""
+    (stages, cuts, index_k, _), ranks = pipelined
     params = _merged(ranks, "params")
     assert params.keys() == reference["params"].keys()
     for name, want in reference["params"].items():
         got = params[name]
         if index_k == "payload" or ".indexer." not in name:
             assert torch.equal(got, want), name
-        else:
+        elif not _shadowed_keys(name, stages, cuts):
             assert (got - want).norm() <= 1e-6 * want.norm(), name
 
 

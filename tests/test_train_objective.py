@@ -65,7 +65,7 @@ def test_non_finite_step_is_skipped(monkeypatch):
     """A NaN loss leaves weights (and the schedule) untouched and is reported; the next good step trains."""
     cfg = compose(["data.micro_batch_size=2"])
     distributed.init(torch.device("cpu"))
-    engine = build_engine(cfg, _tiny_model(cfg), "fp32")
+    engine = build_engine(cfg, "fp32", torch.device("cpu"))
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     lr = engine.get_lr()[0]
 
@@ -74,12 +74,12 @@ def test_non_finite_step_is_skipped(monkeypatch):
         return Loss(loss.total * float("nan"), loss.lm, loss.indexer, loss.tokens)
 
     monkeypatch.setattr(engine_module, "compute_loss", nan_loss)
-    result = train_step(engine, [_batch()], 1.0)
+    result = train_step(engine, [_batch()])
     assert result.bad and not result.applied
     assert all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
     assert engine.get_lr()[0] == lr
     monkeypatch.undo()
-    result = train_step(engine, [_batch()], 1.0)
+    result = train_step(engine, [_batch()])
     assert not result.bad
     assert any(not torch.equal(before[n], p) for n, p in engine.module.named_parameters())
 

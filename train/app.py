@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from model import ModelArgs, build_model, layout_from_config
+from model import ModelArgs, layout_from_config
 from train import checkpoint, distributed
 from train.data import build_loader
 from train.engine import build_engine, resolve_device, resolve_precision, train_step
@@ -84,16 +84,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
 
     seed_everything(cfg.train.seed)
-    model = build_model(cfg.model, cfg.layout)
-    loader = build_loader(cfg.data, rank=distributed.rank(), world_size=distributed.world_size(),
+    engine = build_engine(cfg, precision, device)
+    loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
                           vocab_size=cfg.model.vocab_size)
-    evaluator = Evaluator(cfg, device)
-    engine = build_engine(cfg, model, precision)
-    log.info("%s model (%.2fM parameters), %s layout, %s on %s, %d process(es); run dir %s", cfg.model.name,
-             sum(p.numel() for p in model.parameters()) / 1e6, cfg.layout.name, precision, device.type,
-             distributed.world_size(), run_dir)
+    evaluator = Evaluator(cfg, device, engine)
+    log.info("%s model (%.2fM parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
+             cfg.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, cfg.layout.name,
+             precision, device.type, distributed.world_size(), run_dir)
     if ref:
-        resume_state = checkpoint.load(engine, ref)
+        resume_state = checkpoint.load(engine, ref, saved["config"]["parallel"]["pipeline_stages"])
         checkpoint.set_rng_state(resume_state["rng"])
         loader.load_state_dict(resume_state["loader"])
         log.info("resumed from %s at step %d", ref.path, saved["step"])
@@ -103,7 +102,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     logger = MetricsLogger(cfg, run_dir, trainer.state["step"], enabled=distributed.rank() == 0)
     try:
         trainer.train(logger)
-        final = {"step": trainer.state["step"], **evaluator(engine.module, probes=True)}
+        final = {"step": trainer.state["step"], **evaluator(probes=True)}
         logger.log_eval(final)
         logger.summarize({f"eval/{k}": v for k, v in final.items()})
     finally:
@@ -137,7 +136,7 @@ class Trainer:
                 bar.update(1)
                 self.stop_if_diverged()
                 if train.eval.every and step % train.eval.every == 0 and step != stop:  # the end has its own
-                    logger.log_eval({"step": step, **self.evaluator(self.engine.module, probes=False)})
+                    logger.log_eval({"step": step, **self.evaluator(probes=False)})
                 if (step % train.checkpoint_every == 0 or step == stop) and self.state["bad_streak"] == 0:
                     self.save()
         finally:
@@ -147,8 +146,7 @@ class Trainer:
         """One optimizer step; returns its ``metrics.jsonl`` row."""
         train = self.cfg.train
         start = time.perf_counter()
-        result = train_step(self.engine, [next(self.loader) for _ in range(train.grad_accum_steps)],
-                            float(train.indexer_loss_coef))
+        result = train_step(self.engine, [next(self.loader) for _ in range(train.grad_accum_steps)])
         seconds = time.perf_counter() - start
         self.state["step"] = step
         if result.bad:

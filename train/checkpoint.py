@@ -6,14 +6,17 @@ Layout of ``<checkpoint_dir>``::
     step00000100/          # one tag directory per save
         ...                # DeepSpeed's files: model, optimizer (ZeRO shards), LR scheduler
         trainer_state.json # step, bad-step counters, the resolved run config
-        resume_state.pt    # RNG states and the loader position (plain tensors and containers)
+        resume_state.pt    # RNG states, loader position, LR schedule and step counters
+        optimizer_stage00.pt  # per stage: optimizer state keyed by full-model parameter name
 
 A save goes into ``.step00000100.partial`` and is renamed once every rank has written its files; only then is
 ``latest`` replaced. A crash mid-save leaves a ``.partial`` directory that nothing reads and the previous
 ``latest`` intact. Our own files are JSON and ``torch.load(weights_only=True)``; DeepSpeed reads its own files.
 
 Every rank is seeded alike and the loader's position is global (``train/data.py``), so rank 0's RNG and loader
-state is every rank's: one file serves any number of ranks on resume.
+state is every rank's: one file serves any number of ranks on resume. The weights are stored per transformer
+layer under the full model's names (``parallel/engine.py``) and the optimizer state per parameter name, so a
+checkpoint also resumes under another ``parallel.pipeline_stages`` (then without DeepSpeed's per-stage files).
 """
 import json
 import logging
@@ -162,8 +165,10 @@ def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_st
         shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # debris of a crashed save
     dist.barrier()
     engine.save_checkpoint(str(checkpoint_dir), tag=partial, save_latest=False)
+    if engine.grid.data_parallel_id == 0:
+        torch.save(engine.optimizer_state_by_name(), checkpoint_dir / partial / f"optimizer_stage{engine.stage_id:02d}.pt")
     if rank == 0:
-        torch.save(resume_state, checkpoint_dir / partial / RESUME_STATE)
+        torch.save({**resume_state, **_engine_state(engine)}, checkpoint_dir / partial / RESUME_STATE)
         _write_text_atomic(checkpoint_dir / partial / TRAINER_STATE, json.dumps(trainer_state, indent=1))
     dist.barrier()
     if rank == 0:
@@ -187,9 +192,35 @@ def _prune(checkpoint_dir: Path, keep: int) -> None:
         shutil.rmtree(old)
 
 
-def load(engine, ref: CheckpointRef) -> dict:
-    """Load weights, optimizer and scheduler into ``engine``; return the RNG and loader state."""
-    load_path, _ = engine.load_checkpoint(str(ref.directory), tag=ref.tag)
-    if load_path is None:
-        raise CheckpointError(f"DeepSpeed found no model states in {ref.path}")
-    return torch.load(ref.path / RESUME_STATE, weights_only=True)
+def _engine_state(engine) -> dict:
+    """What the engine itself must resume besides weights and optimizer: schedule and step counters."""
+    return {"schedule": engine.lr_scheduler.state_dict(),
+            "counters": {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps")}}
+
+
+def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
+    """Load weights, optimizer and schedule into ``engine``; return the RNG and loader state.
+
+    Under the stage count it was saved with, DeepSpeed reads its own files. Under another, each stage reads
+    its layers' weight files and its parameters' optimizer state by name from every old stage's file."""
+    resume = torch.load(ref.path / RESUME_STATE, weights_only=True)
+    if saved_stages == engine.num_stages:
+        load_path, _ = engine.load_checkpoint(str(ref.directory), tag=ref.tag)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed found no model states in {ref.path}")
+        engine.sync_shadows()  # replicas are not in checkpoints: their owners' values are
+        return resume
+    log.info("checkpoint %s was written by %d pipeline stage(s); re-splitting it over %d", ref.path, saved_stages,
+             engine.num_stages)
+    engine.module.load_state_dir(str(ref.path), checkpoint_engine=None)
+    engine.sync_shadows()
+    states = {}
+    for path in sorted(ref.path.glob("optimizer_stage*.pt")):
+        states.update(torch.load(path, weights_only=True))
+    engine.load_optimizer_state_by_name(states)
+    engine.lr_scheduler.load_state_dict(resume["schedule"])
+    for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+        group["lr"] = lr
+    for key, value in resume["counters"].items():
+        setattr(engine, key, value)
+    return resume

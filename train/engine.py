@@ -1,23 +1,29 @@
 """The DeepSpeed engine every job runs on, and the one training step all jobs share.
 
-Even a single CPU process goes through ``deepspeed.initialize`` (gloo, no launcher), so that data and pipeline
-parallelism are settings of ``conf/parallel`` and not other code paths. The DeepSpeed config is generated
-from Hydra (``deepspeed_config``); ZeRO stage 1 is the default because its optimizer checks the gradients for
-inf/NaN and skips the update on its own, on CPU in fp32 as on GPU in bf16, which is how a non-finite step is
-skipped without touching the weights, the optimizer state or the schedule.
+Every job, a single CPU process included, runs on DeepSpeed's pipeline engine (``parallel/engine.py``) with
+``parallel.pipeline_stages`` stages (1 by default), so pipeline and data parallelism are settings of
+``conf/parallel`` and not other code paths. The DeepSpeed config is generated from Hydra (``deepspeed_config``).
+The engine itself clips gradients over all stages and skips a step whose loss is not finite, without touching
+the weights, the optimizer state or the schedule.
 """
 import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 
-import deepspeed
 import torch
 from omegaconf import DictConfig
 
+from model import ModelArgs, layout_from_config
+from model.transformer import ModelOutput
+from parallel.engine import CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
+from parallel.partition import partition
+from parallel.plan import check_pipeline, describe
 from train import distributed
-from train.loss import compute_loss, mean_metrics
+from train.loss import compute_loss
 
-_SUPPORTED_ZERO_STAGES = (1, 2)  # stage 0 in fp32 has no overflow check, stage 3 partitions the weights
+RECOMPUTE = ("none", "layer")
+INDEX_K = ("shadow", "payload")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -42,17 +48,15 @@ def resolve_precision(name: str, device: torch.device) -> str:
     return name
 
 
-def deepspeed_config(cfg: DictConfig, precision: str) -> dict:
-    """The DeepSpeed JSON config from ``cfg.train``, ``cfg.parallel`` and the batch size of ``cfg.data``.
+def deepspeed_config(cfg: DictConfig) -> dict:
+    """The DeepSpeed JSON config from ``cfg.train`` and the batch size of ``cfg.data``.
 
-    AdamW is torch's (``torch_adam``), so no fused or CPU-Adam extension is built. The schedule is not in
-    here: it is ``warmup_cosine`` handed to ``deepspeed.initialize`` (DeepSpeed's WarmupCosineLR starts at
-    lr 0 and warns before its first step).
+    AdamW is torch's (``torch_adam``), so no fused or CPU-Adam extension is built. The schedule is not in here:
+    it is ``warmup_cosine`` handed to the engine (DeepSpeed's WarmupCosineLR starts at lr 0). Precision is not
+    in here either: bf16 runs under autocast over fp32 master weights (``parallel/stage.py``), so gradients
+    and optimizer state stay fp32 and the engine's clipping sees them.
     """
-    train, parallel = cfg.train, cfg.parallel
-    if parallel.zero_stage not in _SUPPORTED_ZERO_STAGES:
-        raise ValueError(f"parallel.zero_stage must be one of {_SUPPORTED_ZERO_STAGES}, got {parallel.zero_stage}: "
-                         "stage 0 in fp32 would apply NaN updates, stage 3 partitions the weights")
+    train = cfg.train
     return {
         "train_micro_batch_size_per_gpu": int(cfg.data.micro_batch_size),
         "gradient_accumulation_steps": int(train.grad_accum_steps),
@@ -62,8 +66,6 @@ def deepspeed_config(cfg: DictConfig, precision: str) -> dict:
             "params": {"lr": float(train.lr), "betas": [float(b) for b in train.betas], "eps": float(train.eps),
                        "weight_decay": float(train.weight_decay), "torch_adam": True},
         },
-        "bf16": {"enabled": precision == "bf16"},
-        "zero_optimization": {"stage": int(parallel.zero_stage)},
         "steps_per_print": 2**62,  # progress is ours (tqdm, metrics.jsonl); DeepSpeed's would interleave
         "wall_clock_breakdown": False,
     }
@@ -79,27 +81,58 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
     return ratio
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(parameters: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
     """Weight decay on matrices only; norms' gains and attention sinks keep their scale."""
-    decay, keep = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else keep).append(p)
+    decay = [p for _, p in parameters if p.dim() >= 2]
+    keep = [p for _, p in parameters if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
 
 
-def build_engine(cfg: DictConfig, model: torch.nn.Module, precision: str):
-    """``deepspeed.initialize`` on ``model`` with the generated config and the warmup-cosine schedule."""
-    if cfg.parallel.pipeline_stages != 1:
-        raise NotImplementedError("parallel.pipeline_stages > 1 needs the pipeline engine (issue 4)")
+class PipelineLoss:
+    """The last stage's loss function: ``train/loss.py``'s objective on (logits, stacked indexer losses).
+
+    Keeps the parts of its latest microbatch (``parts``, named by ``part_names``) for the engine to average
+    over microbatches and data-parallel ranks."""
+
+    def __init__(self, coef: float, sources: list[int]):
+        self.coef, self.sources = coef, sources
+        self.parts: OrderedDict | None = None
+
+    def part_names(self) -> list[str]:
+        return ["loss", "lm_loss", "indexer_loss", *(f"indexer_loss/layer{s}" for s in self.sources)]
+
+    def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        logits, indexer = outputs
+        loss = compute_loss(ModelOutput(logits, dict(zip(self.sources, indexer)), {}), labels, self.coef)
+        values = [loss.total, loss.lm, loss.indexer_total, *(loss.indexer[s] for s in self.sources)]
+        self.parts = OrderedDict(zip(self.part_names(), (v.detach().float() for v in values)))
+        return loss.total
+
+
+def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2PipelineEngine:
+    """This process's pipeline stage of the model, on the engine, with the warmup-cosine schedule.
+
+    Prints the pipeline plan (stages, layers, payload bytes per boundary) on rank 0 before training."""
+    parallel = cfg.parallel
+    if parallel.recompute not in RECOMPUTE:
+        raise ValueError(f"parallel.recompute={parallel.recompute!r}: use one of {RECOMPUTE}")
+    if parallel.index_k not in INDEX_K:
+        raise ValueError(f"parallel.index_k={parallel.index_k!r}: use one of {INDEX_K}")
+    check_pipeline(parallel.pipeline_stages, distributed.world_size(), int(cfg.train.grad_accum_steps))
+    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+    seq_len, micro_batch = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
+    plan = partition(args, layout, seq_len, parallel.pipeline_stages, parallel.cuts)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if distributed.rank() == 0:
+        print(describe(args, layout, plan, micro_batch, seq_len, dtype, parallel.index_k), flush=True)
+    loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids))
+    with torch.device(device):
+        module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
+                                    int(cfg.train.seed), parallel.recompute == "layer")
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
-    engine, *_ = deepspeed.initialize(
-        model=model,
-        model_parameters=param_groups(model, float(cfg.train.weight_decay)),
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-        config=deepspeed_config(cfg, precision),
-    )
-    return engine
+    groups = param_groups(list(module.stage.model.named_parameters()), float(cfg.train.weight_decay))
+    return build_pipeline_engine(module, deepspeed_config(cfg), model_parameters=groups,
+                                 lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
 
 
 @dataclass
@@ -114,23 +147,14 @@ class StepResult:
         return not self.applied or not math.isfinite(self.metrics["loss"])
 
 
-def _device_batch(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def train_step(engine, micro_batches: list[dict], indexer_loss_coef: float) -> StepResult:
-    """One optimizer step over ``grad_accum_steps`` micro-batches (DeepSpeed steps on the last one)."""
+def train_step(engine: CSA2PipelineEngine, micro_batches: list[dict]) -> StepResult:
+    """One optimizer step over ``grad_accum_steps`` micro-batches through the pipeline (1F1B)."""
     engine.train()
     lr = engine.get_lr()[0]
-    rows, tokens = [], 0
-    for batch in micro_batches:
-        batch = _device_batch(batch, engine.device)
-        loss = compute_loss(engine(batch["input_ids"], batch["doc_ids"]), batch["labels"], indexer_loss_coef)
-        engine.backward(loss.total)
-        engine.step()
-        rows.append(loss.metrics())
-        tokens += batch["input_ids"].numel()
-    metrics = distributed.mean_over_ranks(mean_metrics(rows))
-    norm = engine.get_global_grad_norm()
-    metrics.update(lr=lr, grad_norm=float(norm) if norm is not None else float("nan"))
-    return StepResult(metrics, tokens * distributed.world_size(), engine.was_step_applied())
+    data = iter([((b["input_ids"], b["doc_ids"]), b["labels"]) for b in micro_batches])
+    engine.train_batch(data)
+    metrics = {name: value.item() for name, value in engine.get_additional_losses().items()}
+    norm = engine.grad_norm
+    metrics.update(lr=lr, grad_norm=norm.item() if norm is not None else math.nan)
+    tokens = sum(b["input_ids"].numel() for b in micro_batches) * engine.dp_world_size
+    return StepResult(metrics, tokens, not engine.last_step_skipped)
