@@ -132,7 +132,8 @@ class Attention(nn.Module):
             if plan.selects:
                 produced.update(self._select(ops, x, qr, pos, entries, index_k, reads.get("candidates")))
             topk = produced["topk"] if plan.selects else reads["topk"]
-            kv_comp = self.rotary(latent, entries.pos)
+            # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
+            kv_comp = self.rotary(latent.to(q.dtype), entries.pos)
         out, selected_mass = ops.sparse_attention(q, kv_window, geometry.window_lo, kv_comp, topk, self.attn_sink,
                                                   args.head_dim ** -0.5, args.window_size)
         if topk is not None:

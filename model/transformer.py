@@ -116,6 +116,7 @@ def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int,
         name = rename(name)
         scale = 1 / math.sqrt(2 * n_layers) if name.endswith(("wo_b.weight", "ffn.w2.weight")) else 1
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        values = torch.empty(p.shape, dtype=torch.float32).normal_(std=args.init_std * scale, generator=generator)
+        values = torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(std=args.init_std * scale,
+                                                                          generator=generator)
         with torch.no_grad():
             p.copy_(values)
