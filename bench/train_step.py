@@ -34,7 +34,6 @@ FLOP counting (model FLOPs of one step, computed work only, recomputation not co
 - dense SDPA: 4 x H x 128 x T(T+1)/2 causal pairs forward, x3.
 """
 import argparse
-import gc
 import json
 import math
 import os
@@ -71,7 +70,6 @@ def parse():
 # ----------------------------------------------------------------------------------------------- model pieces
 
 def dense_attention_class():
-    import torch
     import torch.nn.functional as F
     from torch import nn
 
@@ -167,7 +165,6 @@ def run_variant(a) -> dict:
     import torch
     import model.transformer as mt
     from model.cli import compose
-    from model.layout import Mode
     from train import distributed
     from train.engine import build_engine, resolve_device, resolve_precision, train_step
 
