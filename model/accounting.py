@@ -2,7 +2,8 @@
 
 ``python -m model.accounting [overrides] [format=json]`` prints, for any model/layout config, the figures of
 SPEC §1.6: attention parameters common to every layer, what Reindex and Full layers add, all compression and
-indexing parameters, compressed entries per token and inference KV-cache bytes per token.
+indexing parameters, compressed entries per token and inference KV-cache bytes per token; and, at a context of
+``seq_len=`` tokens (default ``data.seq_len``), the lightning indexer's scoring FLOPs per token.
 """
 import json
 import sys
@@ -38,7 +39,28 @@ def _attention(args: ModelArgs, mode: Mode, ratio: int) -> Attention:
     return Attention(args, plan, candidate_topk_blocks=1, candidate_block_size=1)
 
 
-def account(args: ModelArgs, layout: Layout, cache: CacheFormat = CacheFormat()) -> dict:
+def mean_scored_entries(seq_len: int, ratio: int, cap: int | None = None) -> float:
+    """Entries a query scores, averaged over the positions of one ``seq_len``-token document: the complete
+    groups before it (``(t+1)//ratio``, about ``seq_len/ratio/2`` on average), at most ``cap`` when candidate
+    blocks restrict the scoring (then the cost stops growing with the context)."""
+    visible = torch.arange(1, seq_len + 1, dtype=torch.float64) // ratio
+    if cap is not None:
+        visible = visible.clamp(max=cap)
+    return visible.mean().item() if seq_len else 0.0
+
+
+def indexer_flops(attention: Attention, layout: Layout, seq_len: int) -> float:
+    """Scoring FLOPs per token of one Full/Reindex layer: its index query projection (``wq_b`` from the shared
+    ``qr``, and the head weights ``weights_proj``) plus one ``q·k`` product per index head on every scored
+    entry. The index keys (once per entry, owned by the Full layer) and the top-k itself are not counted."""
+    indexer, plan = attention.indexer, attention.plan
+    projection = 2 * (indexer.wq_b.weight.numel() + indexer.weights_proj.weight.numel())
+    cap = layout.candidate_topk_blocks * layout.candidate_block_size if plan.candidate_source is not None else None
+    per_entry = 2 * indexer.n_heads * indexer.head_dim
+    return projection + per_entry * mean_scored_entries(seq_len, plan.ratio, cap)
+
+
+def account(args: ModelArgs, layout: Layout, seq_len: int, cache: CacheFormat = CacheFormat()) -> dict:
     with torch.device("meta"):
         model = Transformer(args, layout)
         common = _numel(_attention(args, Mode.REUSE, 1))
@@ -49,6 +71,7 @@ def account(args: ModelArgs, layout: Layout, cache: CacheFormat = CacheFormat())
     kv_bytes = sum((cache.entry_bytes(a.compressor.norm.weight.numel(), cache.main_scale_block)
                     + cache.entry_bytes(a.indexer.k_norm.weight.numel(), cache.index_scale_block)) / a.plan.ratio
                    for a in full_layers)
+    selecting = [block.attn for block in model.layers.values() if block.attn.plan.selects]
     compress_index = sum(_numel(getattr(block.attn, part)) for block in model.layers.values()
                          for part in ("compressor", "indexer") if hasattr(block.attn, part))
     return {
@@ -60,6 +83,8 @@ def account(args: ModelArgs, layout: Layout, cache: CacheFormat = CacheFormat())
         "entries_per_token": entries,
         "kv_bytes_per_token": kv_bytes,
         "params_total": _numel(model),
+        "seq_len": seq_len,
+        "indexer_flops_per_token": sum(indexer_flops(a, layout, seq_len) for a in selecting),
         "layers": {mode.value: n for mode, n in layout.counts().items()},
     }
 
@@ -70,7 +95,7 @@ def render(figures: dict) -> str:
         if isinstance(value, dict):
             value = ", ".join(f"{v} {k}" for k, v in value.items())
         elif isinstance(value, int):
-            value = f"{value:,}  ({value / 1e6:.2f}M)"
+            value = f"{value:,}  ({value / 1e6:.2f}M)" if key.startswith("params_") else f"{value:,}"
         else:
             value = f"{value:g}"
         lines.append(f"{key:<30} {value}")
@@ -81,19 +106,24 @@ def main(argv: list[str]) -> None:
     from model.cli import compose, run_cli
     from model.layout import layout_from_config
 
-    fmt = "table"
+    own = {"format": "table", "seq_len": None}  # this tool's arguments; every other one is a config override
     overrides = []
     for arg in argv:
-        if arg.startswith("format="):
-            fmt = arg.split("=", 1)[1]
+        key, _, value = arg.partition("=")
+        if key in own:
+            own[key] = value
         else:
             overrides.append(arg)
+    fmt = own["format"]
     if fmt not in ("table", "json"):
         raise SystemExit(f"error: format={fmt!r}: use format=json or leave it out for a table")
+    if own["seq_len"] is not None and not own["seq_len"].isdigit():
+        raise SystemExit(f"error: seq_len={own['seq_len']!r}: give a number of tokens, or leave it out for data.seq_len")
 
     def report():
         cfg = compose(overrides)
-        figures = account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout))
+        seq_len = int(own["seq_len"] or cfg.data.seq_len)
+        figures = account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), seq_len)
         print(json.dumps(figures) if fmt == "json" else render(figures))
 
     run_cli(report)

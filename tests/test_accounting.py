@@ -1,9 +1,14 @@
-"""The accounting CLI reproduces SPEC §1.6 at V4.1-Flash dims, from the real modules."""
+"""The accounting CLI reproduces SPEC §1.6 at V4.1-Flash dims, from the real modules; indexer FLOPs by hand."""
 import json
 import subprocess
 import sys
 
 import pytest
+
+from model.accounting import account, main, mean_scored_entries
+from model.cli import compose
+from model.config import ModelArgs
+from model.layout import layout_from_config
 
 
 def accounting(*overrides):
@@ -32,3 +37,51 @@ def test_bad_override_is_one_line_error():
     out = subprocess.run([sys.executable, "-m", "model.accounting", "layout.kv_source_layer_ids=[3]"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and out.stderr.strip().startswith("error:") and "Traceback" not in out.stderr
+
+
+def figures_at(seq_len, *overrides):
+    cfg = compose(["model=v41_flash", *overrides])
+    return account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), seq_len)
+
+
+def test_indexer_flops_by_hand_at_v41_flash_dims():
+    T = 2**20
+    per_entry = 2 * 32 * 128  # one q·k product per index head
+    projection = 2 * (1280 * 32 * 128 + 5120 * 32)  # wq_b from qr, and weights_proj
+    full = 3 * mean_scored_entries(T, 2) + mean_scored_entries(T, 1)  # layers 2, 8, 14 (m=2) and 20 (m=1)
+    reindex = 4 * mean_scored_entries(T, 1, cap=2048 * 8)  # 24..36 score only their candidate blocks
+    expected = 8 * projection + per_entry * (full + reindex)
+    assert figures_at(T, "layout=v41")["indexer_flops_per_token"] == pytest.approx(expected)
+    assert mean_scored_entries(T, 2) == pytest.approx(T / 4, rel=1e-5)  # T/m/2 on average
+    assert mean_scored_entries(T, 1, cap=16384) == pytest.approx(16384, rel=0.01)
+
+
+def test_candidates_keep_reindex_cost_flat_in_context_length():
+    def reindex_flops(seq_len, *overrides):
+        """What the decoder's four Reindex layers add to the indexer FLOPs per token."""
+        with_reindex, without = (figures_at(seq_len, "layout=v41", *overrides, *extra)["indexer_flops_per_token"]
+                                 for extra in ((), ("layout.decoder.reindex_every=0",)))
+        return with_reindex - without
+
+    short, long = 2**18, 2**20
+    assert reindex_flops(long) == pytest.approx(reindex_flops(short), rel=0.05)  # capped at 2048 blocks of 8
+    assert reindex_flops(long, "layout.candidates=false") > 3.5 * reindex_flops(short, "layout.candidates=false")
+
+
+def test_window_only_has_no_indexer_cost():
+    figures = figures_at(4096, "layout=window_only")
+    assert figures["indexer_flops_per_token"] == 0 and figures["kv_bytes_per_token"] == 0
+
+
+def test_seq_len_argument_defaults_to_the_data_config(capsys):
+    def cli(*args):
+        main([*args, "format=json"])
+        return json.loads(capsys.readouterr().out)
+
+    default, longer = cli("data.seq_len=512"), cli("data.seq_len=512", "seq_len=4096")
+    assert default["seq_len"] == 512 and longer["seq_len"] == 4096
+    assert longer["indexer_flops_per_token"] > default["indexer_flops_per_token"]
+    assert {k: v for k, v in longer.items() if k not in ("seq_len", "indexer_flops_per_token")} == \
+        {k: v for k, v in default.items() if k not in ("seq_len", "indexer_flops_per_token")}
+    with pytest.raises(SystemExit, match="seq_len='long'"):
+        main(["seq_len=long"])

@@ -37,7 +37,7 @@ def trained(tmp_path_factory):
     """20 steps with the wandb logger offline and the probes on: the run the file checks look at."""
     run_dir = tmp_path_factory.mktemp("run")
     final = _run(run_dir, "train.max_steps=20", "train.checkpoint_every=5", "logger.mode=offline",
-                 "train.eval.every=10", "train.eval.probe_examples=2", "train.eval.probe_len=192",
+                 "train.eval.every=10", "train.eval.probe_examples=2", "train.eval.probe_lens=[192]",
                  "train.eval.mqar_pairs=2", "train.eval.mqar_queries=1")
     return run_dir, final
 
@@ -97,8 +97,8 @@ def test_checkpoint_of_another_layout_names_the_difference(trained, tmp_path):
 
 
 def test_probe_longer_than_its_context_fails_before_training(tmp_path):
-    with pytest.raises(ValueError, match="too short for the passkey probe.*train.eval.probe_len"):
-        _run(tmp_path, "train.max_steps=2", "train.eval.probe_examples=2", "train.eval.probe_len=64")
+    with pytest.raises(ValueError, match="too short for the passkey probe.*train.eval.probe_lens"):
+        _run(tmp_path, "train.max_steps=2", "train.eval.probe_examples=2", "train.eval.probe_lens=[64]")
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

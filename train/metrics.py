@@ -4,12 +4,20 @@ Only rank 0 writes. ``metrics.jsonl`` holds one JSON object per logged training 
 (``"split": "eval"``); a resumed run first drops the rows past its checkpoint, so the file reads as one run.
 A non-finite number (the loss of a skipped step) is written as ``null``, so that the file stays strict JSON.
 The PNG is drawn from that file, for people without a wandb account.
+
+What the layout costs (``model.accounting`` at ``data.seq_len``) and the tokens of one optimizer step are logged
+once per run: in the first training row of the file, and in the wandb config next to the resolved config and the
+layout's plan, with the layout as the wandb group and its name as a tag, so that a sweep's runs group and compare
+in a dashboard.
 """
 import json
 import math
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+from model import ModelArgs, layout_from_config
+from model.accounting import account
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
@@ -29,26 +37,31 @@ class MetricsLogger:
         self.path = run_dir / METRICS_FILE
         self.plot_path = run_dir / PLOT_FILE
         self.wandb_run = None
+        self.once = {}
         if not enabled:
             return
         kept = [row for row in read_rows(self.path) if row["step"] <= start_step]
         self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        constants = run_constants(cfg)
+        self.once = constants if start_step == 0 else {}  # a resumed run kept its first row
         if cfg.logger.mode != "disabled":
-            self.wandb_run = _start_wandb(cfg, run_dir)
+            self.wandb_run = _start_wandb(cfg, run_dir, constants)
 
     def log(self, row: dict) -> None:
-        """A training row (``step`` and scalars)."""
-        self._write(row, prefix="train")
+        """A training row (``step`` and scalars); the first one of a run also carries ``run_constants``."""
+        self._write(row, prefix="train", file_only=self.once)
+        self.once = {}
 
     def log_eval(self, row: dict) -> None:
         """An evaluation row; marked ``"split": "eval"`` in the file and logged under ``eval/`` in wandb."""
         self._write({**row, "split": "eval"}, prefix="eval")
 
-    def _write(self, row: dict, prefix: str) -> None:
+    def _write(self, row: dict, prefix: str, file_only: dict | None = None) -> None:
+        """``row`` to the file and to wandb; ``file_only`` to the file alone (wandb has it in its config)."""
         if not self.enabled:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps({k: _finite_or_none(v) for k, v in row.items()}) + "\n")
+            f.write(json.dumps({k: _finite_or_none(v) for k, v in {**row, **(file_only or {})}.items()}) + "\n")
         if self.wandb_run is not None:
             scalars = {f"{prefix}/{k}": v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
             self.wandb_run.log(scalars, step=row["step"])
@@ -70,18 +83,51 @@ def _finite_or_none(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _start_wandb(cfg: DictConfig, run_dir: Path):
+def run_constants(cfg: DictConfig) -> dict:
+    """KV-cache bytes and indexer FLOPs per token of the layout (at ``data.seq_len``), and the tokens of one
+    optimizer step over all data-parallel ranks (step time = ``tokens_per_step / tokens_per_s``)."""
+    from train import distributed  # here, so that readers of metrics.jsonl (train.report) do not load DeepSpeed
+
+    figures = account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), int(cfg.data.seq_len))
+    data_parallel = distributed.world_size() // int(cfg.parallel.pipeline_stages)
+    tokens = int(cfg.data.micro_batch_size) * int(cfg.data.seq_len) * int(cfg.train.grad_accum_steps) * data_parallel
+    return {"kv_bytes_per_token": figures["kv_bytes_per_token"],
+            "indexer_flops_per_token": figures["indexer_flops_per_token"], "tokens_per_step": tokens}
+
+
+def layout_group(cfg: DictConfig) -> str:
+    """The layout's name and this Hydra job's ``layout.*`` overrides (e.g. ``v41_scaled decoder.reindex_every=4``):
+    the runs of one layout share a wandb group whatever else a sweep varies."""
+    from hydra.core.hydra_config import HydraConfig
+
+    task = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    return " ".join([cfg.layout.name, *(o.removeprefix("layout.") for o in task if o.startswith("layout."))])
+
+
+def layout_plan(cfg: DictConfig) -> dict:
+    """The layout as the model builds it (the canonical lists the knobs generate, and the layers per mode)."""
+    layout = layout_from_config(cfg.layout)
+    return {"kv_source_layer_ids": list(layout.kv_source_layer_ids),
+            "index_source_layer_ids": list(layout.index_source_layer_ids),
+            "candidate_source_layer_id": layout.candidate_source_layer_id,
+            **{mode.value: n for mode, n in layout.counts().items()}}
+
+
+def _start_wandb(cfg: DictConfig, run_dir: Path, constants: dict):
     import wandb
 
     if cfg.logger.mode not in ("offline", "online"):
         raise ValueError(f"logger.mode must be offline, online or disabled, got {cfg.logger.mode!r}")
+    tags = list(dict.fromkeys([*cfg.logger.tags, cfg.layout.name, cfg.model.name]))
     return wandb.init(
         mode=cfg.logger.mode,
         project=cfg.logger.project,
         entity=cfg.logger.entity,
         name=cfg.logger.name or f"{cfg.model.name}-{cfg.layout.name}-{run_dir.name}",
-        tags=list(cfg.logger.tags),
-        config=OmegaConf.to_container(cfg, resolve=True),
+        group=cfg.logger.group or layout_group(cfg),
+        tags=tags,
+        config={**OmegaConf.to_container(cfg, resolve=True), "layout_plan": layout_plan(cfg),
+                "run_constants": constants},
         dir=str(run_dir),
         settings=wandb.Settings(quiet=True),  # the closing summary is ours (train/app.py)
     )

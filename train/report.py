@@ -1,0 +1,201 @@
+"""``python -m train.report <sweep dir>``: which layout? The runs of a sweep, quality against cost.
+
+A sweep dir is what ``python -m train -m ...`` writes (``multirun/<date>/<time>/`` with one numbered dir per job),
+or any dir with run dirs below it. Everything comes from the run dirs themselves, so no wandb account is needed:
+- quality from ``metrics.jsonl``: the last evaluation's held-out LM loss, passkey and MQAR accuracy at each
+  probed length, and index recall averaged over the reading layers;
+- cost from the resolved ``config.yaml``: KV bytes and indexer FLOPs per token (``model.accounting``, at the
+  run's ``data.seq_len``), and the median step time and tokens/s of its training steps;
+- names from ``.hydra/overrides.yaml``: the layout and the overrides that differ between runs (those common to
+  all runs are printed once).
+Writes ``<sweep dir>/report.md`` (the table, also printed) and ``<sweep dir>/report.png``.
+"""
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from model.accounting import account
+from model.config import ModelArgs
+from model.layout import layout_from_config
+from train.metrics import METRICS_FILE, read_rows
+
+CONFIG_FILE = "config.yaml"
+OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
+_PROBE_KEY = re.compile(r"(passkey|mqar)_acc/len(\d+)")
+
+
+@dataclass
+class Run:
+    """One run dir: its name (path below the sweep dir, e.g. the job number), resolved config, Hydra overrides
+    and metrics rows."""
+
+    name: str
+    cfg: DictConfig
+    overrides: list[str]
+    rows: list[dict]
+
+
+def find_runs(root: Path) -> list[Run]:
+    """Every dir under ``root`` (or ``root`` itself) holding both a config and metrics, in job-number order."""
+    if not root.is_dir():
+        raise SystemExit(f"error: {root} is not a directory")
+    dirs = {p.parent for p in root.rglob(METRICS_FILE) if (p.parent / CONFIG_FILE).is_file()}
+    if not dirs:
+        raise SystemExit(f"error: no runs under {root}: a run dir holds {CONFIG_FILE} and {METRICS_FILE} "
+                         "(python -m train -m ... writes one per job into multirun/<date>/<time>/<job>/)")
+    return [_load(d, d.relative_to(root)) for d in sorted(dirs, key=lambda d: _natural(d.relative_to(root)))]
+
+
+def _natural(path: Path) -> list:
+    """Sort key that puts job 10 after job 9."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", str(path))]
+
+
+def _load(path: Path, name: Path) -> Run:
+    overrides_path = path / OVERRIDES_FILE
+    overrides = [str(o) for o in OmegaConf.load(overrides_path)] if overrides_path.is_file() else []
+    return Run(str(name) if name.parts else path.name, OmegaConf.load(path / CONFIG_FILE), overrides,
+               read_rows(path / METRICS_FILE))
+
+
+def probe_scores(row: dict) -> dict[str, float]:
+    """``{"passkey@<L>": acc, "mqar@<L>": acc}`` from the ``<kind>_acc/len<L>`` keys of an eval row."""
+    scores = {}
+    for key, value in row.items():
+        match = _PROBE_KEY.fullmatch(key)
+        if match and value is not None:
+            scores[f"{match.group(1)}@{match.group(2)}"] = value
+    return scores
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else math.nan
+
+
+def summarize(run: Run) -> dict:
+    """The figures of one run: quality from its last evaluation, cost from its config and training rows."""
+    cfg = run.cfg
+    train_rows = [r for r in run.rows if r.get("split") != "eval" and r.get("tokens_per_s")]
+    evals = [r for r in run.rows if r.get("split") == "eval"]
+    final = evals[-1] if evals else {}
+    figures = account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), int(cfg.data.seq_len))
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in train_rows) if train_rows else math.nan
+    return {
+        "layout": cfg.layout.name,
+        "steps": train_rows[-1]["step"] if train_rows else 0,
+        "eval_lm_loss": final.get("lm_loss", math.nan),
+        "probes": probe_scores(final),
+        "index_recall": _mean(v for k, v in final.items() if k.startswith("index_recall/")),
+        "seq_len": int(cfg.data.seq_len),
+        "kv_bytes_per_token": figures["kv_bytes_per_token"],
+        "indexer_flops_per_token": figures["indexer_flops_per_token"],
+        "params": figures["params_total"],
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": _tokens_per_step(run.rows) / tokens_per_s,
+    }
+
+
+def _tokens_per_step(rows: list[dict]) -> float:
+    """Tokens of one optimizer step over all ranks, as the run logged it once (``tokens_per_s`` counts all
+    ranks too); NaN for a run that did not."""
+    return next((r["tokens_per_step"] for r in rows if "tokens_per_step" in r), math.nan)
+
+
+def run_labels(runs: list[Run]) -> tuple[list[str], list[str]]:
+    """Each run's overrides that not every run shares (its layout is a column of its own), and the shared ones."""
+    common = set.intersection(*(set(r.overrides) for r in runs)) if len(runs) > 1 else set()
+    labels = [" ".join(o for o in r.overrides if o not in common and not o.startswith("layout=")) for r in runs]
+    return labels, [o for o in runs[0].overrides if o in common]
+
+
+def _fmt(value, digits: int) -> str:
+    return "—" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def probe_columns(summaries: list[dict]) -> list[str]:
+    """``passkey@L`` then ``mqar@L`` columns, each by length."""
+    keys = {k for s in summaries for k in s["probes"]}
+    return sorted(keys, key=lambda k: (k.split("@")[0] != "passkey", int(k.split("@")[1])))
+
+
+def markdown(runs: list[Run], summaries: list[dict]) -> str:
+    labels, common = run_labels(runs)
+    probes = probe_columns(summaries)
+    head = ["run", "layout", "overrides", "steps", "eval LM loss", *probes, "index recall", "KV B/token",
+            "indexer MFLOP/token", "seq_len", "params M", "step s", "tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run, label, s in zip(runs, labels, summaries):
+        cells = [run.name, s["layout"], f"`{label}`" if label else "", str(s["steps"]),
+                 _fmt(s["eval_lm_loss"], 4), *(_fmt(s["probes"].get(p), 3) for p in probes),
+                 _fmt(s["index_recall"], 3), _fmt(s["kv_bytes_per_token"], 1),
+                 _fmt(s["indexer_flops_per_token"] / 1e6, 3), str(s["seq_len"]), _fmt(s["params"] / 1e6, 2),
+                 _fmt(s["step_time_s"], 3), _fmt(s["tokens_per_s"], 0)]
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = ["", "Quality from each run's last evaluation (index recall: mean over reading layers); KV bytes and "
+             "indexer FLOPs per token from the accounting at the run's seq_len; step time and tokens/s: median over "
+             "training steps."]
+    if common:
+        notes.append("Common overrides: `" + " ".join(common) + "`")
+    return "\n".join(lines + notes) + "\n"
+
+
+def plot(runs: list[Run], summaries: list[dict], path: Path) -> None:
+    """Quality (rows) against cost (columns), one colour per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, _ = run_labels(runs)
+    qualities = [("eval_lm_loss", "held-out LM loss"), ("retrieval", "retrieval accuracy\n(mean of probes)"),
+                 ("index_recall", "index recall (mean)")]
+    costs = [("kv_bytes_per_token", "KV bytes / token"), ("indexer_mflops", "indexer MFLOP / token"),
+             ("step_time_s", "step time (s)")]
+    fig, axes = plt.subplots(len(qualities), len(costs), figsize=(13, 10), squeeze=False)
+    for run, label, s in zip(runs, labels, summaries):
+        point = {**s, "retrieval": _mean(s["probes"].values()), "indexer_mflops": s["indexer_flops_per_token"] / 1e6}
+        name = f"{run.name}: {s['layout']} {label}".rstrip()
+        for (q, _), row in zip(qualities, axes):
+            for (c, _), ax in zip(costs, row):
+                ax.scatter(point[c], point[q], s=50, label=name)  # a NaN (no evaluation yet) draws nothing
+                if math.isnan(point[c]) or math.isnan(point[q]):
+                    continue
+                ax.annotate(run.name, (point[c], point[q]), xytext=(4, 4), textcoords="offset points",
+                            fontsize=8)
+    for (_, q_label), row in zip(qualities, axes):
+        for (_, c_label), ax in zip(costs, row):
+            ax.set(xlabel=c_label, ylabel=q_label)
+            ax.grid(alpha=0.3)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    columns = max(1, min(3, len(names), 150 // max(len(n) for n in names)))  # long override lists: fewer columns
+    fig.legend(handles, names, loc="lower center", ncol=columns, fontsize=8)
+    fig.tight_layout(rect=(0, 0.02 + 0.022 * math.ceil(len(names) / columns), 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(sweep_dir: Path) -> tuple[str, list[dict]]:
+    """Write ``report.md`` and ``report.png`` into ``sweep_dir``; return the table and each run's figures."""
+    runs = find_runs(sweep_dir)
+    summaries = [summarize(run) for run in runs]
+    table = markdown(runs, summaries)
+    (sweep_dir / "report.md").write_text(table)
+    plot(runs, summaries, sweep_dir / "report.png")
+    return table, summaries
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m train.report <sweep dir>  (e.g. multirun/<date>/<time>)")
+    table, _ = report(Path(argv[0]))
+    print(table)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
