@@ -13,18 +13,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from oracle import random_params  # noqa: E402
-from test_model_oracle import DIMS, LAYOUTS, build_model, mk_layout, packed_doc_ids  # noqa: E402
+from test_model_oracle import DIMS, LAYOUTS, _one_thread, build_model, mk_layout, packed_doc_ids  # noqa: E402,F401
 
 pytest.importorskip("model.transformer")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention (10x slower on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make(layout, seed=0, **dims_over):
