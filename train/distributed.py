@@ -28,7 +28,8 @@ def init(device: torch.device) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if os.environ["WORLD_SIZE"] == "1":  # a world of one (also each job of a multirun): a port free right now
+        os.environ["MASTER_PORT"] = str(_free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
