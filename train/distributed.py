@@ -4,17 +4,12 @@ Every job has a process group, even a bare ``python -m train`` (a world of one o
 the code never branches on "distributed or not".
 """
 import os
-import socket
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from parallel.local import free_port
 
 
 def init(device: torch.device) -> None:
@@ -29,7 +24,7 @@ def init(device: torch.device) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if os.environ["WORLD_SIZE"] == "1":  # a world of one (also each job of a multirun): a port free right now
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
