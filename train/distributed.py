@@ -11,6 +11,10 @@ import torch.distributed as dist
 
 from parallel.local import free_port
 
+# Read once, before this process sets anything: a launcher's rendezvous port must be kept (under torchrun the
+# worker joins the agent's store on it), while a self-made world of one takes a fresh port at every init.
+_LAUNCHER_SET_PORT = "MASTER_PORT" in os.environ
+
 
 def init(device: torch.device) -> None:
     """Join the group the launcher (``torchrun``/``deepspeed``) describes, or create a world of one.
@@ -23,7 +27,7 @@ def init(device: torch.device) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if os.environ["WORLD_SIZE"] == "1":  # a world of one (also each job of a multirun): a port free right now
+    if not _LAUNCHER_SET_PORT:  # a world of one (also each job of a multirun): a port free right now
         os.environ["MASTER_PORT"] = str(free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
