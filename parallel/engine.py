@@ -32,10 +32,11 @@ class CSA2PipelineModule(PipelineModule):
     which DeepSpeed averages over microbatches and data-parallel ranks (``engine.get_additional_losses()``)."""
 
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn,
-                 micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int, recompute: bool):
+                 micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int,
+                 recompute_layers: int):
         os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
         specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
-                           recompute) for s in range(len(plan.stages))]
+                           recompute_layers) for s in range(len(plan.stages))]
         super().__init__(layers=specs, num_stages=len(plan.stages), loss_fn=loss_fn, partition_method="uniform")
         self.layout, self.plan, self.index_k = layout, plan, index_k
 

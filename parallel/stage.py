@@ -34,16 +34,17 @@ def owner_name(source: int, shadow_param: str) -> str:
 class PipelineStage(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, stage_id: int, micro_batch: int,
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
-                 recompute: bool = False):
-        """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights."""
+                 recompute_layers: int = 0):
+        """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights.
+        The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints."""
         super().__init__()
         if index_k not in ("shadow", "payload"):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
         layers = plan.stages[stage_id]
         self.stage_id, self.layout, self.compute_dtype = stage_id, layout, dtype
         self.model = Transformer(args, layout, layers, seed)
-        for block in self.model.layers.values():
-            block.recompute = recompute
+        for i, block in enumerate(self.model.layers.values()):
+            block.recompute = i < recompute_layers
         sources = shadow_sources(layout, layers) if index_k == "shadow" else []
         self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in sources})
         for s, shadow in self.shadows.items():

@@ -21,12 +21,18 @@ def batches(vocab: int):
         yield (x, doc), torch.roll(x, -1, 1)
 
 
+def recompute_overrides(recompute: str) -> list[str]:
+    """``none``, ``layer`` or ``block:N`` (the first N layers of every stage) as config overrides."""
+    mode, _, count = recompute.partition(":")
+    return [f"parallel.recompute={mode}"] + ([f"parallel.recompute_layers={count}"] if count else [])
+
+
 def _worker(rank, world, out, cuts, index_k, recompute):
     from model.cli import compose
     from train.engine import build_engine
 
     cfg = compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
-                   f"parallel.index_k={index_k}", f"parallel.recompute={'layer' if recompute else 'none'}",
+                   f"parallel.index_k={index_k}", *recompute_overrides(recompute),
                    f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
                    f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1"])
     engine = build_engine(cfg, "fp32", torch.device("cpu"))
@@ -48,11 +54,12 @@ def _worker(rank, world, out, cuts, index_k, recompute):
                 "params": {n: p.detach().clone() for n, p in stage.model.named_parameters()},
                 "first_grads": first_grads,
                 "shadows": {n: p.detach().clone() for n, p in stage.shadows.named_parameters()},
+                "recomputed": [int(i) for i, block in stage.model.layers.items() if block.recompute],
                 "live_after": live_after, "peak_microbatches": stage.ledger.peak_microbatches,
                 "backward_traversals": stage.backward_traversals, "stage": engine.stage_id}, f"{out}/rank{rank}.pt")
 
 
-def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: bool = False):
+def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none"):
     """Run the job in ``stages`` processes; returns the per-rank results."""
     os.makedirs(out, exist_ok=True)
     spawn(_worker, stages, stages, out, cuts, index_k, recompute)

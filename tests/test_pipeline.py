@@ -9,10 +9,10 @@ import torch
 
 from tests import pipeline_harness as harness
 
-CASES = {  # name -> (stages, cuts, index_k, recompute)
-    "2-stage shadow": (2, [8], "shadow", False),
-    "2-stage payload": (2, [3], "payload", False),
-    "4-stage shadow recompute": (4, [3, 8, 9], "shadow", True),
+CASES = {  # name -> (stages, cuts, index_k, recompute: none | layer | block:<leading layers per stage>)
+    "2-stage shadow": (2, [8], "shadow", "none"),
+    "2-stage payload block recompute": (2, [3], "payload", "block:2"),
+    "4-stage shadow recompute": (4, [3, 8, 9], "shadow", "layer"),
 }
 
 
@@ -99,3 +99,13 @@ def test_one_backward_traversal_per_microbatch(pipelined):
     _, ranks = pipelined
     for r in ranks:
         assert r["backward_traversals"] == harness.MICROBATCHES * harness.STEPS
+
+
+def test_recomputed_layers(pipelined):
+    """``layer`` checkpoints every layer, ``block:N`` the first N layers of every stage, ``none`` nothing."""
+    (_, _, _, recompute), ranks = pipelined
+    mode, _, count = recompute.partition(":")
+    for r in ranks:
+        layers = sorted(set(r["recomputed"]) | {int(n.split(".")[1]) for n in r["params"] if n.startswith("layers.")})
+        want = {"none": [], "layer": layers, "block": layers[: int(count or 0)]}[mode]
+        assert r["recomputed"] == want

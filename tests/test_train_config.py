@@ -50,6 +50,9 @@ def test_invalid_override_is_a_hydra_error(override):
     (["train.max_steps=many"], "train.max_steps"),
     (["train.stop_at=50", "train.max_steps=10"], "train.stop_at"),
     (["layout.kv_source_layer_ids=[3]"], "layer"),
+    (["parallel.recompute=all"], "parallel.recompute"),
+    (["parallel.recompute=block"], "parallel.recompute_layers"),
+    (["parallel.index_k=wire"], "parallel.index_k"),
 ])
 def test_bad_settings_fail_before_training(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from model import ModelArgs, layout_from_config
 from train import checkpoint, distributed
 from train.data import build_loader
-from train.engine import build_engine, resolve_device, resolve_precision, train_step
+from train.engine import build_engine, check_parallel, resolve_device, resolve_precision, train_step
 from train.evaluate import Evaluator, data_tokenizer
 from train.metrics import MetricsLogger
 
@@ -49,6 +49,7 @@ def check_config(cfg: DictConfig) -> None:
             raise ValueError(f"train.{key} must be an integer >= 1, got {value!r}")
     if train.stop_at is not None and not 1 <= train.stop_at <= train.max_steps:
         raise ValueError(f"train.stop_at must be in 1..train.max_steps={train.max_steps}, got {train.stop_at}")
+    check_parallel(cfg.parallel)
     if cfg.logger.mode not in LOGGER_MODES:
         raise ValueError(f"logger.mode must be one of {LOGGER_MODES}, got {cfg.logger.mode!r}")
 

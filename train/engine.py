@@ -22,7 +22,7 @@ from parallel.plan import check_pipeline, describe
 from train import distributed
 from train.loss import compute_loss
 
-RECOMPUTE = ("none", "layer")
+RECOMPUTE = ("none", "layer", "block")
 INDEX_K = ("shadow", "payload")
 
 
@@ -81,6 +81,27 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
     return ratio
 
 
+def check_parallel(parallel: DictConfig) -> None:
+    """The choices of ``conf/parallel`` that need no process group; each message names the setting."""
+    if parallel.recompute not in RECOMPUTE:
+        raise ValueError(f"parallel.recompute={parallel.recompute!r}: use one of {RECOMPUTE}")
+    if parallel.index_k not in INDEX_K:
+        raise ValueError(f"parallel.index_k={parallel.index_k!r}: use one of {INDEX_K}")
+    count = parallel.get("recompute_layers")
+    if parallel.recompute == "block" and (not isinstance(count, int) or count < 1):
+        raise ValueError(f"parallel.recompute=block needs parallel.recompute_layers >= 1 (the leading layers of "
+                         f"each stage to recompute), got {count!r}")
+
+
+def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
+    """How many leading layers of every stage run as activation checkpoints.
+
+    ``layer``: all of them. ``block``: the first ``parallel.recompute_layers`` (Megatron's "block" method): under
+    1F1B a stage keeps the activations of up to P microbatches, so recomputing only part of each stage trades
+    memory for time where the full recompute is more than needed."""
+    return {"none": 0, "layer": n_layers, "block": parallel.get("recompute_layers")}[parallel.recompute]
+
+
 def param_groups(parameters: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
     """Weight decay on matrices only; norms' gains and attention sinks keep their scale."""
     decay = [p for _, p in parameters if p.dim() >= 2]
@@ -114,10 +135,7 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2P
 
     Prints the pipeline plan (stages, layers, payload bytes per boundary) on rank 0 before training."""
     parallel = cfg.parallel
-    if parallel.recompute not in RECOMPUTE:
-        raise ValueError(f"parallel.recompute={parallel.recompute!r}: use one of {RECOMPUTE}")
-    if parallel.index_k not in INDEX_K:
-        raise ValueError(f"parallel.index_k={parallel.index_k!r}: use one of {INDEX_K}")
+    check_parallel(parallel)
     check_pipeline(parallel.pipeline_stages, distributed.world_size(), int(cfg.train.grad_accum_steps))
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     seq_len, micro_batch = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
@@ -128,7 +146,7 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2P
     loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids))
     with torch.device(device):
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
-                                    int(cfg.train.seed), parallel.recompute == "layer")
+                                    int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers))
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.stage.model.named_parameters()), float(cfg.train.weight_decay))
     return build_pipeline_engine(module, deepspeed_config(cfg), model_parameters=groups,
