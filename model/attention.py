@@ -12,7 +12,7 @@ from torch import nn
 import kernels
 from model.config import ModelArgs
 from model.diagnostics import index_recall
-from model.geometry import EntryGeometry, Geometry
+from model.geometry import EntryGeometry, Geometry, TokenGeometry
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
 from model.rope import Rotary
@@ -64,7 +64,7 @@ class IndexKeys(nn.Module):
 
 def index_keys(owner: nn.Module, latent: torch.Tensor, rotary: Rotary, entries: EntryGeometry) -> torch.Tensor:
     """``RoPE(k_norm(wk(latent)))`` with the ``wk``/``k_norm`` of ``owner`` (an Indexer or its IndexKeys replica)."""
-    return rotary(owner.k_norm(owner.wk(latent.detach())), entries.pos)
+    return rotary(owner.k_norm(owner.wk(latent.detach())), entries)
 
 
 class Indexer(nn.Module):
@@ -84,9 +84,9 @@ class Indexer(nn.Module):
     def keys(self, latent: torch.Tensor, rotary: Rotary, entries: EntryGeometry) -> torch.Tensor:
         return index_keys(self, latent, rotary, entries)
 
-    def queries(self, x, qr, rotary: Rotary, pos) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, x, qr, rotary: Rotary, tokens: TokenGeometry) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
-        q = rotary(self.wq_b(qr.detach()).view(B, T, self.n_heads, self.head_dim), pos)
+        q = rotary(self.wq_b(qr.detach()).view(B, T, self.n_heads, self.head_dim), tokens)
         weights = self.weights_proj(x.detach()) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         return q, weights
 
@@ -116,11 +116,11 @@ class Attention(nn.Module):
         """Pure function of its inputs (so activation recomputation may re-run it): ``reads`` holds the shared
         tensors this layer consumes (``SharedState.reads``), the returned dict those it produces."""
         B, T, _ = x.shape
-        args, plan, pos = self.args, self.plan, geometry.tokens.pos
+        args, plan, tokens = self.args, self.plan, geometry.tokens
         ops = kernels.ops(args.kernel_backend, x.device)
         qr = self.q_norm(self.wq_a(x))
-        q = self.rotary(self.wq_b(qr).view(B, T, args.n_heads, args.head_dim), pos)
-        kv_window = self.rotary(self.kv_norm(self.wkv(x)), pos)
+        q = self.rotary(self.wq_b(qr).view(B, T, args.n_heads, args.head_dim), tokens)
+        kv_window = self.rotary(self.kv_norm(self.wkv(x)), tokens)
         produced, kv_comp, topk = {}, None, None
         if plan.mode is not Mode.WINDOW:
             entries = geometry.entries(plan.ratio)
@@ -130,10 +130,10 @@ class Attention(nn.Module):
             else:
                 latent, index_k = reads["kv"], reads.get("index_k")
             if plan.selects:
-                produced.update(self._select(ops, x, qr, pos, entries, index_k, reads.get("candidates")))
+                produced.update(self._select(ops, x, qr, tokens, entries, index_k, reads.get("candidates")))
             topk = produced["topk"] if plan.selects else reads["topk"]
             # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
-            kv_comp = self.rotary(latent.to(q.dtype), entries.pos)
+            kv_comp = self.rotary(latent.to(q.dtype), entries)
         out, selected_mass = ops.sparse_attention(q, kv_window, geometry.window_lo, kv_comp, topk, self.attn_sink,
                                                   args.head_dim ** -0.5, args.window_size)
         if topk is not None:
@@ -141,11 +141,11 @@ class Attention(nn.Module):
             if collect_recall:
                 produced["recall"] = index_recall(q, kv_comp, entries.vis_lo, entries.vis_hi, topk,
                                                   args.head_dim ** -0.5)
-        return self._project_out(self.rotary(out, pos, inverse=True)), produced
+        return self._project_out(self.rotary(out, tokens, inverse=True)), produced
 
-    def _select(self, ops, x, qr, pos, entries: EntryGeometry, index_k, candidates) -> dict[str, torch.Tensor]:
+    def _select(self, ops, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k, candidates) -> dict[str, torch.Tensor]:
         """Top-k selection of this Full/Reindex layer (and candidate blocks if it is the candidate source)."""
-        q_index, weights = self.indexer.queries(x, qr, self.rotary, pos)
+        q_index, weights = self.indexer.queries(x, qr, self.rotary, tokens)
         topk, blocks = ops.indexer_select(
             q_index, weights, index_k, entries.vis_lo, entries.vis_hi, self.args.index_topk,
             cand_blocks=candidates, block_size=self.candidate_block_size,

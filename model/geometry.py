@@ -1,9 +1,11 @@
 """Doc-relative positions, compression groups and visibility ranges of a packed batch (docs/DESIGN.md).
 
 Everything a layer needs to know about *where* tokens and compressed entries are is derived once per forward
-from ``doc_ids``: integer tensors only, so a pipeline stage can rebuild it from ``doc_ids`` alone.
+from ``doc_ids``: integer tensors only, so a pipeline stage can rebuild it from ``doc_ids`` alone. Each set of
+positions also keeps the RoPE rotations made from it (``rotations``, filled by ``model.rope.Rotary``), so the
+40 layers of a forward compute each rotation once instead of once per call.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +14,7 @@ import torch
 class TokenGeometry:
     doc_start: torch.Tensor  # [B,T] index of the first token of each token's document
     pos: torch.Tensor  # [B,T] doc-relative position (RoPE position)
+    rotations: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_doc_ids(cls, doc_ids: torch.Tensor) -> "TokenGeometry":
@@ -39,6 +42,7 @@ class EntryGeometry:
     first_token: torch.Tensor  # [B,S] token index of each entry's first token (0 for unused slots)
     pos: torch.Tensor  # [B,S] doc-relative position of the entry's first token (its RoPE position)
     valid: torch.Tensor  # [B,S] bool: slot holds an entry
+    rotations: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_tokens(cls, tokens: TokenGeometry, m: int) -> "EntryGeometry":

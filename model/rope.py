@@ -30,12 +30,17 @@ def rope_frequencies(dim: int, base: float, yarn: ModelArgs | None = None) -> to
 class Rotary(nn.Module):
     """Rotates the last ``dim`` features of a tensor by doc-relative positions (forward or inverse).
 
-    Angles are formed in float64 (an fp32 ``pos * freq`` is off by ~4e-3 rad at position 65,536). The
-    frequencies are a per-device cache, not a buffer, so that casting the model to bf16 cannot round them."""
+    Each adjacent pair is a complex number multiplied by ``e^(i pos freq)``: one multiply per call, with the
+    rotation made once per forward and set of positions (kept in the geometry's ``rotations``, shared by every
+    layer with the same frequencies). Angles are formed in float64 (an fp32 ``pos * freq`` is off by ~4e-3 rad at
+    position 65,536). The frequencies are a per-device cache, not a buffer, so that casting the model to bf16
+    cannot round them."""
 
     def __init__(self, dim: int, base: float, yarn: ModelArgs | None = None):
         super().__init__()
         self.dim = dim
+        self.key = (dim, base) + ((yarn.rope_factor, yarn.beta_fast, yarn.beta_slow, yarn.original_seq_len)
+                                  if yarn is not None else ())
         self._freqs = {torch.device("cpu"): rope_frequencies(dim, base, yarn)}
 
     @classmethod
@@ -50,16 +55,22 @@ class Rotary(nn.Module):
             self._freqs[device] = self._freqs[torch.device("cpu")].to(device)
         return self._freqs[device]
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x [B,N,(H,)D], pos [B,N] -> x with its last ``dim`` features rotated by ``pos`` (or ``-pos``)."""
-        angle = pos.unsqueeze(-1).double() * self._freqs_on(pos.device)
-        if inverse:
-            angle = -angle
-        if x.dim() == 4:
-            angle = angle.unsqueeze(2)
+    def rotation(self, where, dtype: torch.dtype, inverse: bool = False) -> torch.Tensor:
+        """``e^(+-i pos freq)`` [B,N,dim/2] in ``dtype``'s complex type for the positions ``where.pos``, made once
+        per ``where`` (a TokenGeometry or EntryGeometry) and kept in its ``rotations``."""
+        key = (self.key, dtype, inverse)
+        if key not in where.rotations:
+            angle = where.pos.unsqueeze(-1).double() * self._freqs_on(where.pos.device)
+            rotation = torch.polar(torch.ones_like(angle), -angle if inverse else angle)
+            where.rotations[key] = rotation.to(dtype.to_complex())
+        return where.rotations[key]
+
+    def forward(self, x: torch.Tensor, where, inverse: bool = False) -> torch.Tensor:
+        """x [B,N,(H,)D] -> x with its last ``dim`` features rotated by the positions of ``where`` (or back)."""
         compute = torch.promote_types(x.dtype, torch.float32)
-        cos, sin = angle.cos().to(compute), angle.sin().to(compute)
-        rest, tail = x[..., : -self.dim], x[..., -self.dim:].to(compute)
-        even, odd = tail[..., 0::2], tail[..., 1::2]
-        rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-        return torch.cat([rest, rotated.to(x.dtype)], dim=-1)
+        rotation = self.rotation(where, compute, inverse)
+        if x.dim() == 4:
+            rotation = rotation.unsqueeze(2)
+        pairs = torch.view_as_complex(x[..., -self.dim:].to(compute).unflatten(-1, (-1, 2)))
+        rotated = torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+        return torch.cat([x[..., : -self.dim], rotated], dim=-1)
