@@ -192,6 +192,25 @@ def check_index_logits():
                                torch.equal(res["triton"][0] == float("-inf"), ~valid)}
 
 
+@section
+def check_rope():
+    """q-shaped (64 heads x 512, RoPE on the last 64) and KV-shaped (512, no heads) rotations, bf16, and back."""
+    T = n(4096, 37)
+    res = {}
+    for name, shape in (("q", (1, T, n(64, 2), n(512, 24))), ("kv", (1, T, n(512, 24)))):
+        dim = n(64, 16)
+        angle = torch.rand(1, T, dim // 2, device=DEV, dtype=torch.float64) * T
+        rotation = torch.polar(torch.ones_like(angle), angle)
+        x = leaf(torch.randn(shape, device=DEV), BF16)
+        grad = torch.randn(shape, device=DEV)
+        out = triton_ops.rope(x, rotation.to(torch.complex64), dim)
+        want = reference.rope(x.double(), rotation, dim)
+        (dx,) = torch.autograd.grad(out, x, grad.to(BF16))
+        (want_dx,) = torch.autograd.grad(want, x, grad.double())
+        res[name] = {"out": rel_err(out, want), "dx": rel_err(dx, want_dx)}
+    RESULTS["rope"] = {"rel_err": res, "pass": all(e < 1e-2 for r in res.values() for e in r.values())}
+
+
 # ----------------------------------------------------------------------------------------------- bench
 
 @section
@@ -378,7 +397,7 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     args = parser.parse_args()
     os.environ["CSA2_KERNEL_POISON"] = "1" if args.mode == "check" else "0"
-    run_steps([check_attention, check_indexer, check_index_logits] if args.mode == "check" else
+    run_steps([check_attention, check_indexer, check_index_logits, check_rope] if args.mode == "check" else
               [bench_matmul, bench_attention, bench_sdpa_cudnn, bench_indexer, bench_index_logits], args.out, args.mode)
     return 0
 

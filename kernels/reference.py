@@ -24,6 +24,17 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, flat).view(B, T, K, x.shape[-1])
 
 
+def rope(x: torch.Tensor, rotation: torch.Tensor, dim: int) -> torch.Tensor:
+    """x [B,N,(H,)D] with its last ``dim`` features rotated: each adjacent pair, as a complex number, times
+    ``rotation`` [B,N,dim/2] (complex; its real type is the compute dtype). Linear in x: the backward is the
+    same product by the conjugate, which autograd derives."""
+    if x.dim() == 4:
+        rotation = rotation.unsqueeze(2)
+    pairs = torch.view_as_complex(x[..., -dim:].to(rotation.dtype.to_real()).unflatten(-1, (-1, 2)))
+    rotated = torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-dim], rotated], dim=-1)
+
+
 def window_slots(win_lo: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token positions t, t-1, ..., t-window+1 of each query and whether each is inside [win_lo, t]."""
     B, T = win_lo.shape

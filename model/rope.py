@@ -9,6 +9,8 @@ import math
 import torch
 from torch import nn
 
+import kernels
+
 from model.config import ModelArgs
 
 
@@ -30,15 +32,15 @@ def rope_frequencies(dim: int, base: float, yarn: ModelArgs | None = None) -> to
 class Rotary(nn.Module):
     """Rotates the last ``dim`` features of a tensor by doc-relative positions (forward or inverse).
 
-    Each adjacent pair is a complex number multiplied by ``e^(i pos freq)``: one multiply per call, with the
-    rotation made once per forward and set of positions (kept in the geometry's ``rotations``, shared by every
+    Each adjacent pair is a complex number multiplied by ``e^(i pos freq)`` (``kernels``' ``rope``: one launch
+    per call with Triton), with the rotation made once per forward and set of positions (kept in the geometry's ``rotations``, shared by every
     layer with the same frequencies). Angles are formed in float64 (an fp32 ``pos * freq`` is off by ~4e-3 rad at
     position 65,536). The frequencies are a per-device cache, not a buffer, so that casting the model to bf16
     cannot round them."""
 
-    def __init__(self, dim: int, base: float, yarn: ModelArgs | None = None):
+    def __init__(self, dim: int, base: float, yarn: ModelArgs | None = None, kernel_backend: str = "auto"):
         super().__init__()
-        self.dim = dim
+        self.dim, self.kernel_backend = dim, kernel_backend
         self.key = (dim, base) + ((yarn.rope_factor, yarn.beta_fast, yarn.beta_slow, yarn.original_seq_len)
                                   if yarn is not None else ())
         self._freqs = {torch.device("cpu"): rope_frequencies(dim, base, yarn)}
@@ -47,8 +49,8 @@ class Rotary(nn.Module):
     def for_layer(cls, args: ModelArgs, compressed: bool) -> "Rotary":
         """Compressed layers (any mode) rotate with compress_rope_theta and YaRN, window-only layers without."""
         if compressed:
-            return cls(args.rope_head_dim, args.compress_rope_theta, args)
-        return cls(args.rope_head_dim, args.rope_theta)
+            return cls(args.rope_head_dim, args.compress_rope_theta, args, args.kernel_backend)
+        return cls(args.rope_head_dim, args.rope_theta, kernel_backend=args.kernel_backend)
 
     def _freqs_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._freqs:
@@ -67,10 +69,5 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, where, inverse: bool = False) -> torch.Tensor:
         """x [B,N,(H,)D] -> x with its last ``dim`` features rotated by the positions of ``where`` (or back)."""
-        compute = torch.promote_types(x.dtype, torch.float32)
-        rotation = self.rotation(where, compute, inverse)
-        if x.dim() == 4:
-            rotation = rotation.unsqueeze(2)
-        pairs = torch.view_as_complex(x[..., -self.dim:].to(compute).unflatten(-1, (-1, 2)))
-        rotated = torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
-        return torch.cat([x[..., : -self.dim], rotated], dim=-1)
+        rotation = self.rotation(where, torch.promote_types(x.dtype, torch.float32), inverse)
+        return kernels.ops(self.kernel_backend, x.device).rope(x, rotation, self.dim)

@@ -168,6 +168,25 @@ def test_index_logits(seed, doc_lens, m, NH, DI, topk, bs, keep):
         assert rel_err(g, want) < TOL, (name, seed)
 
 
+@pytest.mark.parametrize("shape, dim", [((2, 5, 3, 24), 16), ((1, 7, 16), 16), ((2, 3, 8), 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope(seed, shape, dim, dtype):
+    """Rotation of the last ``dim`` features (4-D with heads and 3-D, features outside the rotated tail or none)
+    and its backward, against the complex-multiply reference computed in fp64."""
+    x = torch.randn(shape).to(dtype).requires_grad_()
+    angle = torch.rand(shape[0], shape[1], dim // 2, dtype=torch.float64) * 100
+    rotation = torch.polar(torch.ones_like(angle), angle)
+    out = triton_ops.rope(x, rotation.to(torch.complex64), dim)
+    want = reference.rope(x.double(), rotation, dim)
+    tol = TOL if dtype == torch.float32 else 1e-3  # fp16 output rounding: relative 2**-11
+    assert out.dtype == dtype and rel_err(out, want) < tol, seed
+    assert torch.equal(out[..., :-dim], x[..., :-dim].detach()), seed  # the unrotated features are copied exactly
+    grad = torch.randn(shape, dtype=torch.float64)
+    (got,) = torch.autograd.grad(out, x, grad.to(dtype))
+    (ref,) = torch.autograd.grad(want, x, grad)
+    assert rel_err(got, ref) < tol, seed
+
+
 def test_dispatch_forces_triton():
     assert ops("triton", torch.device("cpu")) is triton_ops
     assert ops("auto", torch.device("cpu")) is reference
