@@ -8,8 +8,11 @@ switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
 - gradient clipping by the global norm over all stages (DeepSpeed's fp32 clipping, given a pipeline grid,
   counts only the first stage's gradients), the indexer's parameters clipped by their own norm so that the
   indexer loss never changes how far the trunk moves (SPEC §2: the indexer learns only from its KL);
-- a non-finite loss skips the whole step on every rank (no parameter, optimizer or schedule change).
-Checkpoints hold the model per transformer layer under the full model's names, so they load under any split.
+- a non-finite loss skips the whole step on every rank (no parameter, optimizer or schedule change);
+- ZeRO stage 1 (``zero_optimization.stage=1``): each data-parallel rank of a stage steps and keeps the optimizer
+  state of its own run of the stage's rows and broadcasts them (``parallel/zero.py``: why not DeepSpeed's).
+Checkpoints hold the model per transformer layer and the optimizer state per parameter name (and row range), so
+they load under any split and data-parallel size.
 """
 import os
 from collections import OrderedDict
@@ -25,6 +28,7 @@ from model.config import ModelArgs
 from model.layout import Layout
 from parallel.partition import StagePlan
 from parallel.stage import SHADOW_PREFIX, PipelineStage, owner_name, shadow_sources
+from parallel.zero import OptimizerShards
 
 class CSA2PipelineModule(PipelineModule):
     """One ``PipelineStage`` per pipeline stage. ``loss_fn(outputs, labels)`` runs on the last stage; it names
@@ -54,13 +58,18 @@ class CSA2PipelineModule(PipelineModule):
             parts = OrderedDict((name, torch.zeros(())) for name in self.loss_fn.part_names())
         return parts
 
-    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
-        """One file per transformer layer (plus embedding and head), named by the full model's layer ids."""
+    def save_weights(self, save_dir: str) -> None:
+        """One file per transformer layer (plus embedding and head), named by the full model's layer ids; written
+        by the first data-parallel rank of each stage (the others hold the same weights)."""
         if self._grid.data_parallel_id != 0:
             return
-        checkpoint_engine.makedirs(save_dir, exist_ok=True)
+        os.makedirs(save_dir, exist_ok=True)
         for part, tensors in split_by_layer(self.stage.owned_state_dict()).items():
-            checkpoint_engine.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, part))
+            torch.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, part))
+
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        """DeepSpeed's hook (``engine.save_checkpoint``): the same per-layer files."""
+        self.save_weights(save_dir)
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         wanted = split_by_layer(self.stage.owned_state_dict())
@@ -86,8 +95,9 @@ def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.
 
 
 class CSA2PipelineEngine(PipelineEngine):
-    def __init__(self, *args, max_grad_norm: float = 0.0, **kwargs):
+    def __init__(self, *args, shards: OptimizerShards, max_grad_norm: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
+        self.shards = shards  # what this rank's optimizer steps (all of the stage without ZeRO)
         self.max_grad_norm = max_grad_norm
         self.grad_norm = self.indexer_grad_norm = None  # global norms of the last step, before clipping
         self.nonfinite_steps = 0  # consecutive skipped steps
@@ -125,16 +135,14 @@ class CSA2PipelineEngine(PipelineEngine):
         """This stage's optimised parameters under the full model's names."""
         return dict(self.module.stage.model.named_parameters())
 
-    def optimizer_state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The optimizer's per-parameter state keyed by full-model parameter name, so that it can be loaded
-        under another stage split (DeepSpeed's own files are keyed by stage)."""
-        return {name: {k: v.detach().cpu() for k, v in self.optimizer.state[p].items()}
-                for name, p in self.owned_named_parameters().items() if p in self.optimizer.state}
+    def optimizer_state_by_name(self) -> dict[str, dict]:
+        """This rank's optimizer state keyed by full-model parameter name and row range, so that it can be loaded
+        under another stage split and data-parallel size (DeepSpeed's own files are keyed by stage and rank)."""
+        return self.shards.state_by_name(self.optimizer)
 
-    def load_optimizer_state_by_name(self, states: dict[str, dict[str, torch.Tensor]]) -> None:
-        for name, p in self.owned_named_parameters().items():
-            if name in states:
-                self.optimizer.state[p] = {k: v.to(p.device) for k, v in states[name].items()}
+    def load_optimizer_state_by_name(self, pieces: dict[str, list[dict]]) -> None:
+        """Load my rows of the state that every saving rank wrote (``optimizer_state_by_name``), grouped by name."""
+        self.shards.load_state_by_name(self.optimizer, pieces)
 
     def _reduce_tied_and_shadow_grads(self):
         PipelineEngine._exec_reduce_tied_grads(self)
@@ -166,7 +174,9 @@ class CSA2PipelineEngine(PipelineEngine):
             return
         self.nonfinite_steps = 0
         self._clip_gradients()
-        PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+        with self.shards.gradients():
+            PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+        self.shards.broadcast()
         self.sync_shadows()
 
     def sync_shadows(self) -> None:
@@ -203,15 +213,20 @@ class CSA2PipelineEngine(PipelineEngine):
 
 
 def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
-                 model_parameters=None) -> CSA2PipelineEngine:
+                 model_parameters: list[dict] | None = None) -> CSA2PipelineEngine:
     """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class, only owned parameters
-    handed to the optimizer (``model_parameters``: param groups of them; default all owned), and
-    ``gradient_clipping`` done by the engine across stages."""
+    handed to the optimizer (``model_parameters``: param groups of them; default one group of all owned), and
+    ``gradient_clipping`` and ``zero_optimization.stage`` (0 or 1) done by the engine, not by DeepSpeed."""
     config = dict(config)
     max_grad_norm = config.get("gradient_clipping", 0.0)
     config["gradient_clipping"] = 0.0  # DeepSpeed's own clipping is off (its default is not 0)
+    zero_stage = config.pop("zero_optimization", {}).get("stage", 0)
+    if zero_stage not in (0, 1):
+        raise ValueError(f"zero_optimization.stage={zero_stage} (parallel.zero_stage): use 0 or 1; DeepSpeed's "
+                         "pipeline engine refuses stages 2 and 3, which partition gradients or weights")
+    shards = OptimizerShards(dict(module.stage.model.named_parameters()), module.mpu(), partitioned=zero_stage == 1)
+    groups = shards.param_groups(model_parameters or [{"params": module.owned_parameters()}])
     config_class = DeepSpeedConfig(config, module.mpu())
-    return CSA2PipelineEngine(args=None, model=module, optimizer=None,
-                              model_parameters=model_parameters or module.owned_parameters(), training_data=None,
+    return CSA2PipelineEngine(args=None, model=module, optimizer=None, model_parameters=groups, training_data=None,
                               lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=False, collate_fn=None,
-                              config=config, config_class=config_class, max_grad_norm=max_grad_norm)
+                              config=config, config_class=config_class, shards=shards, max_grad_norm=max_grad_norm)

@@ -11,9 +11,10 @@ from parallel.local import spawn
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 64, 2, 4, 2
 
 
-def batches(vocab: int):
-    """Deterministic microbatches: two packed documents per row, next-token labels."""
-    g = torch.Generator().manual_seed(0)
+def batches(vocab: int, seed: int = 0):
+    """Deterministic microbatches: two packed documents per row, next-token labels (``seed``: one stream per
+    data-parallel rank, say)."""
+    g = torch.Generator().manual_seed(seed)
     while True:
         x = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN), generator=g)
         doc = torch.zeros_like(x)

@@ -53,6 +53,7 @@ def test_invalid_override_is_a_hydra_error(override):
     (["parallel.recompute=all"], "parallel.recompute"),
     (["parallel.recompute=block"], "parallel.recompute_layers"),
     (["parallel.index_k=wire"], "parallel.index_k"),
+    (["parallel.zero_stage=2"], "parallel.zero_stage"),
 ])
 def test_bad_settings_fail_before_training(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -135,7 +135,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     def crashing_save(obj, path, *args, **kwargs):
         if str(path).endswith(checkpoint.RESUME_STATE):
             calls["n"] += 1
-            if calls["n"] == 2:  # the second checkpoint dies after DeepSpeed's files, before ours
+            if calls["n"] == 2:  # the second checkpoint dies after the weight and optimizer files
                 raise OSError("disk full")
         real_save(obj, path, *args, **kwargs)
 

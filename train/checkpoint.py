@@ -1,22 +1,26 @@
-"""Atomic DeepSpeed checkpoints with everything an exact resume needs.
+"""Atomic checkpoints with everything an exact resume needs.
 
 Layout of ``<checkpoint_dir>``::
 
     latest                 # tag of the newest complete checkpoint, replaced atomically
     step00000100/          # one tag directory per save
-        ...                # DeepSpeed's files: model, optimizer (ZeRO shards), LR scheduler
+        layer_000.pt ...   # the weights, one file per transformer layer (plus embed.pt, head.pt)
         trainer_state.json # step, bad-step counters, the resolved run config
         resume_state.pt    # RNG states, loader position, LR schedule and step counters
-        optimizer_stage00.pt  # per stage: optimizer state keyed by full-model parameter name
+        optimizer_stage00_dp00.pt  # per rank whose optimizer state is its own (every data-parallel rank under
+                                   # ZeRO-1, else the first): its rows of each parameter's state, by name
 
 A save goes into ``.step00000100.partial`` and is renamed once every rank has written its files; only then is
 ``latest`` replaced. A crash mid-save leaves a ``.partial`` directory that nothing reads and the previous
-``latest`` intact. Our own files are JSON and ``torch.load(weights_only=True)``; DeepSpeed reads its own files.
+``latest`` intact. What a resume reads is JSON or ``torch.load(weights_only=True)``.
 
 Every rank is seeded alike and the loader's position is global (``train/data.py``), so rank 0's RNG and loader
 state is every rank's: one file serves any number of ranks on resume. The weights are stored per transformer
-layer under the full model's names (``parallel/engine.py``) and the optimizer state per parameter name, so a
-checkpoint also resumes under another ``parallel.pipeline_stages`` (then without DeepSpeed's per-stage files).
+layer under the full model's names (``parallel/engine.py``) and the optimizer state per parameter name and row
+range (``parallel/zero.py``), so a checkpoint resumes under another ``parallel.pipeline_stages``, data-parallel size
+or ``parallel.zero_stage``: one path for every case. DeepSpeed's own checkpoint files are not written: they
+would repeat the first data-parallel rank's optimizer state (twice the weights' size again) in a form keyed by
+stage, which a resume under another split could not use.
 """
 import json
 import logging
@@ -36,6 +40,8 @@ log = logging.getLogger(__name__)
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
 RESUME_STATE = "resume_state.pt"
+OPTIMIZER_STATE = "optimizer_stage{stage:02d}_dp{dp:02d}.pt"
+OPTIMIZER_STATES = "optimizer_stage*_dp*.pt"
 # Config keys that change how the same weights are computed, not what they are: they may differ on resume.
 RUNTIME_ONLY_KEYS = ("model.kernel_backend",)
 
@@ -154,8 +160,8 @@ def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_st
          keep: int) -> CheckpointRef:
     """Save on every rank (collective); publish the tag only once all of it is on disk.
 
-    Rank 0's ``trainer_state`` (JSON) and ``resume_state`` (RNG and loader position) go beside DeepSpeed's
-    files. Keeps the newest ``keep`` complete checkpoints (0 = all).
+    Rank 0's ``trainer_state`` (JSON) and ``resume_state`` (RNG and loader position, schedule and engine
+    counters) go beside the weight and optimizer files. Keeps the newest ``keep`` complete checkpoints (0 = all).
     """
     rank = dist.get_rank()
     ref = CheckpointRef(checkpoint_dir, tag_for(step))
@@ -164,9 +170,11 @@ def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_st
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # debris of a crashed save
     dist.barrier()
-    engine.save_checkpoint(str(checkpoint_dir), tag=partial, save_latest=False)
-    if engine.grid.data_parallel_id == 0:
-        torch.save(engine.optimizer_state_by_name(), checkpoint_dir / partial / f"optimizer_stage{engine.stage_id:02d}.pt")
+    (checkpoint_dir / partial).mkdir(parents=True, exist_ok=True)
+    engine.module.save_weights(str(checkpoint_dir / partial))
+    if engine.shards.writes_state:
+        name = OPTIMIZER_STATE.format(stage=engine.stage_id, dp=engine.grid.data_parallel_id)
+        torch.save(engine.optimizer_state_by_name(), checkpoint_dir / partial / name)
     if rank == 0:
         torch.save({**resume_state, **_engine_state(engine)}, checkpoint_dir / partial / RESUME_STATE)
         _write_text_atomic(checkpoint_dir / partial / TRAINER_STATE, json.dumps(trainer_state, indent=1))
@@ -201,26 +209,28 @@ def _engine_state(engine) -> dict:
 def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
     """Load weights, optimizer and schedule into ``engine``; return the RNG and loader state.
 
-    Under the stage count it was saved with, DeepSpeed reads its own files. Under another, each stage reads
-    its layers' weight files and its parameters' optimizer state by name from every old stage's file."""
+    Whatever split wrote it, each stage reads its layers' weight files and each rank its rows of its parameters'
+    optimizer state, by name, from every saving rank's file."""
     resume = torch.load(ref.path / RESUME_STATE, weights_only=True)
-    if saved_stages == engine.num_stages:
-        load_path, _ = engine.load_checkpoint(str(ref.directory), tag=ref.tag)
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed found no model states in {ref.path}")
-        engine.sync_shadows()  # replicas are not in checkpoints: their owners' values are
-        return resume
-    log.info("checkpoint %s was written by %d pipeline stage(s); re-splitting it over %d", ref.path, saved_stages,
-             engine.num_stages)
+    if saved_stages != engine.num_stages:
+        log.info("checkpoint %s was written by %d pipeline stage(s); re-splitting it over %d", ref.path,
+                 saved_stages, engine.num_stages)
     engine.module.load_state_dir(str(ref.path), checkpoint_engine=None)
-    engine.sync_shadows()
-    states = {}
-    for path in sorted(ref.path.glob("optimizer_stage*.pt")):
-        states.update(torch.load(path, weights_only=True))
-    engine.load_optimizer_state_by_name(states)
+    engine.sync_shadows()  # replicas are not in checkpoints: their owners' values are
+    engine.load_optimizer_state_by_name(optimizer_pieces(ref))
     engine.lr_scheduler.load_state_dict(resume["schedule"])
     for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
         group["lr"] = lr
     for key, value in resume["counters"].items():
         setattr(engine, key, value)
     return resume
+
+
+def optimizer_pieces(ref: CheckpointRef) -> dict[str, list[dict]]:
+    """Every saved piece of optimizer state, grouped by parameter name. The files are memory-mapped, so a rank
+    reads from disk only the rows it takes."""
+    pieces: dict[str, list[dict]] = {}
+    for path in sorted(ref.path.glob(OPTIMIZER_STATES)):
+        for name, piece in torch.load(path, weights_only=True, mmap=True).items():
+            pieces.setdefault(name, []).append(piece)
+    return pieces

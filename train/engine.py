@@ -54,13 +54,16 @@ def deepspeed_config(cfg: DictConfig) -> dict:
     AdamW is torch's (``torch_adam``), so no fused or CPU-Adam extension is built. The schedule is not in here:
     it is ``warmup_cosine`` handed to the engine (DeepSpeed's WarmupCosineLR starts at lr 0). Precision is not
     in here either: bf16 runs under autocast over fp32 master weights (``parallel/stage.py``), so gradients
-    and optimizer state stay fp32 and the engine's clipping sees them.
+    and optimizer state stay fp32 and the engine's clipping sees them. ``gradient_clipping`` and
+    ``zero_optimization.stage`` (``parallel.zero_stage``) are carried out by our engine, not DeepSpeed's
+    (``parallel/engine.py``, ``parallel/zero.py``).
     """
     train = cfg.train
     return {
         "train_micro_batch_size_per_gpu": int(cfg.data.micro_batch_size),
         "gradient_accumulation_steps": int(train.grad_accum_steps),
         "gradient_clipping": float(train.grad_clip),
+        "zero_optimization": {"stage": int(cfg.parallel.zero_stage)},
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": float(train.lr), "betas": [float(b) for b in train.betas], "eps": float(train.eps),
@@ -87,6 +90,9 @@ def check_parallel(parallel: DictConfig) -> None:
         raise ValueError(f"parallel.recompute={parallel.recompute!r}: use one of {RECOMPUTE}")
     if parallel.index_k not in INDEX_K:
         raise ValueError(f"parallel.index_k={parallel.index_k!r}: use one of {INDEX_K}")
+    if parallel.zero_stage not in (0, 1):
+        raise ValueError(f"parallel.zero_stage={parallel.zero_stage!r}: use 0 or 1 (DeepSpeed's pipeline engine "
+                         "refuses the stages that partition gradients or weights)")
     count = parallel.get("recompute_layers")
     if parallel.recompute == "block" and (not isinstance(count, int) or count < 1):
         raise ValueError(f"parallel.recompute=block needs parallel.recompute_layers >= 1 (the leading layers of "
