@@ -162,7 +162,8 @@ def _dash(value):
 def generate(window_layers: int, encoder: dict, decoder: dict, candidates: bool) -> dict:
     """Canonical lists from the knobs of a V4.1-shaped stack: window layers, an encoder of groups that each
     start with a Full layer, and a decoder with one Full layer, Reindex every ``reindex_every`` layers (0 = never)
-    and a new Full layer every ``full_every`` layers (0 = only the first)."""
+    and a new Full layer every ``full_every`` layers (0 = only the first). With ``candidates`` the decoder's first
+    Full layer is the candidate source, if any Reindex layer reads it."""
     ratios = [0] * window_layers + [encoder["ratio"]] * encoder["layers"] + [decoder["ratio"]] * decoder["layers"]
     start = window_layers
     kv = [start + i for i in range(0, encoder["layers"], encoder["group_size"])]
@@ -174,7 +175,8 @@ def generate(window_layers: int, encoder: dict, decoder: dict, candidates: bool)
             index.append(start + i)
         elif decoder.get("reindex_every") and i % decoder["reindex_every"] == 0:
             index.append(start + i)
-    cand = start if candidates and decoder["layers"] else None
+    reindexed = set(index) - set(kv)  # candidate blocks are made only where a Reindex layer will read them
+    cand = start if candidates and reindexed else None
     return dict(compress_ratios=ratios, kv_source_layer_ids=kv, index_source_layer_ids=index,
                 candidate_source_layer_id=cand)
 

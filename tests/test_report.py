@@ -25,6 +25,7 @@ from train.report import find_runs, main, report
 
 V41_RATIOS = [0, 0] + [2] * 18 + [1] * 20
 SCALED_RATIOS = [0, 0, 2, 2, 2, 2, 1, 1, 1, 1]
+SCALED_BLOCKS = dict(candidate_topk_blocks=8, candidate_block_size=4)
 
 
 def sweep_jobs(*overrides: str) -> list[list[str]]:
@@ -41,19 +42,28 @@ def sweep_layouts(*overrides: str) -> list[tuple[str, Layout]]:
 def test_layout_presets_sweep():
     encoder_full = [2, 8, 14]
     assert sweep_layouts("layout=v41_scaled,all_full,no_reindex,single_selection") == [
-        ("v41_scaled", Layout(SCALED_RATIOS, [2, 4, 6], [2, 4, 6, 8], 6, candidate_topk_blocks=8,
-                              candidate_block_size=4)),
+        ("v41_scaled", Layout(SCALED_RATIOS, [2, 4, 6], [2, 4, 6, 8], 6, **SCALED_BLOCKS)),
         ("all_full", Layout(V41_RATIOS, range(2, 40), range(2, 40), None)),
-        ("no_reindex", Layout(V41_RATIOS, encoder_full + [20], encoder_full + [20], 20)),
-        ("single_selection", Layout(V41_RATIOS, [2, 20], [2, 20], 20)),
+        ("no_reindex", Layout(V41_RATIOS, encoder_full + [20], encoder_full + [20], None)),  # no candidate reader
+        ("single_selection", Layout(V41_RATIOS, [2, 20], [2, 20], None)),
+    ]
+
+
+def test_scaled_layout_presets_sweep():
+    """The ablation presets at the 10-layer shape of the default layout (2 window, encoder 2-5, decoder 6-9)."""
+    assert sweep_layouts("layout=all_full_scaled,no_reindex_scaled,single_selection_scaled,window_only_scaled") == [
+        ("all_full_scaled", Layout(SCALED_RATIOS, range(2, 10), range(2, 10), None, **SCALED_BLOCKS)),
+        ("no_reindex_scaled", Layout(SCALED_RATIOS, [2, 4, 6], [2, 4, 6], None, **SCALED_BLOCKS)),
+        ("single_selection_scaled", Layout(SCALED_RATIOS, [2, 6], [2, 6], None, **SCALED_BLOCKS)),
+        ("window_only_scaled", Layout([0] * 10, [], [], None, **SCALED_BLOCKS)),
     ]
 
 
 def test_layout_knob_sweep():
-    scaled = dict(candidate_source_layer_id=6, candidate_topk_blocks=8, candidate_block_size=4)
     assert sweep_layouts("layout.decoder.reindex_every=2,4") == [
-        ("v41_scaled", Layout(SCALED_RATIOS, [2, 4, 6], [2, 4, 6, 8], **scaled)),  # Reindex at decoder layer 2
-        ("v41_scaled", Layout(SCALED_RATIOS, [2, 4, 6], [2, 4, 6], **scaled)),  # the 4-layer decoder never reaches 4
+        ("v41_scaled", Layout(SCALED_RATIOS, [2, 4, 6], [2, 4, 6, 8], 6, **SCALED_BLOCKS)),  # Reindex at layer 8
+        # the 4-layer decoder never reaches 4: no Reindex layer, so no candidate source either
+        ("v41_scaled", Layout(SCALED_RATIOS, [2, 4, 6], [2, 4, 6], None, **SCALED_BLOCKS)),
     ]
 
 
