@@ -165,8 +165,9 @@ def _logits_bwd_kernel(Q, WGT, KEY, IDX, DOUT, DQ, DW, DKEY, T, S, NH, DI: tl.co
 
 
 def _heads_p(n_heads: int) -> int:
-    """Heads padded to a power of two (tl.reshape and tl.arange need one)."""
-    return triton.next_power_of_2(n_heads)
+    """Heads padded to a power of two (tl.reshape and tl.arange need one) of at least 16: one query's heads are
+    the M dimension of a ``tl.dot``, which needs 16 rows on the GPU (padding rows are 0 and weigh 0)."""
+    return max(16, triton.next_power_of_2(n_heads))
 
 
 def _chunks(lo: torch.Tensor, hi: torch.Tensor, chunk: int):
