@@ -1,6 +1,7 @@
 """End-to-end runs of ``train.app.run`` on a small config: files, exact resume, checkpoint errors, bad steps."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -94,6 +95,24 @@ def test_checkpoint_of_another_layout_names_the_difference(trained, tmp_path):
         _run(tmp_path, "train.max_steps=40", "layout=all_full", f"train.resume={trained[0] / 'checkpoints'}")
     with pytest.raises(CheckpointError, match=r"model\.dim: checkpoint 128, this run 64"):
         _run(tmp_path, "train.max_steps=40", "model.dim=64", f"train.resume={trained[0] / 'checkpoints'}")
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("truncate optimizer", r"optimizer_stage00_dp00\.pt is not a readable optimizer state file"),
+    ("delete optimizer", r"has no optimizer state \(optimizer_stage\*_dp\*\.pt\)"),
+    ("truncate weights", r"could not be read"),
+])
+def test_damaged_checkpoint_is_an_error(trained, tmp_path, damage, message):
+    """A damaged checkpoint stops the resume with a message naming it; nothing starts from a half-loaded state."""
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(trained[0] / "checkpoints" / "step00000020", copy / "step00000020")
+    victim = copy / "step00000020" / ("layer_003.pt" if damage == "truncate weights" else "optimizer_stage00_dp00.pt")
+    if damage.startswith("truncate"):
+        victim.write_bytes(victim.read_bytes()[:100])
+    else:
+        victim.unlink()
+    with pytest.raises(CheckpointError, match=message):
+        _run(tmp_path / "run", "train.max_steps=21", f"train.resume={copy / 'step00000020'}")
 
 
 def test_probe_longer_than_its_context_fails_before_training(tmp_path):

@@ -25,6 +25,7 @@ stage, which a resume under another split could not use.
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass
@@ -211,13 +212,20 @@ def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
 
     Whatever split wrote it, each stage reads its layers' weight files and each rank its rows of its parameters'
     optimizer state, by name, from every saving rank's file."""
-    resume = torch.load(ref.path / RESUME_STATE, weights_only=True)
     if saved_stages != engine.num_stages:
         log.info("checkpoint %s was written by %d pipeline stage(s); re-splitting it over %d", ref.path,
                  saved_stages, engine.num_stages)
-    engine.module.load_state_dir(str(ref.path), checkpoint_engine=None)
+    try:
+        resume = torch.load(ref.path / RESUME_STATE, weights_only=True)
+        engine.module.load_state_dir(str(ref.path), checkpoint_engine=None)
+        pieces = optimizer_pieces(ref)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
+        raise CheckpointError(f"checkpoint {ref.path} could not be read: {error}") from error
+    if not pieces:
+        raise CheckpointError(f"checkpoint {ref.path} has no optimizer state ({OPTIMIZER_STATES}): it is incomplete "
+                              "or was written by an older version")
     engine.sync_shadows()  # replicas are not in checkpoints: their owners' values are
-    engine.load_optimizer_state_by_name(optimizer_pieces(ref))
+    engine.load_optimizer_state_by_name(pieces)
     engine.lr_scheduler.load_state_dict(resume["schedule"])
     for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
         group["lr"] = lr
@@ -231,6 +239,10 @@ def optimizer_pieces(ref: CheckpointRef) -> dict[str, list[dict]]:
     reads from disk only the rows it takes."""
     pieces: dict[str, list[dict]] = {}
     for path in sorted(ref.path.glob(OPTIMIZER_STATES)):
-        for name, piece in torch.load(path, weights_only=True, mmap=True).items():
+        try:
+            saved = torch.load(path, weights_only=True, mmap=True)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+            raise CheckpointError(f"{path} is not a readable optimizer state file ({error})") from error
+        for name, piece in saved.items():
             pieces.setdefault(name, []).append(piece)
     return pieces
