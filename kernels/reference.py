@@ -84,9 +84,14 @@ def _doc_block(vis_lo, n_entries, block_size):
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k best finite scores along the last dim, -1 where fewer exist."""
+    """Indices of the k best finite scores along the last dim, -1 where fewer exist; equal scores in index order.
+
+    Ties are common (a ReLU-weighted score is exactly 0 wherever every head's ReLU is off) and ``topk`` breaks
+    them by an order that depends on the row's length, which would make a token's selection, and so its output,
+    depend on how many tokens follow it. A stable sort keeps the lower index first."""
     n = min(k, scores.shape[-1])
-    values, idx = scores.topk(n, dim=-1)
+    values, idx = scores.sort(dim=-1, descending=True, stable=True)
+    values, idx = values[..., :n], idx[..., :n]
     idx = idx.masked_fill(values == NEG_INF, -1)
     return F.pad(idx, (0, k - n), value=-1)
 

@@ -179,6 +179,13 @@ class CSA2PipelineEngine(PipelineEngine):
         self.shards.broadcast()
         self.sync_shadows()
 
+    def eval_batch(self, *args, **kwargs):
+        """DeepSpeed's, starting from no running loss: it sums ``total_loss`` over the forwards of a batch and
+        resets it in ``train_batch`` only, so an evaluation that returns logits (``compute_loss=False``) would
+        leave them there for the next evaluation's losses to be added to."""
+        self.total_loss = None
+        return super().eval_batch(*args, **kwargs)
+
     def sync_shadows(self) -> None:
         """Copy every owner's index-key projection to its replicas (after a step, and after loading weights)."""
         for group, owner, tensors in self._shadow_links:

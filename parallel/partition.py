@@ -80,7 +80,10 @@ def partition(args: ModelArgs, layout: Layout, seq_len: int, n_stages: int, cuts
         raise PartitionError(f"parallel.pipeline_stages={n_stages} is more stages than the model's {n} layers")
     if cuts is None:
         cuts = balanced_cuts(layer_costs(args, layout, seq_len), n_stages)
-    cuts = [int(c) for c in cuts]
+    if isinstance(cuts, str) or not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts):
+        raise PartitionError(f"parallel.cuts={cuts!r}: give a list of layer ids where stages 2.. start, e.g. "
+                             "parallel.cuts=[10,20,30], or null for the cost model")
+    cuts = list(cuts)
     if len(cuts) != n_stages - 1:
         raise PartitionError(f"parallel.cuts={cuts} gives {len(cuts) + 1} stages, "
                              f"but parallel.pipeline_stages={n_stages}")

@@ -64,6 +64,23 @@ def test_prefix_consistency(name):
                                        msg=lambda m: f"prefix {T}: {m}")
 
 
+def test_prefix_consistency_with_tied_indexer_scores():
+    """The tiny preset's 4 index heads give many exactly tied (zero) indexer scores; the selection among them must
+    not depend on how many tokens follow (it did with ``topk``'s length-dependent order: 0.75% on the logits)."""
+    from model import ModelArgs, layout_from_config
+    from model.cli import compose
+    from model.transformer import Transformer
+
+    cfg = compose(["model=tiny", "layout=v41_scaled", "model.kernel_backend=torch"])
+    model = Transformer(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), seed=0)
+    ids = rand_ids((2, 192), 3, vocab=256)
+    with torch.no_grad():
+        full = model(ids).logits
+        for T in (160, 191):
+            prefix = model(ids[:, :T]).logits
+            assert ((prefix - full[:, :T]).norm() / full[:, :T].norm()).item() < 1e-6, T
+
+
 def _dependency(model, ids, doc_ids=None):
     """dep[t, u] = True when logits at t depend on the embedding at u (exact zero gradient otherwise)."""
     B, T = ids.shape

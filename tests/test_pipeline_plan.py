@@ -86,6 +86,8 @@ def test_partition_rules(tiny, v41):
         partition(args, layout, 256, 3, [4, 4])
     with pytest.raises(PartitionError, match="gives 3 stages"):
         partition(args, layout, 256, 2, [3, 5])
+    with pytest.raises(PartitionError, match=r"parallel.cuts='None': give a list of layer ids"):
+        partition(args, layout, 256, 2, "None")  # `parallel.cuts=None` on the command line (null was meant)
     with pytest.raises(PipelineConfigError, match="does not divide the 6 launched processes"):
         check_pipeline(4, 6, 8)
     with pytest.raises(PipelineConfigError, match="fewer than parallel.pipeline_stages=4"):

@@ -11,10 +11,6 @@ import torch.distributed as dist
 
 from parallel.local import free_port
 
-# Read once, before this process sets anything: a launcher's rendezvous port must be kept (under torchrun the
-# worker joins the agent's store on it), while a self-made world of one takes a fresh port at every init.
-_LAUNCHER_SET_PORT = "MASTER_PORT" in os.environ
-
 
 def init(device: torch.device) -> None:
     """Join the group the launcher (``torchrun``/``deepspeed``) describes, or create a world of one.
@@ -27,7 +23,10 @@ def init(device: torch.device) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if not _LAUNCHER_SET_PORT:  # a world of one (also each job of a multirun): a port free right now
+    if os.environ["WORLD_SIZE"] == "1" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # A world of one that creates its own store (each job of a multirun too) takes a port free right now, not
+        # one inherited from a parent process that may still hold it. Under torchrun the worker joins the store
+        # its agent serves on MASTER_PORT, which must be kept.
         os.environ["MASTER_PORT"] = str(free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)

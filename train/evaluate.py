@@ -4,9 +4,11 @@ The loss is ``train/loss.py``'s, so held-out and training numbers mean the same 
 per evaluation gives the same batches every time (comparable across steps), and neither part touches the
 training stream or the RNGs (an evaluation never changes what a resumed run sees).
 """
+import logging
 import math
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from train import distributed
@@ -14,6 +16,8 @@ from train.data import build_loader
 from train.loss import compute_loss, mean_metrics
 from train.probes import mqar_probes, passkey_probes, probe_accuracy
 from train.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def data_tokenizer(data: DictConfig):
@@ -28,13 +32,19 @@ def probe_lengths(cfg: DictConfig) -> list[int]:
     return [int(n) for n in lengths] if lengths else [cfg.data.seq_len, 2 * cfg.data.seq_len]
 
 
-def build_probes(cfg: DictConfig) -> dict[tuple[str, int], list]:
-    """``train.eval.probe_examples`` passkey and MQAR samples at each probe length, keyed by (kind, length)."""
+def build_probes(cfg: DictConfig, max_len: int | None = None) -> dict[tuple[str, int], list]:
+    """``train.eval.probe_examples`` passkey and MQAR samples at each probe length (up to ``max_len``), keyed by
+    (kind, length)."""
     spec = cfg.train.eval
     tokenizer = data_tokenizer(cfg.data)
+    lengths = probe_lengths(cfg)
+    if max_len is not None and max(lengths) > max_len:
+        log.warning("probe lengths %s skipped: through pipeline stages a probe fits in data.seq_len=%d at most",
+                    [n for n in lengths if n > max_len], max_len)
+        lengths = [n for n in lengths if n <= max_len]
     probes = {}
     try:
-        for length in probe_lengths(cfg):
+        for length in lengths:
             probes["passkey", length] = passkey_probes(tokenizer, length, spec.probe_examples, seed=spec.probe_seed)
             probes["mqar", length] = mqar_probes(tokenizer, length, spec.probe_examples, seed=spec.probe_seed,
                                                  n_pairs=spec.mqar_pairs, n_queries=spec.mqar_queries)
@@ -49,9 +59,10 @@ class Evaluator:
 
     Built before training, so that an empty held-out set or a probe that does not fit fails before any step.
     Every evaluation rewinds the held-out loader to its start: the same batches each time. With one pipeline
-    stage the whole model runs here; with several, the held-out objective runs through the pipeline
-    (``pipeline_heldout``) and the probes and index recall, which need the whole model's logits at other
-    lengths, are not computed.
+    stage the whole model runs here; with several, the held-out objective and the probes run through the
+    pipeline (``pipeline_heldout``, ``pipeline_logits``): the stages' buffers are sized for ``data.seq_len``, so
+    probes longer than that are skipped (with a warning), and index recall, which needs every layer's attention
+    in one place, is not computed.
     """
 
     def __init__(self, cfg: DictConfig, device: torch.device, engine):
@@ -59,7 +70,9 @@ class Evaluator:
         self.loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
                                    heldout=True, vocab_size=cfg.model.vocab_size)
         self.loader_start = self.loader.state_dict()
-        self.probes = build_probes(cfg) if cfg.train.eval.probe_examples and engine.num_stages == 1 else {}
+        pipelined = engine.num_stages > 1
+        self.probes = build_probes(cfg, cfg.data.seq_len if pipelined else None) if cfg.train.eval.probe_examples else {}
+        self.pad_id = data_tokenizer(cfg.data).pad_id
 
     def __call__(self, probes: bool) -> dict[str, float]:
         """Held-out numbers, and with ``probes`` the probe accuracies; the model runs in eval mode."""
@@ -68,10 +81,11 @@ class Evaluator:
         module.eval()
         try:
             if self.engine.num_stages > 1:
-                return self.pipeline_heldout()
-            row = self.heldout(module.stage.whole_model)
+                row, logits_of = self.pipeline_heldout(), self.pipeline_logits
+            else:
+                row, logits_of = self.heldout(module.stage.whole_model), self.whole_model_logits
             if probes and self.probes:
-                row.update(self.probe_accuracy(module.stage.whole_model))
+                row.update(self.probe_accuracy(logits_of))
             return row
         finally:
             module.train(was_training)
@@ -86,6 +100,23 @@ class Evaluator:
             data = iter([((batch["input_ids"], batch["doc_ids"]), batch["labels"])])
             total += self.engine.eval_batch(data, num_micro_batches=1).item()
         return {"loss": total / self.cfg.train.eval.batches}
+
+    @torch.no_grad()
+    def whole_model_logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+        return self.engine.module.stage.whole_model(input_ids.to(self.device), doc_ids.to(self.device)).logits
+
+    @torch.no_grad()
+    def pipeline_logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor | None:
+        """The whole model's logits of a [micro_batch, L] batch (L <= data.seq_len) through the pipeline stages:
+        on the last stage, None on the others. Rows are padded to data.seq_len with a document of their own,
+        which no token of the row's documents can see, so the logits of the first L positions are unchanged."""
+        length, pad = input_ids.shape[1], self.cfg.data.seq_len - input_ids.shape[1]
+        ids = F.pad(input_ids, (0, pad), value=self.pad_id)
+        docs = F.pad(doc_ids, (0, pad), value=int(doc_ids.max()) + 1)
+        data = iter([((ids, docs), torch.full_like(ids, -100))])
+        _, outputs = self.engine.eval_batch(data, return_logits=True, compute_loss=False, reduce_output=None,
+                                            bcast_loss=False, num_micro_batches=1)
+        return outputs[0][:, :length] if self.engine.is_last_stage() else None
 
     @torch.no_grad()
     def heldout(self, model) -> dict[str, float]:
@@ -110,20 +141,26 @@ class Evaluator:
         return distributed.mean_over_ranks(row)
 
     @torch.no_grad()
-    def probe_accuracy(self, module: torch.nn.Module) -> dict[str, float]:
+    def probe_accuracy(self, logits_of) -> dict[str, float]:
         """``passkey_acc/len{L}`` and ``mqar_acc/len{L}``, the share of answer tokens predicted right at each
-        probe length, and ``passkey_acc`` / ``mqar_acc``, their mean over the lengths. The ranks split the
-        samples; each rank scores its share in micro-batches."""
+        probe length, and ``passkey_acc`` / ``mqar_acc``, their mean over the lengths.
+
+        The data-parallel replicas split the samples; each scores its share in full micro-batches (the last one
+        filled up with samples it does not count), the same number on every replica, because a pipelined
+        evaluation is collective. ``logits_of(input_ids, doc_ids)`` returns None where no logits are (pipeline
+        stages before the last), which then count nothing."""
         batch_size = self.cfg.data.micro_batch_size
+        replica, replicas = self.engine.grid.data_parallel_id, self.engine.dp_world_size
         sums = {}
         for (kind, length), samples in self.probes.items():
-            mine = samples[distributed.rank()::distributed.world_size()]
+            mine = samples[replica::replicas]
             correct = 0.0
-            for start in range(0, len(mine), batch_size):
+            for start in range(0, -(-len(samples) // replicas), batch_size):
                 chunk = mine[start:start + batch_size]
-                logits = module(torch.stack([s.input_ids for s in chunk]).to(self.device),
-                                torch.stack([s.doc_ids for s in chunk]).to(self.device)).logits
-                correct += sum(probe_accuracy(row, sample) for row, sample in zip(logits, chunk))
+                full = chunk + [samples[0]] * (batch_size - len(chunk))
+                logits = logits_of(torch.stack([s.input_ids for s in full]), torch.stack([s.doc_ids for s in full]))
+                if logits is not None:
+                    correct += sum(probe_accuracy(row, sample) for row, sample in zip(logits, chunk))
             sums[f"{kind}_acc/len{length}"] = correct
         scores = {k: v / self.cfg.train.eval.probe_examples for k, v in distributed.sum_over_ranks(sums).items()}
         for kind in ("passkey", "mqar"):
