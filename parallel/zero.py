@@ -68,11 +68,12 @@ class OptimizerShards:
     parameters and nothing is broadcast."""
 
     def __init__(self, named: dict[str, torch.nn.Parameter], grid, partitioned: bool):
-        self.named, self.partitioned = named, partitioned
         self.group, self.ranks = grid.get_data_parallel_group(), grid.get_data_parallel_group_ranks()
+        # With one data-parallel rank there is nothing to partition, nor to broadcast (which would copy the stage)
+        self.named, self.partitioned = named, partitioned and len(self.ranks) > 1
         self.dp_rank = grid.get_data_parallel_rank()
-        self.me = self.dp_rank if partitioned else 0  # my run of rows
-        self.shards = plan_shards([(n, p.shape) for n, p in named.items()], len(self.ranks) if partitioned else 1)
+        self.me = self.dp_rank if self.partitioned else 0  # my run of rows
+        self.shards = plan_shards([(n, p.shape) for n, p in named.items()], len(self.ranks) if self.partitioned else 1)
         self.tensors = {s: self._rows(s) if self._partial(s) else named[s.name]
                         for s in self.shards if s.owner == self.me}  # what the optimizer steps
 
