@@ -109,11 +109,13 @@ def main():
             h = block(h, state)
     counts = mode.counts
     total = sum(counts.values())
-    print(f"Reuse layer {reuse} (KV of layer {source}), attention forward, {a.weights} weights: {total} kernel launches")
+    print(f"Reuse layer {reuse} (KV of layer {source}), attention forward, {a.weights} weights: "
+          f"{total} kernel launches")
     for name, n in counts.most_common():
         print(f"  {n:3d}  {name}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"layer": reuse, "weights": a.weights, "launches": total, "by_op": dict(counts)}, indent=1))
+        summary = {"layer": reuse, "weights": a.weights, "launches": total, "by_op": dict(counts)}
+        Path(a.json).write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

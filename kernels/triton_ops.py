@@ -1,7 +1,8 @@
 """Triton implementations of the CSA2 hot ops, with the signatures of ``kernels.reference``.
 
 ``sparse_attention`` (forward + backward), ``indexer_select`` (chunked scoring + top-k + candidate blocks,
-no grad), ``index_logits`` (forward + backward) and ``rope`` (forward + backward). Design notes and measured speed: docs/KERNELS.md.
+no grad), ``index_logits`` (forward + backward) and ``rope`` (forward + backward). Design notes and measured
+speed: docs/KERNELS.md.
 """
 from kernels.triton_attention import sparse_attention
 from kernels.triton_indexer import index_logits, indexer_select

@@ -143,7 +143,8 @@ class Attention(nn.Module):
                                                   args.head_dim ** -0.5)
         return self._project_out(self.rotary(out, tokens, inverse=True)), produced
 
-    def _select(self, ops, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k, candidates) -> dict[str, torch.Tensor]:
+    def _select(self, ops, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k,
+                candidates) -> dict[str, torch.Tensor]:
         """Top-k selection of this Full/Reindex layer (and candidate blocks if it is the candidate source)."""
         q_index, weights = self.indexer.queries(x, qr, self.rotary, tokens)
         topk, blocks = ops.indexer_select(

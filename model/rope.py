@@ -33,10 +33,10 @@ class Rotary(nn.Module):
     """Rotates the last ``dim`` features of a tensor by doc-relative positions (forward or inverse).
 
     Each adjacent pair is a complex number multiplied by ``e^(i pos freq)`` (``kernels``' ``rope``: one launch
-    per call with Triton), with the rotation made once per forward and set of positions (kept in the geometry's ``rotations``, shared by every
-    layer with the same frequencies). Angles are formed in float64 (an fp32 ``pos * freq`` is off by ~4e-3 rad at
-    position 65,536). The frequencies are a per-device cache, not a buffer, so that casting the model to bf16
-    cannot round them."""
+    per call with Triton), with the rotation made once per forward and set of positions and kept in the
+    geometry's ``rotations``, shared by every layer with the same frequencies. Angles are formed in float64 (an
+    fp32 ``pos * freq`` is off by ~4e-3 rad at position 65,536). The frequencies are a per-device cache, not a
+    buffer, so that casting the model to bf16 cannot round them."""
 
     def __init__(self, dim: int, base: float, yarn: ModelArgs | None = None, kernel_backend: str = "auto"):
         super().__init__()

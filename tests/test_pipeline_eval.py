@@ -16,7 +16,8 @@ def _worker(rank: int, stages: int, out: str):
     from train.engine import build_engine
     from train.evaluate import Evaluator
 
-    cfg = compose(SMALL + PROBES + [f"parallel.pipeline_stages={stages}", f"parallel.cuts={[8] if stages > 1 else 'null'}", "train.grad_accum_steps=2"])
+    cfg = compose(SMALL + PROBES + [f"parallel.pipeline_stages={stages}", "train.grad_accum_steps=2",
+                                    f"parallel.cuts={[8] if stages > 1 else 'null'}"])
     engine = build_engine(cfg, "fp32", torch.device("cpu"))
     evaluator = Evaluator(cfg, torch.device("cpu"), engine)
     samples = evaluator.probes["passkey", 160][:2]
@@ -25,7 +26,8 @@ def _worker(rank: int, stages: int, out: str):
 
     def oracle(ids, docs):  # predicts every next token right, where logits_of has logits at all
         return None if logits_of(ids, docs) is None else F.one_hot(ids.roll(-1, 1), cfg.model.vocab_size).float()
-    torch.save({"logits": logits_of(ids, docs), "row": evaluator(probes=True), "perfect": evaluator.probe_accuracy(oracle),
+    torch.save({"logits": logits_of(ids, docs), "row": evaluator(probes=True),
+                "perfect": evaluator.probe_accuracy(oracle),
                 "lengths": sorted({length for _, length in evaluator.probes})}, f"{out}/rank{rank}.pt")
 
 

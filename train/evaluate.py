@@ -70,8 +70,8 @@ class Evaluator:
         self.loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
                                    heldout=True, vocab_size=cfg.model.vocab_size)
         self.loader_start = self.loader.state_dict()
-        pipelined = engine.num_stages > 1
-        self.probes = build_probes(cfg, cfg.data.seq_len if pipelined else None) if cfg.train.eval.probe_examples else {}
+        longest = cfg.data.seq_len if engine.num_stages > 1 else None  # what fits the stages' buffers
+        self.probes = build_probes(cfg, longest) if cfg.train.eval.probe_examples else {}
         self.pad_id = data_tokenizer(cfg.data).pad_id
 
     def __call__(self, probes: bool) -> dict[str, float]:
