@@ -226,7 +226,7 @@ def _top_blocks(block_scores, block_ids, newest, has_entry, keep):
     forced = torch.where(has_entry, float("inf"), NEG_INF).to(block_scores.dtype)
     scores = torch.cat([block_scores, forced[:, None]], 1)
     ids = torch.cat([block_ids.expand_as(block_scores), newest[:, None]], 1)
-    cols = _top(scores, keep)
+    cols = _top(scores, keep, ties_by_index=False)
     return torch.where(cols >= 0, ids.gather(1, cols.clamp(min=0)), -1)
 
 
@@ -249,12 +249,12 @@ def _select_chunk(q, w, k, lo, hi, s_begin, s_end, width, cand, topk, block_size
     """(top-k entry ids, candidate blocks or None) of one chunk of queries of one batch row."""
     if cand is None:
         scores = _full_scores(q, w, k, lo, hi, s_begin, s_end, width)
-        cols = _top(scores, topk)
+        cols = _top(scores, topk, ties_by_index=False)
         entries = cols + lo[:, None]
     else:
         cand = _dedup_sorted(cand)
         scores = _cand_scores(q, w, k, lo, hi, cand, block_size)
-        cols = _top(scores, topk)
+        cols = _top(scores, topk, ties_by_index=False)
         slot_block = cand.gather(1, cols.clamp(min=0) // block_size)
         entries = lo[:, None] + slot_block * block_size + cols % block_size
     topk_idx = torch.where(cols >= 0, entries, -1)
