@@ -92,14 +92,17 @@ class Evaluator:
 
     @torch.no_grad()
     def pipeline_heldout(self) -> dict[str, float]:
-        """The held-out objective through the pipeline stages: ``loss`` averaged over batches and ranks."""
+        """The held-out objective through the pipeline stages: the loss parts of ``heldout`` (the last stage's
+        loss function keeps them), averaged over batches and data-parallel replicas."""
         self.loader.load_state_dict(self.loader_start)
-        total = 0.0
+        loss_fn, rows = self.engine.module.loss_fn, []
         for _ in range(self.cfg.train.eval.batches):
             batch = next(self.loader)
-            data = iter([((batch["input_ids"], batch["doc_ids"]), batch["labels"])])
-            total += self.engine.eval_batch(data, num_micro_batches=1).item()
-        return {"loss": total / self.cfg.train.eval.batches}
+            self.engine.eval_batch(iter([((batch["input_ids"], batch["doc_ids"]), batch["labels"])]),
+                                   num_micro_batches=1)
+            last = self.engine.is_last_stage()  # the other stages add zeros to the sum over ranks
+            rows.append({name: loss_fn.parts[name].item() if last else 0.0 for name in loss_fn.part_names()})
+        return {k: v / self.engine.dp_world_size for k, v in distributed.sum_over_ranks(mean_metrics(rows)).items()}
 
     @torch.no_grad()
     def whole_model_logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
