@@ -67,11 +67,8 @@ class CSA2PipelineModule(PipelineModule):
         for part, tensors in split_by_layer(self.stage.owned_state_dict()).items():
             torch.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, part))
 
-    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
-        """DeepSpeed's hook (``engine.save_checkpoint``): the same per-layer files."""
-        self.save_weights(save_dir)
-
-    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
+    def load_weights(self, load_dir: str) -> None:
+        """This stage's layers from the per-layer files of ``save_weights``, whatever split wrote them."""
         wanted = split_by_layer(self.stage.owned_state_dict())
         state = {}
         for part in wanted:
@@ -79,7 +76,7 @@ class CSA2PipelineModule(PipelineModule):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"checkpoint {load_dir} has no {part}: it was written by another model")
             state.update(torch.load(path, map_location="cpu", weights_only=True))
-        self.stage.model.load_state_dict(state, strict=strict)
+        self.stage.model.load_state_dict(state)
 
 
 def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

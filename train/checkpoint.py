@@ -217,7 +217,7 @@ def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
                  saved_stages, engine.num_stages)
     try:
         resume = torch.load(ref.path / RESUME_STATE, weights_only=True)
-        engine.module.load_state_dir(str(ref.path), checkpoint_engine=None)
+        engine.module.load_weights(str(ref.path))
         pieces = optimizer_pieces(ref)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
         raise CheckpointError(f"checkpoint {ref.path} could not be read: {error}") from error
