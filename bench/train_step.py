@@ -14,8 +14,9 @@ save the CPU draw of ~3 B values; the benchmark does not need the training run's
 
 Variants:
 - ``csa2``: the model as configured (kernels: ``model.kernel_backend``, Triton on CUDA).
-- ``dense``: every attention replaced by dense causal multi-head attention of the same width (q/k/v 64 x 128,
-  output 8,192 -> dim, cuDNN SDPA, no RoPE) on ``layout=window_only`` (no shared state); FFN, norms, head equal.
+- ``dense``: ``model.attention=dense`` (model/dense.py: dense causal multi-head attention, q/k/v 64 x 128, RoPE,
+  output 8,192 -> dim, cuDNN SDPA on the benchmark's one-document rows) on ``layout=window_only`` (no shared
+  state); FFN, norms, head equal.
 - ``reference``: ``model.kernel_backend=torch``.
 
 Printed / written (JSON): tokens/s, model TFLOP/s and MFU against a bf16 matmul rate measured in the same process
@@ -69,46 +70,18 @@ def parse():
 
 # ----------------------------------------------------------------------------------------------- model pieces
 
-def dense_attention_class():
-    import torch.nn.functional as F
-    from torch import nn
-
-    class DenseAttention(nn.Module):
-        """Dense causal MHA with the interface of model.attention.Attention (no shared state)."""
-
-        def __init__(self, args, plan, candidate_topk_blocks=None, candidate_block_size=None, heads=None,
-                     head_dim=None):
-            super().__init__()
-            self.plan, self.args = plan, args
-            self.heads = heads or args.n_heads
-            self.head_dim = head_dim or (128 if args.n_heads >= 16 else args.head_dim)
-            self.wqkv = nn.Linear(args.dim, 3 * self.heads * self.head_dim, bias=False)
-            self.wo = nn.Linear(self.heads * self.head_dim, args.dim, bias=False)
-
-        def forward(self, x, geometry, reads, collect_recall=False):
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            B, T, _ = x.shape
-            q, k, v = self.wqkv(x).view(B, T, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).contiguous()
-            backend = SDPBackend.CUDNN_ATTENTION if x.is_cuda else SDPBackend.MATH
-            with sdpa_kernel(backend):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.wo(out.transpose(1, 2).reshape(B, T, -1)), {}
-
-    return DenseAttention
-
-
 def fast_init(named_parameters, args, n_layers, seed, rename=lambda name: name):
     """model.transformer.init_parameters' distribution, drawn on the parameter's device (benchmark only)."""
     import torch
+    from model.transformer import init_std
     gen = None
     for name, p in named_parameters:
         if p.dim() < 2 or p.is_meta:
             continue
         if gen is None:
             gen = torch.Generator(device=p.device).manual_seed(seed)
-        scale = 1 / math.sqrt(2 * n_layers) if rename(name).endswith(("wo_b.weight", "ffn.w2.weight", "attn.wo.weight")) else 1
         with torch.no_grad():
-            p.normal_(std=args.init_std * scale, generator=gen)
+            p.normal_(std=init_std(rename(name), args, n_layers), generator=gen)
 
 
 # ----------------------------------------------------------------------------------------------- FLOPs
@@ -144,7 +117,7 @@ def model_flops(model, layout, args, T: int, B: int, dense: bool) -> dict:
     H, D, W, K = args.n_heads, args.head_dim, args.window_size, args.index_topk
     Hi, Di = args.index_n_heads, args.index_head_dim
     if dense:
-        h, dh = args.n_heads, (128 if args.n_heads >= 16 else args.head_dim)
+        h, dh = args.n_heads, args.dense_head_dim
         attn = len(layout.plan) * 3 * 4 * h * dh * B * T * (T + 1) // 2
     else:
         for plan in layout.plan:
@@ -174,9 +147,9 @@ def run_variant(a) -> dict:
         overrides.append("model.kernel_backend=torch")
     overrides += a.overrides
     cfg = compose(overrides)
-    if a.variant == "dense":  # as many layers, all window-only (no shared state); their attention is swapped below
+    if a.variant == "dense":  # as many layers, all window-only (no shared state), each a dense attention
         n_layers = layout_from_config(cfg.layout).n_layers
-        overrides += ["layout=window_only", f"layout.window_layers={n_layers}"]
+        overrides += ["layout=window_only", f"layout.window_layers={n_layers}", "model.attention=dense"]
         cfg = compose(overrides)
     device = resolve_device(a.device)
     precision = resolve_precision(cfg.train.precision, device)
@@ -199,8 +172,6 @@ def run_variant(a) -> dict:
         del x, y
 
     mt.init_parameters = fast_init
-    if a.variant == "dense":
-        mt.Attention = dense_attention_class()
     t0 = time.perf_counter()
     engine = build_engine(cfg, precision, device)
     res["build_s"] = time.perf_counter() - t0

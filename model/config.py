@@ -24,10 +24,16 @@ class ModelArgs:
     original_seq_len: int = 65536
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    init_std: float = 0.02
+    init_std: float = 0.006  # matrices (residual-branch outputs scaled by 1/sqrt(2 * n_layers))
+    embed_init_std: float = 1.0  # the embedding: the residual stream's scale at init
+    head_init_std: float = 0.006  # the LM head
     kernel_backend: str = "auto"  # auto | torch | triton (see kernels/__init__.py)
+    attention: str = "csa2"  # csa2 | dense (the dense causal baseline of model/dense.py, on layout=window_only)
+    dense_head_dim: int = 128  # head width of the dense baseline (n_heads of them)
 
     def __post_init__(self):
+        if self.attention not in ("csa2", "dense"):
+            raise ValueError(f"model.attention={self.attention!r}: use csa2 or dense")
         if self.n_heads % self.o_groups:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.o_groups={self.o_groups}")
         for name in ("head_dim", "index_head_dim"):

@@ -6,6 +6,7 @@ positions also keeps the RoPE rotations made from it (``rotations``, filled by `
 40 layers of a forward compute each rotation once instead of once per call.
 """
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -70,6 +71,12 @@ class Geometry:
         self.tokens = TokenGeometry.from_doc_ids(doc_ids)
         self.window_lo = self.tokens.window_lo(window)
         self._entries: dict[int, EntryGeometry] = {}
+        self.cache: dict = {}  # other per-forward objects made once for all layers (the dense baseline's mask)
+
+    @cached_property
+    def single_document(self) -> bool:
+        """Every row holds one document (plain causal attention is then document-causal)."""
+        return bool((self.doc_ids == self.doc_ids[:, :1]).all())
 
     def entries(self, ratio: int) -> EntryGeometry:
         if ratio not in self._entries:

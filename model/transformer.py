@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention import Attention, linear
 from model.config import ModelArgs
+from model.dense import DenseAttention
 from model.layout import Layout, LayerPlan
 from model.norm import RMSNorm
 from model.state import SharedState
@@ -30,7 +31,8 @@ class Block(nn.Module):
         super().__init__()
         self.recompute = False  # set by the parallel config (activation checkpointing of this layer)
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = Attention(args, plan, layout.candidate_topk_blocks, layout.candidate_block_size)
+        attention = DenseAttention if args.attention == "dense" else Attention
+        self.attn = attention(args, plan, layout.candidate_topk_blocks, layout.candidate_block_size)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn = FeedForward(args.dim, args.inter_dim)
 
@@ -65,7 +67,8 @@ class Transformer(nn.Module):
     of the model's and checkpoints do not depend on the split. Initial values depend only on (seed, parameter
     name), so every split starts from the same weights."""
 
-    def __init__(self, args: ModelArgs, layout: Layout, layer_ids: range | None = None, seed: int = 0):
+    def __init__(self, args: ModelArgs, layout: Layout, layer_ids: range | None = None, seed: int = 0,
+                 init: bool = True):
         super().__init__()
         self.args, self.layout = args, layout
         layer_ids = range(layout.n_layers) if layer_ids is None else layer_ids
@@ -76,7 +79,8 @@ class Transformer(nn.Module):
         if self.has_head:
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.head = linear(args.dim, args.vocab_size)
-        init_parameters(self.named_parameters(), args, layout.n_layers, seed)
+        if init:  # False: the caller draws the values (benchmarks drawing init_std's distribution on the GPU)
+            init_parameters(self.named_parameters(), args, layout.n_layers, seed)
 
     def new_state(self, doc_ids: torch.Tensor, collect_recall: bool = False) -> SharedState:
         return SharedState(self.layout, doc_ids, self.args.window_size, collect_recall)
@@ -106,17 +110,33 @@ class Transformer(nn.Module):
         return ModelOutput(self.logits(h), state.indexer_losses, state.index_recall)
 
 
+RESIDUAL_OUTPUTS = ("wo_b.weight", "ffn.w2.weight", "attn.wo.weight")  # matrices that write the residual stream
+
+
+def init_std(name: str, args: ModelArgs, n_layers: int) -> float:
+    """Standard deviation of the normal draw of matrix ``name`` (full-model name).
+
+    The embedding has its own scale (``embed_init_std``): it sets the residual stream's scale, which every
+    pre-norm layer divides by, and so how far one optimizer step moves the function (docs/TRAINING_HEALTH.md).
+    The LM head has ``head_init_std``. Other matrices draw from ``init_std``, the residual-branch outputs scaled
+    by 1/sqrt(2 * n_layers)."""
+    if name == "embed.weight":
+        return args.embed_init_std
+    if name == "head.weight":
+        return args.head_init_std
+    return args.init_std / math.sqrt(2 * n_layers) if name.endswith(RESIDUAL_OUTPUTS) else args.init_std
+
+
 def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int, rename=lambda name: name) -> None:
-    """Normal(0, init_std) for matrices, residual-branch outputs scaled by 1/sqrt(2 * n_layers); norms keep 1,
-    sinks 0. Each tensor draws from a generator seeded by (seed, its name), so values do not depend on which
-    other parameters a process builds (pipeline stages, shadow replicas under their owner's ``rename``)."""
+    """Normal(0, ``init_std(name)``) for matrices; norms keep 1, sinks 0. Each tensor draws from a generator
+    seeded by (seed, its name), so values do not depend on which other parameters a process builds (pipeline
+    stages, shadow replicas under their owner's ``rename``)."""
     for name, p in named_parameters:
         if p.dim() < 2 or p.is_meta:
             continue
         name = rename(name)
-        scale = 1 / math.sqrt(2 * n_layers) if name.endswith(("wo_b.weight", "ffn.w2.weight")) else 1
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        values = torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(std=args.init_std * scale,
-                                                                          generator=generator)
+        values = torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(
+            std=init_std(name, args, n_layers), generator=generator)
         with torch.no_grad():
             p.copy_(values)

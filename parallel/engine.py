@@ -25,6 +25,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 
 from model.config import ModelArgs
+from model.groups import GROUPS, param_group
 from model.layout import Layout
 from parallel.partition import StagePlan
 from parallel.stage import SHADOW_PREFIX, PipelineStage, owner_name, shadow_sources
@@ -97,6 +98,7 @@ class CSA2PipelineEngine(PipelineEngine):
         self.shards = shards  # what this rank's optimizer steps (all of the stage without ZeRO)
         self.max_grad_norm = max_grad_norm
         self.grad_norm = self.indexer_grad_norm = None  # global norms of the last step, before clipping
+        self.group_grad_norms: dict[str, torch.Tensor] = {}  # the same per parameter group (model/groups.py)
         self.nonfinite_steps = 0  # consecutive skipped steps
         self.last_step_skipped = False
         self._shadow_links = self._link_shadows()
@@ -194,20 +196,24 @@ class CSA2PipelineEngine(PipelineEngine):
 
         The per-tensor squared norms of all stages are gathered and summed in the full model's parameter order,
         so each norm (and every clipped gradient) is bitwise the single-stage one. Runs after the data-parallel
-        reduction, so every replica of a stage sees the same norms. ``grad_norm`` is the trunk's."""
+        reduction, so every replica of a stage sees the same norms. ``grad_norm`` is the trunk's;
+        ``group_grad_norms`` splits the same squares by parameter role (training-health diagnostics)."""
         named = [(n, p.grad) for n, p in self.owned_named_parameters().items() if p.grad is not None]
-        indexer = torch.tensor([".indexer." in n for n, _ in named], dtype=torch.bool)
+        group_ids = torch.tensor([GROUPS.index(param_group(n)) for n, _ in named], dtype=torch.long)
         local = torch.stack([g.float().pow(2).sum().cpu() for _, g in named]) if named else torch.zeros(0)
         per_stage = [None] * self.num_stages
-        dist.all_gather_object(per_stage, (local, indexer), group=self.grid.get_pipe_parallel_group())
-        squares, is_indexer = (torch.cat(parts) for parts in zip(*per_stage))
+        dist.all_gather_object(per_stage, (local, group_ids), group=self.grid.get_pipe_parallel_group())
+        squares, all_group_ids = (torch.cat(parts) for parts in zip(*per_stage))
+        self.group_grad_norms = {group: squares[all_group_ids == i].sum().sqrt() for i, group in enumerate(GROUPS)
+                                 if (all_group_ids == i).any()}
+        is_indexer = all_group_ids == GROUPS.index("indexer")
         norms = {False: squares[~is_indexer].sum().sqrt(), True: squares[is_indexer].sum().sqrt()}
         self.grad_norm, self.indexer_grad_norm = norms[False], norms[True]
         if self.max_grad_norm <= 0:
             return
         scales = {k: torch.clamp(self.max_grad_norm / (v + 1e-6), max=1.0) for k, v in norms.items()}
-        for (_, g), is_idx in zip(named, indexer.tolist()):
-            g.mul_(scales[is_idx].to(g.device, g.dtype))
+        for (_, g), group_id in zip(named, group_ids.tolist()):
+            g.mul_(scales[GROUPS[group_id] == "indexer"].to(g.device, g.dtype))
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

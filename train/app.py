@@ -22,6 +22,7 @@ from train import checkpoint, distributed
 from train.data import build_loader
 from train.engine import build_engine, check_parallel, resolve_device, resolve_precision, train_step
 from train.evaluate import Evaluator, data_tokenizer
+from train.health import ActivationStats
 from train.metrics import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,13 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"the tokenizer ({cfg.data.tokenizer or 'byte-level'}) has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size}: set model.vocab_size>={tokenizer.vocab_size}")
     train = cfg.train
-    for key in ("max_steps", "grad_accum_steps", "log_every", "checkpoint_every", "max_bad_steps", "eval.batches"):
+    for key in ("max_steps", "grad_accum_steps", "log_every", "max_bad_steps", "eval.batches"):
         value = OmegaConf.select(train, key)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"train.{key} must be an integer >= 1, got {value!r}")
+    if not isinstance(train.checkpoint_every, int) or train.checkpoint_every < 0:
+        raise ValueError(f"train.checkpoint_every must be an integer >= 0 (0: no checkpoints), "
+                         f"got {train.checkpoint_every!r}")
     if train.stop_at is not None and not 1 <= train.stop_at <= train.max_steps:
         raise ValueError(f"train.stop_at must be in 1..train.max_steps={train.max_steps}, got {train.stop_at}")
     check_parallel(cfg.parallel)
@@ -122,6 +126,7 @@ class Trainer:
         self.cfg, self.engine, self.loader, self.evaluator = cfg, engine, loader, evaluator
         self.checkpoint_dir, self.device, self.state = checkpoint_dir, device, state
         self.saved_step = state["step"]  # newest checkpoint of this run (0: none)
+        self.activations = ActivationStats(engine.module.stage.model, scope=engine.module.stage)
 
     def train(self, logger: MetricsLogger) -> None:
         train = self.cfg.train
@@ -138,7 +143,8 @@ class Trainer:
                 self.stop_if_diverged()
                 if train.eval.every and step % train.eval.every == 0 and step != stop:  # the end has its own
                     logger.log_eval({"step": step, **self.evaluator(probes=False)})
-                if (step % train.checkpoint_every == 0 or step == stop) and self.state["bad_streak"] == 0:
+                if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == stop) \
+                        and self.state["bad_streak"] == 0:
                     self.save()
         finally:
             bar.close()
@@ -147,7 +153,9 @@ class Trainer:
         """One optimizer step; returns its ``metrics.jsonl`` row."""
         train = self.cfg.train
         start = time.perf_counter()
-        result = train_step(self.engine, [next(self.loader) for _ in range(train.grad_accum_steps)])
+        logged = step % train.log_every == 0
+        with self.activations.recording(logged):
+            result = train_step(self.engine, [next(self.loader) for _ in range(train.grad_accum_steps)])
         seconds = time.perf_counter() - start
         self.state["step"] = step
         if result.bad:
@@ -157,9 +165,12 @@ class Trainer:
                         step, result.metrics["loss"], self.state["bad_streak"])
         else:
             self.state["bad_streak"] = 0
-        return {"step": step, **result.metrics, "tokens_per_s": result.tokens / seconds,
-                "padding_fraction": self.loader.padding_fraction, "memory_mb": memory_mb(self.device),
-                "skipped": result.bad, "skipped_total": self.state["skipped"]}
+        row = {"step": step, **result.metrics, "tokens_per_s": result.tokens / seconds,
+               "padding_fraction": self.loader.padding_fraction, "memory_mb": memory_mb(self.device),
+               "skipped": result.bad, "skipped_total": self.state["skipped"]}
+        if logged:
+            row.update(self.activations.collect(self.engine.grid.get_pipe_parallel_group()))
+        return row
 
     def stop_if_diverged(self) -> None:
         streak, limit = self.state["bad_streak"], self.cfg.train.max_bad_steps

@@ -180,5 +180,6 @@ def train_step(engine: CSA2PipelineEngine, micro_batches: list[dict]) -> StepRes
     metrics = {name: value.item() for name, value in engine.get_additional_losses().items()}
     norm = engine.grad_norm
     metrics.update(lr=lr, grad_norm=norm.item() if norm is not None else math.nan)
+    metrics.update({f"grad_norm/{group}": value.item() for group, value in engine.group_grad_norms.items()})
     tokens = sum(b["input_ids"].numel() for b in micro_batches) * engine.dp_world_size
     return StepResult(metrics, tokens, not engine.last_step_skipped)

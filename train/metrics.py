@@ -21,6 +21,7 @@ from model.accounting import account
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
+HEALTH_PLOT_FILE = "health.png"  # gradient norms per group, activation RMS per layer (train/health.py)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -73,7 +74,11 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.enabled:
             return
-        plot_losses(read_rows(self.path), self.plot_path)
+        from train.health import plot_health
+
+        rows = read_rows(self.path)
+        plot_losses(rows, self.plot_path)
+        plot_health(rows, self.path.parent / HEALTH_PLOT_FILE)
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
@@ -133,6 +138,11 @@ def _start_wandb(cfg: DictConfig, run_dir: Path, constants: dict):
     )
 
 
+def series_of(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows that have ``key``; null (a skipped step) becomes NaN, a gap in a line."""
+    return [r["step"] for r in rows if key in r], [math.nan if r[key] is None else r[key] for r in rows if key in r]
+
+
 def plot_losses(rows: list[dict], path: Path) -> None:
     """Training loss (total and LM), per-source indexer KL, and held-out LM loss against step."""
     import matplotlib
@@ -140,22 +150,19 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    def series(part, key):  # null (skipped step) -> a gap in the line
-        return [r["step"] for r in part if key in r], [math.nan if r[key] is None else r[key] for r in part if key in r]
-
     train = [r for r in rows if r.get("split") != "eval"]
     evals = [r for r in rows if r.get("split") == "eval"]
     fig, (lm_ax, kl_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for key, label in (("loss", "train loss"), ("lm_loss", "train LM loss")):
-        lm_ax.plot(*series(train, key), label=label, lw=1)
+        lm_ax.plot(*series_of(train, key), label=label, lw=1)
     if evals:
-        lm_ax.plot(*series(evals, "lm_loss"), "o-", label="held-out LM loss")
+        lm_ax.plot(*series_of(evals, "lm_loss"), "o-", label="held-out LM loss")
     lm_ax.set(xlabel="step", ylabel="nats/token", title="loss")
     lm_ax.legend()
     sources = sorted({k for r in train for k in r if k.startswith("indexer_loss/")},
                      key=lambda k: int(k.rsplit("layer", 1)[-1]))
     for key in sources:
-        kl_ax.plot(*series(train, key), label=key.split("/")[-1], lw=1)
+        kl_ax.plot(*series_of(train, key), label=key.split("/")[-1], lw=1)
     kl_ax.set(xlabel="step", ylabel="KL", title="indexer loss per index source")
     if sources:
         kl_ax.legend()
