@@ -129,7 +129,7 @@ def _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D: tl.constexpr):
 
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["H", "D", "W", "K"])
-@triton.jit(do_not_specialize=["comp_offset"])
+@triton.jit  # comp_offset stays specialized: its 16-divisibility is what lets the gathers use 16-byte copies
 def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride,
                 T, S, H, scale_log2, D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
                 BLOCK_H: tl.constexpr, MASS_PASS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -209,7 +209,7 @@ def _stack(a, b, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.autotune(configs=_DKV_CONFIGS, key=["H", "D", "W", "K"])
-@triton.jit(do_not_specialize=["tok0", "comp_offset"])  # one compiled kernel for every chunk
+@triton.jit(do_not_specialize=["tok0"])  # one compiled kernel for every chunk
 def _bwd_dkv_kernel(KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, LSE, PART, DS, DSINK, tok0, comp_offset, T, S, H, scale,
                     D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                     PREFETCH: tl.constexpr):
@@ -269,7 +269,7 @@ def _bwd_dkv_kernel(KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, LSE, PART, DS, DSINK, t
 
 
 @triton.autotune(configs=_DQ_CONFIGS, key=["H", "D", "W", "K"])
-@triton.jit(do_not_specialize=["tok0", "comp_offset"])
+@triton.jit(do_not_specialize=["tok0"])
 def _bwd_dq_kernel(KV, WIN_LO, IDX, DS, DQ, tok0, comp_offset, T, S, H, D: tl.constexpr, W: tl.constexpr,
                    K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of token tok0 + program id: its dS rows DS[program id] [H, W + K] times its slots' rows."""
