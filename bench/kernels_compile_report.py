@@ -6,11 +6,17 @@ whether the loads became cp.async copies and the dots wgmma can be read here, be
 is bound by shared-memory reads, not the tensor cores) and how many spill instructions sit inside a loop (a spill
 outside the loops costs once per program). Pointer and integer arguments are marked 16-divisible, as the JIT marks
 them at the real shapes: without that mark Triton vectorizes no load and pipelines nothing, and the report would
-mislead. Usage: python bench/kernels_compile_report.py
+mislead. Usage: python bench/kernels_compile_report.py [--json FILE] (the lines also as JSON, with command,
+machine and date)
 """
+import argparse
+import datetime
+import json
 import os
+import platform
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -45,6 +51,9 @@ def machine_code(cubin: bytes) -> str:
     return f"HGMMA {','.join(shapes) or '-'} | spill instrs in loops {in_loops} of {len(spills)}"
 
 
+LINES: list[str] = []  # every printed line, for --json
+
+
 def report(autotuned, types: dict, constexprs: dict):
     """Compile each autotune config of ``autotuned`` (args not in ``types`` are constexpr) and print one line."""
     fn = autotuned.fn
@@ -57,17 +66,22 @@ def report(autotuned, types: dict, constexprs: dict):
             kernel = triton.compile(ASTSource(fn, signature, consts, aligned), target=HOPPER,
                                     options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
         except Exception as e:  # noqa: BLE001 - one config failing to compile is itself the finding
-            print(f"{label}: COMPILE FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            LINES.append(f"{label}: COMPILE FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            print(LINES[-1])
             continue
         ptxas = tool("ptxas", kernel.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", os.devnull).stderr
         usage = " ".join(line.split(":", 1)[-1].strip() for line in ptxas.splitlines() if "Used" in line or "spill" in line)
         ttgir = kernel.asm["ttgir"]
-        print(f"{label}: smem={kernel.metadata.shared} B | {usage} | wgmma={ttgir.count('warp_group_dot ')} "
-              f"mma={ttgir.count('tt.dot ')} cp.async={ttgir.count('async_copy_global_to_local')} | "
-              f"{machine_code(kernel.asm['cubin'])}")
+        LINES.append(f"{label}: smem={kernel.metadata.shared} B | {usage} | wgmma={ttgir.count('warp_group_dot ')} "
+                     f"mma={ttgir.count('tt.dot ')} cp.async={ttgir.count('async_copy_global_to_local')} | "
+                     f"{machine_code(kernel.asm['cubin'])}")
+        print(LINES[-1], flush=True)
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="also write the lines to this JSON file")
+    out = parser.parse_args().json
     bf, f32, i64, i32 = "*bf16", "*fp32", "*i64", "i32"
     shape = dict(D=512, W=128, K=512, BLOCK_H=64)
     rows = dict(KV=bf, WIN_LO=i64, IDX=i64, comp_offset="i64", T=i32, S=i32, H=i32)
@@ -88,6 +102,11 @@ def main():
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     report(idx._logits_fwd_kernel, dict(OUT=f32, **logits), dict(DI=128, NH_P=32, K=512))
     report(idx._logits_bwd_kernel, dict(DOUT=f32, DQ=bf, DW=bf, DKEY=f32, **logits), dict(DI=128, NH_P=32, K=512))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"command": " ".join(["python"] + sys.argv), "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, no GPU",
+                       "date": datetime.datetime.now().isoformat(timespec="seconds"), "triton": triton.__version__,
+                       "target": "sm_90a", "lines": LINES}, f, indent=1)
 
 
 if __name__ == "__main__":
