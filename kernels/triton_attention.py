@@ -2,9 +2,9 @@
 
 Work layout: one program per query token, all heads of that token together. A token's "slots" are its W window
 rows (the contiguous rows t-W+1..t of ``kv_window``, masked below ``win_lo[t]``) followed by its K selected rows
-(``kv_comp[topk_idx[t]]``, -1 = empty); the latent row is both key and value. Every kernel walks the slots in one
-loop of BLOCK_N-slot blocks that starts at W - W_P (W_P: W rounded up to BLOCK_N; the slots before 0 are masked),
-so the selected slots start a block. A block's rows are gathered once and shared by every head: the heads are the
+(``kv_comp[topk_idx[t]]``, -1 = empty); the latent row is both key and value. Every kernel walks the slots in
+BLOCK_N-slot blocks from W - W_P (W_P: W rounded up to BLOCK_N; the slots before 0 are masked), so the selected
+slots start a block (the forward in two loops, window then selected; the backward kernels in one). A block's rows are gathered once and shared by every head: the heads are the
 64-row MMA dimension, the contraction is over D = 512. Rows are addressed as element offsets from ``kv_window``
 (``_slot_rows``); ``kv_comp`` is reached through its offset from ``kv_window``, so one pointer serves both.
 
@@ -93,7 +93,7 @@ def _slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D: tl.constexpr
 
 
 @triton.jit
-def _gather(KV, offset, valid, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.constexpr):
+def _gather(KV, offset, valid, DIM0: tl.constexpr, DIM: tl.constexpr):
     """Columns DIM0..DIM0+DIM of the rows at ``offset`` (elements from KV) as a tile; invalid rows read as 0."""
     dims = DIM0 + tl.arange(0, DIM)
     return tl.load(KV + offset[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
@@ -105,7 +105,7 @@ def _gather_halves(KV, IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D: tl.c
     """The rows of any slots of token (b, t) as two column halves [len(slots), D/2] (invalid rows read 0), and
     their validity."""
     offset, valid = _slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D, W, K)
-    return _gather(KV, offset, valid, 0, D // 2, D), _gather(KV, offset, valid, D // 2, D // 2, D), valid
+    return _gather(KV, offset, valid, 0, D // 2), _gather(KV, offset, valid, D // 2, D // 2), valid
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def _head_rows(BASE, tok, heads, H, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl
 def _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D: tl.constexpr):
     """Fold one block of rows (at ``offset``, masked by ``valid``) into the running max m, running sum l and
     unnormalised output acc; also returns the block's p = exp2(s - m_new), relative to the new running max."""
-    kv = _gather(KV, offset, valid, 0, D, D)
+    kv = _gather(KV, offset, valid, 0, D)
     s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)) * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
@@ -288,7 +288,7 @@ def _bwd_dq_kernel(KV, WIN_LO, IDX, DS, DQ, tok0, comp_offset, T, S, H, D: tl.co
         offset, valid = _slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D, W, K)
         ds = tl.load(ds_rows + slots[None, :], mask=hmask[:, None] & ((slots >= 0) & (slots < W + K))[None, :],
                      other=0.0)
-        dq = tl.dot(ds, _gather(KV, offset, valid, 0, D, D), dq)
+        dq = tl.dot(ds, _gather(KV, offset, valid, 0, D), dq)
     dims = tl.arange(0, D)
     tl.store(DQ + (tok * H + heads[:, None]) * D + dims[None, :], dq.to(DQ.dtype.element_ty), mask=hmask[:, None])
 
