@@ -3,11 +3,15 @@
 ``check``: bf16 kernels against the fp32 PyTorch reference at medium shapes, on fresh random inputs, outputs
 poisoned with NaN (relative error of outputs and every gradient < 1e-2; top-k compared up to near-ties).
 ``bench``: times at T = 65,536 against baselines measured in the same process (bf16 matmul rate, cuDNN dense
-causal SDPA, chunked torch.matmul + torch.topk), and peak memory at two lengths.
-Both print a table last and write JSON to ``--out``. ``--smoke`` runs the same code at tiny shapes on the CPU
-through the Triton interpreter, to test this script without a GPU.
+causal SDPA, chunked torch.matmul + torch.topk), and peak memory at two lengths. The sparse attention also
+reports its device time by kernel (torch.profiler), each autotuned kernel's chosen config with every config's
+time, and TFLOP/s of forward and backward.
+Both print a table last and write JSON to ``--out``; ``--only`` runs some sections (e.g. ``--only
+bench_matmul,bench_attention``). ``--smoke`` runs the same code at tiny shapes on the CPU through the Triton
+interpreter, to test this script without a GPU.
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,6 +46,7 @@ def sync():
 
 def section(fn):
     """Run one section; a failure is recorded and printed, and the other sections still run."""
+    @functools.wraps(fn)
     def run(*args):
         try:
             fn(*args)
@@ -244,6 +249,41 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
+# The Triton kernels of one sparse-attention call, by stage; any other device work (the inverse index's sort and
+# searchsorted, zero fills, casts, dsink's sum) is "other".
+ATTENTION_KERNELS = {"_fwd_kernel": "fwd", "_bwd_dkv_kernel": "bwd_dkv", "_bwd_dq_kernel": "bwd_dq",
+                     "_window_reduce_kernel": "bwd_window_reduce", "_entry_reduce_kernel": "bwd_entry_reduce"}
+ATTENTION_AUTOTUNED = ("_fwd_kernel", "_bwd_dkv_kernel", "_bwd_dq_kernel")
+
+
+def device_ms_by_stage(fn, reps: int) -> dict:
+    """Device time of fn per call by stage (torch.profiler, summed over kernels, divided by reps); the wall time
+    of one call under --smoke (no device kernels to attribute)."""
+    if SMOKE:
+        return {"wall_ms": ms(fn)}
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    stages = {}
+    for event in prof.key_averages():
+        stage = next((s for k, s in ATTENTION_KERNELS.items() if k in event.key), "other")
+        stages[stage] = stages.get(stage, 0.0) + event.self_device_time_total / 1e3 / reps
+    return stages
+
+
+def autotune_choices() -> dict:
+    """Each autotuned attention kernel's chosen config and every config's time (ms) on its first call."""
+    choices = {}
+    for name in ATTENTION_AUTOTUNED:
+        kernel = getattr(triton_attention, name)
+        timings = getattr(kernel, "configs_timings", None) or {}
+        choices[name] = {"best": str(getattr(kernel, "best_config", None)),
+                         "timings_ms": {str(c): t if isinstance(t, float) else list(t) for c, t in timings.items()}}
+    return choices
+
+
 @section
 def bench_attention():
     T, H, D, W, K = n(65536, 64), n(64, 4), n(512, 32), n(128, 8), n(512, 16)
@@ -251,19 +291,40 @@ def bench_attention():
     out, _ = triton_ops.sparse_attention(*args)
     grad = torch.randn_like(out)
     leaves = [args[0], args[1], args[3], args[5]]
+
+    def backward():
+        return torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+    first = backward()  # autotunes every kernel of the backward
+    reproducible = all(torch.equal(a, b) for a, b in zip(first, backward()))
+    del first
     fwd = ms(lambda: triton_ops.sparse_attention(*args))
-    bwd = ms(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
+    bwd = ms(backward)
     flops = 4 * T * H * (W + K) * D
-    RESULTS["attention_64k"] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9,
-                                "bwd_tflops": 2.5 * flops / bwd / 1e9, "flops_fwd": flops}
-    # Stage ablations: time without the selected-mass pass and without the dkv reductions (results then wrong).
-    triton_attention.ABLATE.update({"mass_pass", "dkv_reduce"})
+    res = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9, "bwd_tflops": 2.5 * flops / bwd / 1e9,
+           "flops_fwd": flops, "flops_bwd": 2.5 * flops, "bwd_bitwise_reproducible": reproducible,
+           "autotune": autotune_choices()}
+    # Where the backward's time goes, by kernel; "without dkv reduce" as the v5 stage timing reported it.
+    res["bwd_device_ms_by_stage"] = device_ms_by_stage(backward, reps=3)
+    stages = res["bwd_device_ms_by_stage"]
+    if "bwd_dkv" in stages:
+        res["bwd_ms_without_dkv_reduce"] = stages["bwd_dkv"] + stages.get("bwd_dq", 0.0)
+        res["bwd_reduce_and_other_ms"] = sum(stages.get(k, 0.0) for k in ("bwd_window_reduce", "bwd_entry_reduce",
+                                                                           "other"))
+    # Stage ablation: the forward without the selected-mass epilogue and its in-loop p stores (mass then wrong).
+    triton_attention.ABLATE.add("mass_pass")
     try:
-        RESULTS["attention_64k"]["fwd_ms_without_mass_pass"] = ms(lambda: triton_ops.sparse_attention(*args))
-        RESULTS["attention_64k"]["bwd_ms_without_dkv_reduce"] = ms(
-            lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
+        res["fwd_ms_without_mass_pass"] = ms(lambda: triton_ops.sparse_attention(*args))
     finally:
         triton_attention.ABLATE.clear()
+    # The backward with 1 GiB chunks of partial rows instead of 4 GiB: the memory / time trade of the chunk size.
+    chunk_bytes = triton_attention.PARTIAL_CHUNK_BYTES
+    triton_attention.PARTIAL_CHUNK_BYTES = chunk_bytes // 4
+    try:
+        res["bwd_ms_chunk_1gib"] = ms(backward)
+    finally:
+        triton_attention.PARTIAL_CHUNK_BYTES = chunk_bytes
+    RESULTS["attention_64k"] = res
     del out, grad, args
     mem = {}
     for t in (T // 2, T):
@@ -395,10 +456,17 @@ def main():
     parser.add_argument("mode", choices=["check", "bench"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    parser.add_argument("--only", help="comma-separated sections of the mode (default: all of them)")
     args = parser.parse_args()
+    sections = {"check": [check_attention, check_indexer, check_index_logits, check_rope],
+                "bench": [bench_matmul, bench_attention, bench_sdpa_cudnn, bench_indexer, bench_index_logits]}
+    by_name = {fn.__name__: fn for fn in sections[args.mode]}
+    chosen = args.only.split(",") if args.only else list(by_name)
+    unknown = [name for name in chosen if name not in by_name]
+    if unknown:
+        parser.error(f"--only {','.join(unknown)}: {args.mode} has the sections {', '.join(by_name)}")
     os.environ["CSA2_KERNEL_POISON"] = "1" if args.mode == "check" else "0"
-    run_steps([check_attention, check_indexer, check_index_logits, check_rope] if args.mode == "check" else
-              [bench_matmul, bench_attention, bench_sdpa_cudnn, bench_indexer, bench_index_logits], args.out, args.mode)
+    run_steps([by_name[name] for name in chosen], args.out, args.mode)
     return 0
 
 

@@ -2,12 +2,21 @@
 
 Triton's own ptxas (shipped in the triton wheel) assembles the PTX, so shared memory, registers, spills, and
 whether the loads became cp.async copies and the dots wgmma can be read here, before spending device time
-(docs/KERNELS.md, "Method"). Pointer and integer arguments are marked 16-divisible, as the JIT marks them at the
-real shapes: without that mark Triton vectorizes no load and pipelines nothing, and the report would mislead.
-Usage: python bench/kernels_compile_report.py
+(docs/KERNELS.md, "Method"). Its nvdisasm shows the machine code: the wgmma shapes (``HGMMA.64xNx16``: a small N
+is bound by shared-memory reads, not the tensor cores) and how many spill instructions sit inside a loop (a spill
+outside the loops costs once per program). Pointer and integer arguments are marked 16-divisible, as the JIT marks
+them at the real shapes: without that mark Triton vectorizes no load and pipelines nothing, and the report would
+mislead. Usage: python bench/kernels_compile_report.py [--json FILE] (the lines also as JSON, with command,
+machine and date)
 """
+import argparse
+import datetime
+import json
 import os
+import platform
+import re
 import subprocess
+import sys
 import tempfile
 
 import triton
@@ -18,8 +27,31 @@ from kernels import triton_attention as attn
 from kernels import triton_dkv as dkv
 from kernels import triton_indexer as idx
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def tool(name: str, source: str, suffix: str, *flags: str) -> subprocess.CompletedProcess:
+    """Run one of the wheel's CUDA tools on ``source`` (PTX text or cubin bytes) written to a temporary file."""
+    with tempfile.NamedTemporaryFile("wb", suffix=suffix) as f:
+        f.write(source.encode() if isinstance(source, str) else source)
+        f.flush()
+        return subprocess.run([os.path.join(BIN, name), *flags, f.name], capture_output=True, text=True)
+
+
+def machine_code(cubin: bytes) -> str:
+    """wgmma shapes and spill instructions (inside loops / in all) of a compiled kernel."""
+    lines = tool("nvdisasm", cubin, ".cubin", "-c").stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*\.(L_x_\d+):", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"BRA `\(\.(L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
+    spills = [i for i, line in enumerate(lines) if re.search(r"\b(STL|LDL)\b", line)]
+    in_loops = sum(any(a <= i <= b for a, b in loops) for i in spills)
+    shapes = sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", "\n".join(lines))))
+    return f"HGMMA {','.join(shapes) or '-'} | spill instrs in loops {in_loops} of {len(spills)}"
+
+
+LINES: list[str] = []  # every printed line, for --json
 
 
 def report(autotuned, types: dict, constexprs: dict):
@@ -34,27 +66,31 @@ def report(autotuned, types: dict, constexprs: dict):
             kernel = triton.compile(ASTSource(fn, signature, consts, aligned), target=HOPPER,
                                     options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
         except Exception as e:  # noqa: BLE001 - one config failing to compile is itself the finding
-            print(f"{label}: COMPILE FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            LINES.append(f"{label}: COMPILE FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            print(LINES[-1])
             continue
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-            ptx.write(kernel.asm["ptx"])
-            ptx.flush()
-            ptxas = subprocess.run([PTXAS, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull],
-                                   capture_output=True, text=True).stderr
+        ptxas = tool("ptxas", kernel.asm["ptx"], ".ptx", "-arch=sm_90a", "-v", "-o", os.devnull).stderr
         usage = " ".join(line.split(":", 1)[-1].strip() for line in ptxas.splitlines() if "Used" in line or "spill" in line)
         ttgir = kernel.asm["ttgir"]
-        print(f"{label}: smem={kernel.metadata.shared} B | {usage} | wgmma={ttgir.count('warp_group_dot ')} "
-              f"mma={ttgir.count('tt.dot ')} cp.async={ttgir.count('async_copy_global_to_local')}")
+        LINES.append(f"{label}: smem={kernel.metadata.shared} B | {usage} | wgmma={ttgir.count('warp_group_dot ')} "
+                     f"mma={ttgir.count('tt.dot ')} cp.async={ttgir.count('async_copy_global_to_local')} | "
+                     f"{machine_code(kernel.asm['cubin'])}")
+        print(LINES[-1], flush=True)
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="also write the lines to this JSON file")
+    out = parser.parse_args().json
     bf, f32, i64, i32 = "*bf16", "*fp32", "*i64", "i32"
-    report(attn._fwd_kernel, dict(Q=bf, KVW=bf, WIN_LO=i64, KVC=bf, IDX=i64, SINK=f32, OUT=bf, LSE=f32, MASS=f32,
-                                  PSCR="*fp16", T=i32, S=i32, H=i32, scale_log2="fp32"),
-           dict(D=512, W=128, K=512, K_P=attn._padded_k(512), BLOCK_H=64, MASS_PASS=True))
-    report(attn._bwd_kernel, dict(Q=bf, KVW=bf, WIN_LO=i64, KVC=bf, IDX=i64, SINK=f32, OUT=bf, DOUT=bf, LSE=f32, DQ=bf,
-                                  PART=bf, DSINK=f32, tok0=i32, T=i32, S=i32, H=i32, scale="fp32"),
-           dict(D=512, W=128, K=512, BLOCK_H=64))
+    shape = dict(D=512, W=128, K=512, BLOCK_H=64)
+    rows = dict(KV=bf, WIN_LO=i64, IDX=i64, comp_offset="i64", T=i32, S=i32, H=i32)
+    report(attn._fwd_kernel, dict(Q=bf, SINK=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16", stage_token_stride=i32,
+                                  stage_head_stride=i32, scale_log2="fp32", **rows),
+           dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape))
+    report(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, LSE=f32, PART=bf, DS=bf, DSINK=f32, tok0=i32,
+                                      scale="fp32", **rows), shape)
+    report(attn._bwd_dq_kernel, dict(DS=bf, DQ=bf, tok0=i32, **rows), shape)
     chunk = dict(W=128, K=512, D=512)
     report(dkv._window_reduce_kernel, dict(PART=bf, DKV=f32, tok0=i32, n_tok=i32, row0=i32, n_rows=i32), chunk)
     report(dkv._entry_reduce_kernel, dict(PART=bf, ORDER=i64, OFFSETS=i64, DKV=f32), chunk)
@@ -66,6 +102,11 @@ def main():
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     report(idx._logits_fwd_kernel, dict(OUT=f32, **logits), dict(DI=128, NH_P=32, K=512))
     report(idx._logits_bwd_kernel, dict(DOUT=f32, DQ=bf, DW=bf, DKEY=f32, **logits), dict(DI=128, NH_P=32, K=512))
+    if out:
+        with open(out, "w") as f:
+            json.dump({"command": " ".join(["python"] + sys.argv), "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, no GPU",
+                       "date": datetime.datetime.now().isoformat(timespec="seconds"), "triton": triton.__version__,
+                       "target": "sm_90a", "lines": LINES}, f, indent=1)
 
 
 if __name__ == "__main__":

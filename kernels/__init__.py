@@ -7,10 +7,22 @@ reference elsewhere.
 from types import ModuleType
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
 from kernels import reference
 
 BACKENDS = ("auto", "torch", "triton")
+# The Triton sparse attention is this torch custom op (kernels/triton_attention.py): a dispatcher-visible op, so a
+# selective checkpoint can keep its outputs.
+SPARSE_ATTENTION_OP = "csa2::sparse_attention"
+
+
+def keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the sparse
+    attention op's outputs (out, LSE, selected mass) are saved by the forward, everything else is recomputed, so
+    the backward of a checkpointed layer does not re-run attention. The PyTorch reference path has no such op
+    and is recomputed whole: same gradients, no saving."""
+    return CheckpointPolicy.MUST_SAVE if op.name() == SPARSE_ATTENTION_OP else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def ops(backend: str, device: torch.device) -> ModuleType:

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+
+import kernels
 
 from model.attention import Attention, linear
 from model.config import ModelArgs
@@ -30,6 +32,7 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: LayerPlan):
         super().__init__()
         self.recompute = False  # set by the parallel config (activation checkpointing of this layer)
+        self.keep_attention = False  # with recompute: keep the sparse attention's outputs instead of re-running it
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         attention = DenseAttention if args.attention == "dense" else Attention
         self.attn = attention(args, plan, layout.candidate_topk_blocks, layout.candidate_block_size)
@@ -39,9 +42,14 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, state: SharedState) -> torch.Tensor:
         """Runs the layer on the forward's shared state. With ``recompute`` the layer is a non-reentrant
         checkpoint: its shared inputs are explicit arguments, so recomputation in backward sees the same tensors
-        even after the state has dropped them."""
+        even after the state has dropped them. With ``keep_attention`` too, the checkpoint is selective: the
+        sparse-attention op's outputs are saved and only the rest of the layer is recomputed."""
         plan = self.attn.plan
-        run = partial(checkpoint, self._compute, use_reentrant=False) if self.recompute else self._compute
+        run = self._compute
+        if self.recompute:
+            keep = partial(create_selective_checkpoint_contexts, kernels.keep_attention_policy)
+            run = partial(checkpoint, self._compute, use_reentrant=False,
+                          context_fn=keep if self.keep_attention else noop_context_fn)
         x, produced = run(x, state.geometry, state.reads(plan), state.collect_recall)
         state.write(plan, produced)
         return x

@@ -34,9 +34,10 @@ def owner_name(source: int, shadow_param: str) -> str:
 class PipelineStage(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, stage_id: int, micro_batch: int,
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
-                 recompute_layers: int = 0):
+                 recompute_layers: int = 0, keep_attention_layers: int = 0):
         """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights.
-        The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints."""
+        The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints; the first
+        ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention."""
         super().__init__()
         if index_k not in ("shadow", "payload"):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
@@ -45,6 +46,7 @@ class PipelineStage(nn.Module):
         self.model = Transformer(args, layout, layers, seed)
         for i, block in enumerate(self.model.layers.values()):
             block.recompute = i < recompute_layers
+            block.keep_attention = i < min(recompute_layers, keep_attention_layers)
         sources = shadow_sources(layout, layers) if index_k == "shadow" else []
         self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in sources})
         for s, shadow in self.shadows.items():

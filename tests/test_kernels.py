@@ -10,11 +10,15 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
 os.environ["CSA2_KERNEL_POISON"] = "1"
 
+from functools import partial  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn  # noqa: E402
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
+import kernels  # noqa: E402
 from kernels import ops, reference  # noqa: E402
 from kernels import triton_attention, triton_indexer, triton_ops  # noqa: E402
 from kernels.triton_testing import packed_geometry  # noqa: E402
@@ -49,6 +53,23 @@ ATTN_CASES = [([[5, 14, 18], [37]], 2, 4, 32, 8, 12), ([[20, 17], [3, 34]], 1, 1
 @pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
 @pytest.mark.parametrize("with_selected", [True, False])
 def test_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected):
+    check_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected)
+
+
+def test_sparse_attention_kernel_variants(seed, monkeypatch):
+    """The configs the interpreter does not run by default: blocks of 8 slots (the window fills whole blocks; the
+    default 16 starts the loops 8 slots before the window), the dKV kernel without its register prefetch, and the
+    forward's separate p stage when K > D (the output rows are too short to hold it)."""
+    variants = {triton_attention._fwd_kernel: dict(BLOCK_N=8),
+                triton_attention._bwd_dkv_kernel: dict(BLOCK_N=8, PREFETCH=0),
+                triton_attention._bwd_dq_kernel: dict(BLOCK_N=8)}
+    for kernel, kwargs in variants.items():
+        monkeypatch.setattr(kernel, "configs", [triton.Config(kwargs, num_warps=4, num_stages=1)])
+    check_sparse_attention(seed, monkeypatch, [[5, 14, 18], [37]], 2, 4, 16, 8, 24, True)
+
+
+def check_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected):
+    """Out, selected mass and every gradient against the reference; the backward run twice is bitwise equal."""
     # Backward chunks of 7 tokens: window rows and entries receive partial rows from several chunks, and a chunk
     # boundary falls inside a batch row.
     monkeypatch.setattr(triton_attention, "PARTIAL_CHUNK_BYTES", 7 * (W + (K if with_selected else 0)) * D * 4)
@@ -79,6 +100,45 @@ def test_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selec
     again = torch.autograd.grad(out, list(leaves.values()), grad)
     for name, g, h in zip(leaves, got, again):
         assert torch.equal(g, h), ("backward not bitwise reproducible", name, seed)
+
+
+class LaunchCounter:
+    """Stands in for a Triton kernel: counts the launches (``kernel[grid](...)``) and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def test_selective_checkpoint_keeps_attention(seed, monkeypatch):
+    """Under a non-reentrant checkpoint with ``kernels.keep_attention_policy`` the sparse-attention op's outputs
+    are saved: the forward kernel runs once (a plain checkpoint runs it again in the backward), and every
+    gradient is bitwise the one without checkpointing."""
+    win_lo, vis_lo, vis_hi = packed_geometry([[9, 8]], 1, 4)
+    H, D, W, K = 4, 16, 4, 6
+    leaves = [torch.randn(1, 17, H, D, requires_grad=True), torch.randn(1, 17, D, requires_grad=True),
+              torch.randn(1, 17, D, requires_grad=True), torch.randn(H, requires_grad=True)]
+    topk_idx = random_topk(vis_lo, vis_hi, K)
+
+    def layer(q, kv_window, kv_comp, sink):
+        out, mass = triton_ops.sparse_attention(q * 2, kv_window, win_lo, kv_comp, topk_idx, sink, D ** -0.5, W)
+        return (out.float() ** 2).sum() + mass.sum()
+
+    counter = LaunchCounter(triton_attention._fwd_kernel)
+    monkeypatch.setattr(triton_attention, "_fwd_kernel", counter)
+    want = torch.autograd.grad(layer(*leaves), leaves)
+    runs = {}
+    for name, context in (("keep", partial(create_selective_checkpoint_contexts, kernels.keep_attention_policy)),
+                          ("recompute", noop_context_fn)):
+        counter.launches = 0
+        grads = torch.autograd.grad(checkpoint(layer, *leaves, use_reentrant=False, context_fn=context), leaves)
+        runs[name] = counter.launches, grads
+    assert runs["keep"][0] == 1 and runs["recompute"][0] == 2, seed
+    for launches, grads in runs.values():
+        assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
 
 
 def masked_scores(q, w, k, vis_lo, vis_hi, block_size, cand=None):

@@ -225,3 +225,27 @@ def test_indexer_loss_changes_no_trunk_gradient(name, lens):
                 assert g[n].abs().max() > 0, n
             elif not is_indexer[n] or not (n.startswith(f"layers.{s}.") or n.startswith(f"layers.{kv}.")):
                 assert g[n].abs().max() == 0, f"KL of layer {s} reaches {n}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_recompute_changes_no_gradient(keep_attention):
+    """Recomputing every layer in the backward (``parallel.recompute``), plain or as a selective checkpoint that
+    keeps the sparse-attention outputs (``parallel.keep_attention_layers``; the PyTorch reference has no attention
+    op to keep, so it recomputes everything), gives bitwise the loss and every gradient of no recomputation."""
+    model, _ = make(LAYOUTS["mixed_cand"])
+    ids = rand_ids((2, 19), 5)
+
+    def loss_and_grads():
+        model.zero_grad()
+        out = model(ids, packed_doc_ids(2, 19, [[11, 8], [19]]))
+        loss = ce(out.logits, ids) + sum(out.indexer_losses.values())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss, want = loss_and_grads()
+    for block in model.layers.values():
+        block.recompute, block.keep_attention = True, keep_attention
+    loss, got = loss_and_grads()
+    assert torch.equal(loss, want_loss)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

@@ -52,6 +52,8 @@ def test_invalid_override_is_a_hydra_error(override):
     (["layout.kv_source_layer_ids=[3]"], "layer"),
     (["parallel.recompute=all"], "parallel.recompute"),
     (["parallel.recompute=block"], "parallel.recompute_layers"),
+    (["parallel.keep_attention_layers=2"], "parallel.keep_attention_layers"),
+    (["parallel.recompute=layer", "parallel.keep_attention_layers=-1"], "parallel.keep_attention_layers"),
     (["parallel.index_k=wire"], "parallel.index_k"),
     (["parallel.zero_stage=2"], "parallel.zero_stage"),
 ])

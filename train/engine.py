@@ -97,6 +97,12 @@ def check_parallel(parallel: DictConfig) -> None:
     if parallel.recompute == "block" and (not isinstance(count, int) or count < 1):
         raise ValueError(f"parallel.recompute=block needs parallel.recompute_layers >= 1 (the leading layers of "
                          f"each stage to recompute), got {count!r}")
+    keep = parallel.get("keep_attention_layers", 0)
+    if not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"parallel.keep_attention_layers={keep!r}: use an integer >= 0")
+    if keep and parallel.recompute == "none":
+        raise ValueError(f"parallel.keep_attention_layers={keep} keeps the attention outputs of recomputed layers, "
+                         "but parallel.recompute=none recomputes none")
 
 
 def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
@@ -106,6 +112,14 @@ def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
     1F1B a stage keeps the activations of up to P microbatches, so recomputing only part of each stage trades
     memory for time where the full recompute is more than needed."""
     return {"none": 0, "layer": n_layers, "block": parallel.get("recompute_layers")}[parallel.recompute]
+
+
+def kept_attention_layers_per_stage(parallel: DictConfig) -> int:
+    """How many of the leading recomputed layers of every stage keep their sparse-attention outputs (out, LSE,
+    selected mass) so that their backward does not re-run attention: a selective checkpoint
+    (``kernels.keep_attention_policy``). Each kept layer holds its attention output until its backward (bf16
+    B x T x 64 x 512: 4.3 GB per layer at T = 65,536), so this trades memory for the attention forward's time."""
+    return parallel.get("keep_attention_layers", 0)
 
 
 def param_groups(parameters: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -152,7 +166,8 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2P
     loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids))
     with torch.device(device):
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
-                                    int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers))
+                                    int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
+                                    kept_attention_layers_per_stage(parallel))
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.stage.model.named_parameters()), float(cfg.train.weight_decay))
     return build_pipeline_engine(module, deepspeed_config(cfg), model_parameters=groups,
