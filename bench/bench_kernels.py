@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from kernels import reference, triton_attention, triton_ops  # noqa: E402
+from result_meta import result_meta  # noqa: E402
 from kernels.triton_indexer import _full_scores  # noqa: E402
 from kernels.triton_testing import packed_geometry, random_topk  # noqa: E402
 
@@ -447,7 +448,7 @@ def run_steps(steps, out: str, title: str) -> None:
         step()
         print(table().splitlines()[-1] if RESULTS else "", flush=True)
         with open(out, "w") as f:
-            json.dump(RESULTS, f, indent=1, default=float)
+            json.dump({**result_meta(), **RESULTS}, f, indent=1, default=float)
     print("\n==== " + title + " ====\n" + table())
 
 

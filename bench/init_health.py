@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from model.cli import compose  # noqa: E402
+from result_meta import result_meta  # noqa: E402
 from model.groups import param_group  # noqa: E402
 from model.transformer import Transformer, init_std  # noqa: E402
 from model import ModelArgs, layout_from_config  # noqa: E402
@@ -179,10 +180,7 @@ def main() -> None:
         rows.append(run_variant(name, base + VARIANTS[name], a, device, batches))
         rows[-1]["seconds"] = time.time() - t0
         print(json.dumps({k: v for k, v in rows[-1].items() if not k.startswith("act_rms/")}), flush=True)
-    result = {"command": "python bench/init_health.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-              "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "defaults": base, "lrs": a.lrs, "seconds": time.time() - started,
-              "variants": rows}
+    result = {**result_meta(), "defaults": base, "lrs": a.lrs, "seconds": time.time() - started, "variants": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(table(rows, a.lrs))

@@ -47,6 +47,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from result_meta import result_meta  # noqa: E402
+
 DEFAULTS = ["model=small", "layout=v41", "data.seq_len=65536", "data.micro_batch_size=1",
             "train.grad_accum_steps=1", "parallel.recompute=layer", "train.precision=bf16", "logger.mode=disabled"]
 
@@ -155,8 +157,8 @@ def run_variant(a) -> dict:
     precision = resolve_precision(cfg.train.precision, device)
     distributed.init(device)
     cuda = device.type == "cuda"
-    res = {"variant": a.variant, "overrides": overrides, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-           "torch": torch.__version__}
+    res = {**result_meta(), "variant": a.variant, "overrides": overrides,
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
 
     if cuda:  # bf16 matmul rate of this GPU, this process
         x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
