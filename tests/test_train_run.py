@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from model import layout_from_config
 from model.cli import compose
 from train import checkpoint, engine as engine_module
 from train.app import TrainingDiverged, run
@@ -56,11 +57,27 @@ def test_loss_falls_and_files_are_written(trained):
     assert {"lm_loss", "passkey_acc", "mqar_acc"} <= set(evals[-1]) and evals[-1] == {**final, "split": "eval"}
     assert any(k.startswith("index_recall/layer") for k in evals[-1])
     assert (run_dir / "loss_curve.png").stat().st_size > 0
+    assert (run_dir / "health.png").stat().st_size > 0
     assert (run_dir / "config.yaml").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*"))
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "latest").read_text() == "step00000020"
     assert sorted(p.name for p in ckpt.glob("step*")) == ["step00000015", "step00000020"]  # keep_checkpoints=2
+
+
+def test_health_diagnostics_in_every_row(trained):
+    """Per-group gradient norms split the clipping norms exactly (a group left out or counted twice breaks the
+    sum); per-layer activation RMS for every layer and the logits."""
+    rows = _train_rows(trained[0])
+    n_layers = layout_from_config(compose(SMALL).layout).n_layers
+    for row in rows:
+        groups = {k.removeprefix("grad_norm/"): v for k, v in row.items() if k.startswith("grad_norm/")}
+        assert {"embedding", "attn_q", "attn_kv", "indexer", "attn_out", "ffn", "norms_sinks", "head"} == set(groups)
+        trunk = sum(v * v for g, v in groups.items() if g != "indexer") ** 0.5
+        assert trunk == pytest.approx(row["grad_norm"], rel=1e-5)
+        for site in ("attn", "ffn", "resid"):
+            assert all(row[f"act_rms/{site}/layer{i}"] > 0 for i in range(n_layers))
+        assert row["act_rms/logits"] > 0
 
 
 def test_resume_is_bitwise_exact(tmp_path):

@@ -13,6 +13,7 @@ from model.cli import compose
 from model.groups import param_group
 from train.data import build_loader
 from train.engine import param_groups, warmup_cosine
+from train.health import ActivationStats, stability
 from train.loss import compute_loss
 
 SCALED_SMALL = ["model.dim=128", "model.n_heads=4", "model.head_dim=512", "model.rope_head_dim=64",
@@ -72,3 +73,37 @@ def test_warmup_to_a_high_lr_never_raises_the_loss(setup):
             losses.append(lm_loss(model, heldout).lm.item())
     assert max(losses) <= initial, (initial, losses)
     assert losses[-1] < initial - 0.3, (initial, losses)  # and it learns
+
+
+def test_activation_stats_count_each_forward_once(setup):
+    """A recomputed layer runs its forward again inside backward: the hooks must not count it twice (the RMS of
+    every site is the same with and without recompute, and equals the RMS computed by hand)."""
+    cfg, batch, _ = setup
+    collected = []
+    for recompute in (False, True):
+        model = build_model(cfg.model, cfg.layout)
+        for block in model.layers.values():
+            block.recompute = recompute
+        stats = ActivationStats(model)
+        seen = {}
+        model.layers["3"].register_forward_hook(lambda m, i, out: seen.setdefault("resid3", []).append(out))
+        with stats.recording():
+            lm_loss(model, batch).total.backward()
+        lengths = {k: len(v) for k, v in stats._squares.items()}
+        assert set(lengths.values()) == {1}, lengths
+        collected.append(stats.collect())
+        by_hand = seen["resid3"][0].detach().pow(2).mean().sqrt().item()
+        assert collected[-1]["act_rms/resid/layer3"] == pytest.approx(by_hand, rel=1e-5)
+    assert collected[0] == pytest.approx(collected[1], rel=1e-6)
+    assert len(collected[0]) == 3 * len(model.layers) + 1
+
+
+def test_stability_criteria():
+    def rows(losses, norms):
+        return [{"step": i + 1, "lm_loss": l, "grad_norm": g} for i, (l, g) in enumerate(zip(losses, norms))]
+
+    clean = stability(rows([5.0, 6.0, 4.0, 3.0, 2.9], [10, 50, 3, 2, 2]), warmup_steps=2)
+    assert clean["healthy"] and clean["max_lm_loss_after_warmup"] == 4.0
+    assert not stability(rows([5.0, 4.0, 3.0, 5.5, 2.9], [3, 3, 3, 3, 3]), 2)["healthy"]  # loss above step 1
+    spike = stability(rows([5.0, 4.0, 3.0, 2.9, 2.8], [3, 3, 3, 31, 3]), 2)
+    assert not spike["healthy"] and spike["ratio_at_step"] == 4
