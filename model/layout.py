@@ -201,9 +201,9 @@ def layout_from_config(cfg) -> Layout:
 
 
 def main(argv: list[str]) -> None:
-    from model.cli import compose, run_cli
+    from model.cli import compose_checked, run_cli
 
-    run_cli(lambda: print(layout_from_config(compose(argv).layout).table()))
+    run_cli(lambda: print(layout_from_config(compose_checked(argv).layout).table()))
 
 
 if __name__ == "__main__":

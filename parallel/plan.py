@@ -1,33 +1,23 @@
-"""The pipeline plan a job prints before training: stages, their layers and modes, and for every boundary
-the payload fields with their bytes per microbatch, plus what shadow indexers cost against sending index K.
+"""The pipeline plan a job prints before training: the batch (microbatches per step and the 1F1B bubble),
+stages, their layers and modes, and for every boundary the payload fields with their bytes per microbatch, plus
+what shadow indexers cost against sending index K.
 
-``python -m parallel.plan [overrides]`` prints it for any config without starting a job, e.g.
+``python -m parallel.plan [--world-size N] [overrides]`` prints it for any config without starting a job, and
+fails as the job would on a batch that does not fit, e.g.
 ``python -m parallel.plan model=v41_flash layout=v41 parallel.pipeline_stages=4 data.seq_len=65536``.
+The world size is ``--world-size``, else ``WORLD_SIZE``, else the stage count (one data-parallel replica).
 """
+import os
 import sys
 
 import torch
 
 from model.config import ModelArgs
 from model.layout import Layout
+from parallel.batch import BatchPlan, batch_plan
 from parallel.partition import StagePlan, layer_costs, partition
 from parallel.payload import boundary_fields
 from parallel.stage import shadow_sources
-
-
-class PipelineConfigError(ValueError):
-    """A pipeline setting that cannot run; the message names the setting."""
-
-
-def check_pipeline(n_stages: int, world_size: int, microbatches: int) -> int:
-    """Data-parallel degree of a job, after checking that the stages fit the launched processes."""
-    if world_size % n_stages:
-        raise PipelineConfigError(f"parallel.pipeline_stages={n_stages} does not divide the {world_size} launched "
-                                  "processes: the world size must be a multiple of the stage count")
-    if microbatches < n_stages:
-        raise PipelineConfigError(f"train.grad_accum_steps={microbatches} microbatches per step is fewer than "
-                                  f"parallel.pipeline_stages={n_stages}: 1F1B needs at least one per stage")
-    return world_size // n_stages
 
 
 def _mib(n: float) -> str:
@@ -35,11 +25,15 @@ def _mib(n: float) -> str:
 
 
 def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int, seq_len: int,
-             dtype: torch.dtype, index_k: str) -> str:
+             dtype: torch.dtype, index_k: str, batch: BatchPlan | None = None) -> str:
+    """The printout; ``dtype`` is the compute dtype (payload fields show their own wire dtype)."""
     costs = layer_costs(args, layout, seq_len)
     total = sum(costs)
+    compute = "bfloat16 autocast over float32 weights" if dtype == torch.bfloat16 else str(dtype).replace("torch.", "")
     lines = [f"pipeline: {len(plan.stages)} stage(s), microbatch {micro_batch} x {seq_len} tokens, "
-             f"{str(dtype).replace('torch.', '')}, index K by {index_k}"]
+             f"compute {compute}, index K by {index_k}"]
+    if batch is not None:
+        lines.append(batch.describe())
     for s, layers in enumerate(plan.stages):
         modes = " ".join(f"{i}:{layout.plan[i].mode.value}" for i in layers)
         share = sum(costs[i] for i in layers) / total
@@ -71,18 +65,42 @@ def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int,
     return "\n".join(lines)
 
 
+def compute_dtype(precision: str, cuda: bool) -> torch.dtype:
+    """``train.precision`` as a dtype (``auto``: bf16 on GPU, fp32 on CPU)."""
+    return torch.bfloat16 if precision == "bf16" or (precision == "auto" and cuda) else torch.float32
+
+
+def _world_size(argv: list[str]) -> tuple[int | None, list[str]]:
+    """``--world-size N`` (or ``--world-size=N``) out of ``argv``; else ``WORLD_SIZE`` (None: unset)."""
+    rest, world = [], os.environ.get("WORLD_SIZE")
+    args = iter(argv)
+    for arg in args:
+        if arg == "--world-size":
+            world = next(args, "")
+        elif arg.startswith("--world-size="):
+            world = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if world is not None and not world.isdigit():
+        raise SystemExit(f"error: --world-size {world!r} is not a process count — give a positive integer")
+    return (int(world) if world else None), rest
+
+
 def main(argv: list[str]) -> None:
-    from model.cli import compose, run_cli
+    from model.cli import compose_checked, run_cli
     from model.layout import layout_from_config
 
+    world, overrides = _world_size(argv)
+
     def report():
-        cfg = compose(argv)
+        cfg = compose_checked(overrides)
         args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
         par = cfg.parallel
+        batch = batch_plan(cfg, world or par.pipeline_stages)
         plan = partition(args, layout, cfg.data.seq_len, par.pipeline_stages, par.get("cuts"))
-        dtype = torch.bfloat16 if cfg.train.get("precision") == "bf16" else torch.float32
+        dtype = compute_dtype(cfg.train.get("precision", "auto"), torch.cuda.is_available())
         print(describe(args, layout, plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                       par.get("index_k", "shadow")))
+                       par.get("index_k", "shadow"), batch))
 
     run_cli(report)
 

@@ -7,7 +7,7 @@ from hydra.errors import HydraException
 
 from model.cli import compose
 from train.__main__ import strip_launcher_args
-from train.app import check_config
+from train.preflight import check_config
 from train.engine import deepspeed_config, resolve_precision, warmup_cosine
 
 
@@ -21,8 +21,8 @@ def test_defaults_and_overrides_compose():
 
 
 def test_deepspeed_config_follows_hydra():
-    cfg = compose(["data.micro_batch_size=3", "train.grad_accum_steps=2", "train.grad_clip=0.5", "train.lr=1e-3"])
-    ds = deepspeed_config(cfg)
+    cfg = compose(["data.micro_batch_size=3", "train.grad_clip=0.5", "train.lr=1e-3"])
+    ds = deepspeed_config(cfg, microbatches=2)
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 0.5 and "bf16" not in ds  # bf16 is autocast over fp32 master weights
     assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["torch_adam"] is True
@@ -56,6 +56,7 @@ def test_invalid_override_is_a_hydra_error(override):
     (["parallel.recompute=layer", "parallel.keep_attention_layers=-1"], "parallel.keep_attention_layers"),
     (["parallel.index_k=wire"], "parallel.index_k"),
     (["parallel.zero_stage=2"], "parallel.zero_stage"),
+    (["data=hf"], "data.source=hf needs data.path — set data.path="),
 ])
 def test_bad_settings_fail_before_training(overrides, message):
     with pytest.raises(ValueError, match=message):

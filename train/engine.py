@@ -16,11 +16,13 @@ from omegaconf import DictConfig
 
 from model import ModelArgs, layout_from_config
 from model.transformer import ModelOutput
+from parallel.batch import batch_plan
 from parallel.engine import CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
 from parallel.partition import partition
-from parallel.plan import check_pipeline, describe
+from parallel.plan import describe
 from train import distributed
 from train.loss import compute_loss
+from train.quiet import prints_to_debug
 
 RECOMPUTE = ("none", "layer", "block")
 INDEX_K = ("shadow", "payload")
@@ -48,8 +50,9 @@ def resolve_precision(name: str, device: torch.device) -> str:
     return name
 
 
-def deepspeed_config(cfg: DictConfig) -> dict:
-    """The DeepSpeed JSON config from ``cfg.train`` and the batch size of ``cfg.data``.
+def deepspeed_config(cfg: DictConfig, microbatches: int) -> dict:
+    """The DeepSpeed JSON config from ``cfg.train``, the batch size of ``cfg.data`` and the ``microbatches`` per
+    step of ``parallel/batch.py``'s plan.
 
     AdamW is torch's (``torch_adam``), so no fused or CPU-Adam extension is built. The schedule is not in here:
     it is ``warmup_cosine`` handed to the engine (DeepSpeed's WarmupCosineLR starts at lr 0). Precision is not
@@ -61,7 +64,7 @@ def deepspeed_config(cfg: DictConfig) -> dict:
     train = cfg.train
     return {
         "train_micro_batch_size_per_gpu": int(cfg.data.micro_batch_size),
-        "gradient_accumulation_steps": int(train.grad_accum_steps),
+        "gradient_accumulation_steps": microbatches,
         "gradient_clipping": float(train.grad_clip),
         "zero_optimization": {"stage": int(cfg.parallel.zero_stage)},
         "optimizer": {
@@ -153,24 +156,25 @@ class PipelineLoss:
 def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2PipelineEngine:
     """This process's pipeline stage of the model, on the engine, with the warmup-cosine schedule.
 
-    Prints the pipeline plan (stages, layers, payload bytes per boundary) on rank 0 before training."""
+    Prints the pipeline plan (batch and bubble, stages, layers, payload bytes per boundary) on rank 0 before
+    training."""
     parallel = cfg.parallel
     check_parallel(parallel)
-    check_pipeline(parallel.pipeline_stages, distributed.world_size(), int(cfg.train.grad_accum_steps))
+    batch = batch_plan(cfg, distributed.world_size())
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     seq_len, micro_batch = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
     plan = partition(args, layout, seq_len, parallel.pipeline_stages, parallel.cuts)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     if distributed.rank() == 0:
-        print(describe(args, layout, plan, micro_batch, seq_len, dtype, parallel.index_k), flush=True)
+        print(describe(args, layout, plan, micro_batch, seq_len, dtype, parallel.index_k, batch), flush=True)
     loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids))
-    with torch.device(device):
+    with torch.device(device), prints_to_debug():  # DeepSpeed prints seeds, topology and stage split
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
                                     int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
                                     kept_attention_layers_per_stage(parallel))
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.stage.model.named_parameters()), float(cfg.train.weight_decay))
-    return build_pipeline_engine(module, deepspeed_config(cfg), model_parameters=groups,
+    return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches), model_parameters=groups,
                                  lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
 
 
@@ -187,7 +191,7 @@ class StepResult:
 
 
 def train_step(engine: CSA2PipelineEngine, micro_batches: list[dict]) -> StepResult:
-    """One optimizer step over ``grad_accum_steps`` micro-batches through the pipeline (1F1B)."""
+    """One optimizer step over the engine's microbatches through the pipeline (1F1B)."""
     engine.train()
     lr = engine.get_lr()[0]
     data = iter([((b["input_ids"], b["doc_ids"]), b["labels"]) for b in micro_batches])
