@@ -24,15 +24,7 @@ Printed / written (JSON): tokens/s, model TFLOP/s and MFU against a bf16 matmul 
 hooks; with recompute the backward includes the layer's recomputed forward), and CUDA kernel launches in one
 Reuse layer's forward (torch profiler, prefill: no_grad).
 
-FLOP counting (model FLOPs of one step, computed work only, recomputation not counted):
-- matmuls: 6 x params x tokens for every matrix applied per token (embedding lookup excluded, LM head included);
-  the indexer's matrices 4 x (their inputs are detached: no input gradient); ``wk`` per compressed entry (T/m).
-- sparse attention: 4 x H x D x (visible slots) forward, x3 forward + backward; visible slots per query
-  min(W, t+1) + min(K, (t+1)//m) (window only: the first term).
-- indexer scoring (no gradient): 2 x 32 x 128 per (query, visible entry) scored: all (t+1)//m entries for a Full
-  layer, min(blocks x 8, (t+1)//m) for a Reindex layer restricted to candidate blocks; index_logits 2 x T x K x
-  32 x 128, x3.
-- dense SDPA: 4 x H x 128 x T(T+1)/2 causal pairs forward, x3.
+FLOPs are model FLOPs of one step, computed work only (``model/flops.py``, which the training metrics use too).
 """
 import argparse
 import json
@@ -86,54 +78,6 @@ def fast_init(named_parameters, args, n_layers, seed, rename=lambda name: name):
             p.normal_(std=init_std(rename(name), args, n_layers), generator=gen)
 
 
-# ----------------------------------------------------------------------------------------------- FLOPs
-
-def causal_slots(T: int, m: int, cap: int) -> int:
-    """sum over t < T of min(cap, (t+1)//m)."""
-    total = 0
-    # (t+1)//m reaches cap at t+1 >= cap*m
-    full_from = min(T, cap * m)  # number of t with (t+1) < cap*m  -> t+1 in [1, cap*m-1]
-    n = full_from  # t = 0 .. n-1, values (t+1)//m for t+1 = 1..n
-    # sum_{u=1}^{n} u//m
-    q, r = divmod(n + 1, m)  # u in [0, n]
-    total += m * q * (q - 1) // 2 + r * q
-    total += (T - n) * cap
-    return total
-
-
-def model_flops(model, layout, args, T: int, B: int, dense: bool) -> dict:
-    from model.layout import Mode
-    tokens = B * T
-    mm = 0
-    for name, p in model.named_parameters():
-        if p.dim() < 2 or name.startswith("embed"):
-            continue
-        if ".indexer.wk." in name:
-            layer = int(name.split(".")[1])
-            mm += 4 * p.numel() * B * (T // layout.compress_ratios[layer])
-        elif ".indexer." in name:
-            mm += 4 * p.numel() * tokens
-        else:
-            mm += 6 * p.numel() * tokens
-    attn = idx = 0
-    H, D, W, K = args.n_heads, args.head_dim, args.window_size, args.index_topk
-    Hi, Di = args.index_n_heads, args.index_head_dim
-    if dense:
-        h, dh = args.n_heads, args.dense_head_dim
-        attn = len(layout.plan) * 3 * 4 * h * dh * B * T * (T + 1) // 2
-    else:
-        for plan in layout.plan:
-            slots = causal_slots(T, 1, W)
-            if plan.mode is not Mode.WINDOW:
-                slots += causal_slots(T, plan.ratio, K)
-                if plan.selects:
-                    cap = T if plan.candidate_source is None else layout.candidate_topk_blocks * layout.candidate_block_size
-                    idx += 2 * Hi * Di * causal_slots(T, plan.ratio, cap) * B
-                    idx += 3 * 2 * Hi * Di * causal_slots(T, plan.ratio, K) * B
-            attn += 3 * 4 * H * D * slots * B
-    return {"matmul": mm, "attention": attn, "indexer": idx, "total": mm + attn + idx}
-
-
 # ----------------------------------------------------------------------------------------------- one variant
 
 def run_variant(a) -> dict:
@@ -144,6 +88,7 @@ def run_variant(a) -> dict:
     from train.engine import build_engine, resolve_device, resolve_precision, train_step
 
     from model import layout_from_config
+    from model.flops import model_flops
     overrides = list(DEFAULTS)
     if a.variant == "reference":
         overrides.append("model.kernel_backend=torch")
