@@ -323,6 +323,35 @@ def test_heldout_split_is_deterministic_and_disjoint(tmp_path):
 
 # ------------------------------------------------------------------------------------------- tokenizers
 
+def _texts(documents) -> list[str]:
+    return list(documents.texts(0, 0))
+
+
+def test_a_single_text_file_is_split_into_documents(tmp_path, caplog):
+    """One file (the README, notes): documents by paragraph (by line without blank lines), and a held-out part
+    even where no paragraph's hash falls below heldout_fraction (the lowest-hash one is held out)."""
+    paragraphs = [f"Paragraph {k} says {LETTERS[k] * (k + 3)}.\nIt has two lines." for k in range(12)]
+    notes = tmp_path / "notes.md"
+    notes.write_text("\n\n".join(paragraphs) + "\n")
+    config = DataConfig(source="hf", path=str(notes), heldout_fraction=0.01)
+    with caplog.at_level("INFO", logger="train.data"):
+        train, heldout = _texts(build_documents(config)), _texts(build_documents(config, heldout=True))
+    assert "single text file: one document per paragraph (data.sample_by=paragraph" in caplog.text
+    assert len(heldout) == 1 and len(train) == 11 and not set(train) & set(heldout)
+    assert {t.strip() for t in train + heldout} == set(paragraphs)
+    lines = tmp_path / "lines.txt"
+    lines.write_text("".join(f"line {k}\n" for k in range(30)))
+    split = [_texts(build_documents(DataConfig(source="hf", path=str(lines)), heldout=h)) for h in (False, True)]
+    assert sum(map(len, split)) == 30 and all(split)
+    batch = next(build_loader({"source": "hf", "path": str(notes), "seq_len": 32, "micro_batch_size": 2}))
+    assert batch["input_ids"].shape == (2, 32)
+    # one document per file, asked for explicitly: nothing to hold out, and the error says what to set
+    with pytest.raises(ValueError, match="held-out part.* — .*data.sample_by=paragraph or line"):
+        build_documents(DataConfig(source="hf", path=str(notes), sample_by="document"), heldout=True)
+    with pytest.raises(ValueError, match="data.sample_by='chapter' — use one of auto, document"):
+        build_documents(DataConfig(source="hf", path=str(notes), sample_by="chapter"))
+
+
 def test_byte_tokenizer():
     assert (BYTE.vocab_size, BYTE.bos_id, BYTE.eos_id, BYTE.pad_id) == (259, 256, 257, 258)
     assert BYTE.encode("aé") == [97, 0xC3, 0xA9]

@@ -36,6 +36,7 @@ import bisect
 import dataclasses
 import hashlib
 import itertools
+import logging
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -49,6 +50,9 @@ from omegaconf import DictConfig, OmegaConf
 from train.tokenizer import Tokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
+SAMPLE_BY = ("auto", "document", "paragraph", "line")
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -60,7 +64,8 @@ class DataConfig:
     name: str | None = None  # hf: dataset config name
     split: str = "train"  # hf: split to read
     text_field: str = "text"  # hf: column holding the document text
-    sample_by: str = "document"  # hf .txt files: one document per "document" (file), "paragraph" or "line"
+    sample_by: str = "auto"  # hf text files: "document" (one per file), "paragraph", "line"; "auto": one per
+    # file, but one file alone is split by paragraph (by line when it has no blank line)
     streaming: bool = False  # read through an IterableDataset
     shuffle_buffer: int = 10_000  # streaming: documents in the shuffle buffer
     tokenizer: str | None = None  # None: byte-level; else a `tokenizers` JSON file
@@ -120,7 +125,8 @@ class StreamingDocuments:
 
 def _check_field(columns: list[str], text_field: str, description: str) -> None:
     if text_field not in columns:
-        raise ValueError(f"text field {text_field!r} is not a column of {description} (columns: {columns})")
+        raise ValueError(f"text field {text_field!r} is not a column of {description} (columns: {columns}) — set "
+                         "data.text_field to the column that holds the text")
 
 
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -137,7 +143,8 @@ def python_source_dataset(root: str | None = None) -> datasets.Dataset:
     """
     base = Path(root).expanduser() if root is not None else Path(sysconfig.get_paths()["stdlib"])
     if not base.is_dir():
-        raise FileNotFoundError(f"data.path {str(base)!r} does not exist or is not a directory")
+        raise FileNotFoundError(f"data.path {str(base)!r} does not exist or is not a directory — give a directory of "
+                                "*.py files, or data.path=null for the standard library")
     files = sorted(_python_files(base), key=lambda f: f.relative_to(base).as_posix())
     return datasets.Dataset.from_dict(
         {"path": [f.relative_to(base).as_posix() for f in files],
@@ -156,20 +163,39 @@ _FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json
 
 
 def hf_dataset(path: str, name: str | None = None, split: str = "train", streaming: bool = False,
-               sample_by: str = "document") -> datasets.Dataset | datasets.IterableDataset:
+               sample_by: str = "auto") -> datasets.Dataset | datasets.IterableDataset:
     """A `datasets` source: local data files (a file or a directory of them), else `load_dataset(path, name)`.
 
     A directory is read recursively; all its data files must have one format. Text files are decoded with
-    replacement of invalid bytes and give one document per file by default (`sample_by`).
+    replacement of invalid bytes and give one document per file, per paragraph or per line (`sample_by`);
+    `auto` splits a single file by paragraph (by line if it has no blank line), so that it has documents to
+    hold out, and says so.
     """
+    if sample_by not in SAMPLE_BY:
+        raise ValueError(f"data.sample_by={sample_by!r} — use one of {', '.join(SAMPLE_BY)}")
     local = _local_data_files(path)
     if local is None:
         return datasets.load_dataset(path, name, split=split, streaming=streaming)
     builder, files = local
+    if builder == "text" and sample_by == "auto":
+        sample_by = _text_sampling(files)
+        if sample_by != "document":
+            log.info("data.path %s is a single text file: one document per %s (data.sample_by=%s; "
+                     "data.sample_by=document|paragraph|line chooses)", path, sample_by, sample_by)
     options = {"sample_by": sample_by, "encoding_errors": "replace", "keep_linebreaks": True} \
         if builder == "text" else {}
     return datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=streaming,
                                  **options)
+
+
+def _text_sampling(files: list[str]) -> str:
+    """`auto` for text files: one document per file, unless there is only one file: then per paragraph, or per
+    line when its start (the first MiB) holds no blank line."""
+    if len(files) > 1:
+        return "document"
+    with open(files[0], "rb") as f:
+        head = f.read(2**20).replace(b"\r\n", b"\n")
+    return "paragraph" if b"\n\n" in head.strip(b"\n") else "line"
 
 
 def _local_data_files(path: str) -> tuple[str, list[str]] | None:
@@ -180,31 +206,44 @@ def _local_data_files(path: str) -> tuple[str, list[str]] | None:
     elif location.is_file():
         files = [str(location)]
     elif os.path.isabs(path) or path.startswith((".", "~")) or location.suffix in _FILE_BUILDERS:
-        raise FileNotFoundError(f"data.path {path!r} does not exist")
+        raise FileNotFoundError(f"data.path {path!r} does not exist — give an existing file or directory, or a "
+                                "dataset name")
     else:
         return None
     if not files:
-        raise ValueError(f"dataset is empty: {path!r} holds no data files ({', '.join(_FILE_BUILDERS)})")
+        raise ValueError(f"dataset is empty: {path!r} holds no data files — give files ending in "
+                         f"{', '.join(_FILE_BUILDERS)}")
     formats = {_FILE_BUILDERS.get(Path(f).suffix) for f in files}
     if len(formats) != 1 or None in formats:
         raise ValueError(f"data.path {path!r}: need data files of one known format {_FILE_BUILDERS}, "
                          f"got {sorted(Path(f).suffix for f in files)}")
     if all(os.path.getsize(f) == 0 for f in files):
-        raise ValueError(f"dataset is empty: every data file of {path!r} is empty")
+        raise ValueError(f"dataset is empty: every data file of {path!r} is empty — give files with text in them")
     return formats.pop(), files
 
 
 def is_heldout(key: str, fraction: float) -> bool:
     """Stable (machine- and run-independent) hash split: a key is held out iff its hash falls below `fraction`."""
-    digest = hashlib.blake2b(key.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") < fraction * 2**64
+    return int.from_bytes(_hash(key), "big") < fraction * 2**64
 
 
 def _split(dataset, key_field: str, fraction: float, heldout: bool):
     """The held-out part (`heldout`) or the rest; keys are file paths (stdlib) or texts (hf: duplicates of a
-    document land on the same side)."""
-    return dataset.filter(lambda batch: [is_heldout(k or "", fraction) == heldout for k in batch[key_field]],
+    document land on the same side). A small map-style dataset whose hashes put nothing below `fraction > 0`
+    holds out its one document with the lowest hash, so that a few documents still give both parts."""
+    part = dataset.filter(lambda batch: [is_heldout(k or "", fraction) == heldout for k in batch[key_field]],
                           batched=True)
+    if isinstance(dataset, datasets.IterableDataset) or fraction <= 0 or len(dataset) < 2:
+        return part
+    if len(part) != (0 if heldout else len(dataset)):
+        return part
+    hashes = [_hash(key or "") for key in dataset[key_field]]
+    lowest = hashes.index(min(hashes))
+    return dataset.select([lowest] if heldout else [i for i in range(len(dataset)) if i != lowest])
+
+
+def _hash(key: str) -> bytes:
+    return hashlib.blake2b(key.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
 
 
 def build_documents(config: DataConfig, heldout: bool = False) -> MapDocuments | StreamingDocuments:
@@ -227,9 +266,13 @@ def build_documents(config: DataConfig, heldout: bool = False) -> MapDocuments |
             _check_field(dataset.column_names, text_field, description)
         dataset = _split(dataset, text_field, config.heldout_fraction, heldout)
     else:
-        raise ValueError(f"unknown data.source {config.source!r}; expected 'stdlib' or 'hf'")
+        raise ValueError(f"unknown data.source {config.source!r} — use data=stdlib or data=hf")
     if isinstance(dataset, datasets.IterableDataset):
         return StreamingDocuments(dataset, text_field, config.shuffle_seed, config.shuffle_buffer, description)
+    if len(dataset) == 0:
+        fix = ("raise data.heldout_fraction or give more documents (split one text file with data.sample_by="
+               "paragraph or line)" if heldout else "lower data.heldout_fraction or give more documents")
+        raise ValueError(f"dataset is empty: {description} — {fix}")
     return MapDocuments(dataset, text_field, config.shuffle_seed, description)
 
 
@@ -430,18 +473,25 @@ class PackedLoader:
 
 
 def build_loader(cfg, *, rank: int = 0, world_size: int = 1, heldout: bool = False,
-                 vocab_size: int | None = None) -> PackedLoader:
+                 vocab_size: int | None = None, documents=None) -> PackedLoader:
     """The loader of `cfg` (the `data` config group: a DictConfig, a mapping or a DataConfig).
 
     `heldout=True` gives the held-out documents (for evaluation: build a fresh loader per evaluation to see
-    the same batches each time). `vocab_size` is the model's, if it should bound the token ids.
+    the same batches each time). `vocab_size` is the model's, if it should bound the token ids. `documents`:
+    the `build_documents(cfg, heldout)` already made (a job builds them before its engine, to fail early).
     """
-    config = cfg if isinstance(cfg, DataConfig) else DataConfig(**_plain(cfg))
+    config = data_config(cfg)
     tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token, config.pad_token)
-    return PackedLoader(build_documents(config, heldout), tokenizer, seq_len=config.seq_len,
+    documents = build_documents(config, heldout) if documents is None else documents
+    return PackedLoader(documents, tokenizer, seq_len=config.seq_len,
                         micro_batch_size=config.micro_batch_size, shuffle_seed=config.shuffle_seed,
                         pack_buffer=config.pack_buffer, pack_carry=config.pack_carry, rank=rank,
                         world_size=world_size, vocab_size=vocab_size)
+
+
+def data_config(cfg) -> DataConfig:
+    """`cfg` (the `data` group: a DictConfig, a mapping or a DataConfig) as a DataConfig."""
+    return cfg if isinstance(cfg, DataConfig) else DataConfig(**_plain(cfg))
 
 
 def _plain(cfg) -> dict:
