@@ -5,14 +5,20 @@ Layout of ``<checkpoint_dir>``::
     latest                 # tag of the newest complete checkpoint, replaced atomically
     step00000100/          # one tag directory per save
         layer_000.pt ...   # the weights, one file per transformer layer (plus embed.pt, head.pt)
-        trainer_state.json # step, bad-step counters, the resolved run config
+        trainer_state.json # step, bad-step counters, wandb run id, the resolved run config
         resume_state.pt    # RNG states, loader position, LR schedule and step counters
         optimizer_stage00_dp00.pt  # per rank whose optimizer state is its own (every data-parallel rank under
                                    # ZeRO-1, else the first): its rows of each parameter's state, by name
+        manifest.json      # every other file's size and SHA-256, written last (train/manifest.py)
 
-A save goes into ``.step00000100.partial`` and is renamed once every rank has written its files; only then is
-``latest`` replaced. A crash mid-save leaves a ``.partial`` directory that nothing reads and the previous
-``latest`` intact. What a resume reads is JSON or ``torch.load(weights_only=True)``.
+A save goes into ``.step00000100.partial`` and is renamed once every rank has written its files and rank 0 the
+manifest; only then is ``latest`` replaced. A crash mid-save leaves a ``.partial`` directory that nothing reads
+and the previous ``latest`` intact. What a resume reads is JSON or ``torch.load(weights_only=True)``.
+
+Damage after the fact (a truncated, deleted or corrupted file) is caught by the manifest before anything loads:
+``train.resume=auto`` starts from ``latest`` if it is intact, else from the newest intact checkpoint, warning about
+each one it skips; pruning keeps the newest ``keep`` intact checkpoints up to the current step, so it never
+deletes the newest intact one to keep a damaged one.
 
 Every rank is seeded alike and the loader's position is global (``train/data.py``), so rank 0's RNG and loader
 state is every rank's: one file serves any number of ranks on resume. The weights are stored per transformer
@@ -36,6 +42,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from train import manifest
+from train.errors import ReportedError
+
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -47,8 +56,8 @@ OPTIMIZER_STATES = "optimizer_stage*_dp*.pt"
 RUNTIME_ONLY_KEYS = ("model.kernel_backend",)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed here; the message says which one and why."""
+class CheckpointError(ReportedError):
+    """A checkpoint that cannot be resumed here; the message says which one, why, and what to do."""
 
 
 @dataclass(frozen=True)
@@ -65,34 +74,63 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
-def find(resume: str | None, checkpoint_dir: Path) -> CheckpointRef | None:
-    """What ``train.resume`` points at: None (fresh run), ``auto`` or a path.
+def step_of(tag_dir: Path) -> int:
+    return int(tag_dir.name.removeprefix("step"))
 
-    ``auto`` is the newest complete checkpoint in ``checkpoint_dir``, or a fresh start when there is none. A
-    path may be a checkpoint dir (its ``latest`` is used) or one tag directory; a path that is neither is an
-    error, never a silent fresh start.
-    """
+
+def find(resume: str | None, checkpoint_dir: Path) -> CheckpointRef | None:
+    """The intact checkpoint ``train.resume`` points at: None (fresh run), ``auto`` or a path.
+
+    ``auto`` and a checkpoint directory give ``latest`` if it is intact, else the newest intact checkpoint there
+    (a warning names each one skipped and why); ``auto`` with no checkpoint at all is a fresh start. A tag
+    directory gives itself. A path that is none of these, or a choice with no intact checkpoint, is an error
+    naming the damaged file, never a silent fresh start. Every file is checked against the manifest (sizes and
+    SHA-256) before anything loads."""
     if resume is None:
         return None
     if resume == "auto":
-        if not (checkpoint_dir / LATEST).is_file():
+        if not _tags(checkpoint_dir):
             log.info("train.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)
             return None
-        return _from_latest(checkpoint_dir)
+        return _newest_intact(checkpoint_dir)
     path = Path(resume).expanduser().resolve()
-    if (path / LATEST).is_file():
-        return _from_latest(path)
-    if (path / TRAINER_STATE).is_file():
-        return CheckpointRef(path.parent, path.name)
+    if _tags(path):
+        return _newest_intact(path)
+    if (path / TRAINER_STATE).is_file() or (path / manifest.MANIFEST).is_file():
+        problem = manifest.problem(path)
+        if problem is None:
+            return CheckpointRef(path.parent, path.name)
+        intact = [tag for tag in reversed(_tags(path.parent)) if tag != path and manifest.problem(tag) is None]
+        hint = (f"resume from the newest intact one: train.resume={intact[0]}" if intact else
+                "no other intact checkpoint is there; start fresh with train.resume=null")
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem} — {hint}")
     raise CheckpointError(f"train.resume={resume}: no checkpoint there ({path} is neither a checkpoint directory "
-                          f"with a '{LATEST}' file nor a checkpoint tag directory with {TRAINER_STATE})")
+                          f"nor a checkpoint tag directory) — point it at <run dir>/checkpoints or one step directory")
 
 
-def _from_latest(directory: Path) -> CheckpointRef:
-    ref = CheckpointRef(directory, (directory / LATEST).read_text().strip())
-    if not (ref.path / TRAINER_STATE).is_file():
-        raise CheckpointError(f"{directory / LATEST} names {ref.tag!r}, but {ref.path} is not a complete checkpoint")
-    return ref
+def _tags(directory: Path) -> list[Path]:
+    """Published checkpoints of ``directory`` (``step<N>``; not ``.partial``), oldest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.glob("step*") if p.is_dir() and p.name[4:].isdigit()), key=step_of)
+
+
+def _newest_intact(directory: Path) -> CheckpointRef:
+    """``latest`` if intact, else the newest intact tag; warns about every one skipped on the way."""
+    latest_file = directory / LATEST
+    latest = directory / latest_file.read_text().strip() if latest_file.is_file() else None
+    order = ([latest] if latest is not None and latest.is_dir() else []) + \
+        [tag for tag in reversed(_tags(directory)) if tag != latest]
+    skipped = [] if latest is None or latest.is_dir() else [(latest.name, f"{LATEST} names it but it is missing")]
+    for tag in order:
+        problem = manifest.problem(tag)
+        if problem is None:
+            for name, why in skipped:
+                log.warning("skipping checkpoint %s: %s", name, why)
+            return CheckpointRef(directory, tag.name)
+        skipped.append((tag.name, problem))
+    raise CheckpointError(f"no intact checkpoint in {directory}: " + "; ".join(f"{n}: {w}" for n, w in skipped)
+                          + " — move the damaged ones away and start fresh (train.resume=null)")
 
 
 def read_trainer_state(ref: CheckpointRef) -> dict:
@@ -123,8 +161,9 @@ def check_compatible(ref: CheckpointRef, cfg: DictConfig) -> dict:
                    for key in sorted(set(saved) | set(current))
                    if key not in RUNTIME_ONLY_KEYS and saved.get(key) != current.get(key)]
     if differences:
-        raise CheckpointError(f"checkpoint {ref.path} was trained with another model/layout:\n  "
-                              + "\n  ".join(differences))
+        raise CheckpointError(f"checkpoint {ref.path} was trained with another model/layout: "
+                              + "; ".join(differences) + " — run with the checkpoint's settings, or start fresh "
+                              "(train.resume=null)")
     return state
 
 
@@ -181,6 +220,7 @@ def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_st
         _write_text_atomic(checkpoint_dir / partial / TRAINER_STATE, json.dumps(trainer_state, indent=1))
     dist.barrier()
     if rank == 0:
+        manifest.write(checkpoint_dir / partial)  # last: a checkpoint without one is incomplete
         replaced = checkpoint_dir / f".{ref.tag}.old"
         if ref.path.exists():  # a rerun in the same directory reached this step again
             shutil.rmtree(replaced, ignore_errors=True)
@@ -188,17 +228,25 @@ def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_st
         os.replace(checkpoint_dir / partial, ref.path)
         _write_text_atomic(checkpoint_dir / LATEST, ref.tag)
         shutil.rmtree(replaced, ignore_errors=True)
-        _prune(checkpoint_dir, keep)
+        prune(checkpoint_dir, keep, step)
     dist.barrier()
     return ref
 
 
-def _prune(checkpoint_dir: Path, keep: int) -> None:
+def prune(checkpoint_dir: Path, keep: int, step: int) -> None:
+    """Keep the newest ``keep`` intact checkpoints up to ``step`` (0: keep all); delete the others up to ``step``.
+
+    Damaged checkpoints never count as kept (sizes checked; the one just written is intact by construction), so
+    the newest intact one always stays. Checkpoints after ``step`` (left by a run resumed from an older one) are
+    left alone: a save at their step replaces them."""
     if keep <= 0:
         return
-    tags = sorted(p for p in checkpoint_dir.glob("step*") if (p / TRAINER_STATE).is_file())
-    for old in tags[:-keep]:
-        shutil.rmtree(old)
+    tags = [tag for tag in _tags(checkpoint_dir) if step_of(tag) <= step]
+    intact = [tag for tag in tags if manifest.problem(tag, digests=False) is None]
+    kept = set(intact[-keep:])
+    for tag in tags:
+        if tag not in kept:
+            shutil.rmtree(tag)
 
 
 def _engine_state(engine) -> dict:
@@ -220,10 +268,11 @@ def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
         engine.module.load_weights(str(ref.path))
         pieces = optimizer_pieces(ref)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
-        raise CheckpointError(f"checkpoint {ref.path} could not be read: {error}") from error
+        raise CheckpointError(f"checkpoint {ref.path} could not be read: {error} — resume from an older one "
+                              "(train.resume=<its step directory>)") from error
     if not pieces:
         raise CheckpointError(f"checkpoint {ref.path} has no optimizer state ({OPTIMIZER_STATES}): it is incomplete "
-                              "or was written by an older version")
+                              "or was written by an older version — resume from another one, or start fresh")
     engine.sync_shadows()  # replicas are not in checkpoints: their owners' values are
     engine.load_optimizer_state_by_name(pieces)
     engine.lr_scheduler.load_state_dict(resume["schedule"])
@@ -242,7 +291,8 @@ def optimizer_pieces(ref: CheckpointRef) -> dict[str, list[dict]]:
         try:
             saved = torch.load(path, weights_only=True, mmap=True)
         except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
-            raise CheckpointError(f"{path} is not a readable optimizer state file ({error})") from error
+            raise CheckpointError(f"{path} is not a readable optimizer state file ({error}) — resume from an older "
+                                  "checkpoint (train.resume=<its step directory>)") from error
         for name, piece in saved.items():
             pieces.setdefault(name, []).append(piece)
     return pieces

@@ -1,0 +1,100 @@
+"""Damaged checkpoints: the manifest names the damaged file, ``train.resume=auto`` takes the newest intact
+checkpoint, and pruning never deletes the newest intact one (no engine: checkpoints made of plain files)."""
+import logging
+import re
+
+import pytest
+
+from train import checkpoint, manifest
+from train.checkpoint import CheckpointError, CheckpointRef
+
+
+def make_checkpoint(directory, step: int, latest: bool = True):
+    """A checkpoint directory with a few files and its manifest, as ``checkpoint.save`` publishes it."""
+    tag = directory / checkpoint.tag_for(step)
+    tag.mkdir(parents=True)
+    (tag / "layer_000.pt").write_bytes(bytes(range(256)) * 40)
+    (tag / "optimizer_stage00_dp00.pt").write_bytes(b"state" * 1000)
+    (tag / checkpoint.TRAINER_STATE).write_text('{"step": %d}' % step)
+    manifest.write(tag)
+    if latest:
+        (directory / checkpoint.LATEST).write_text(tag.name)
+    return tag
+
+
+def damage(tag, how: str) -> None:
+    victim = tag / "layer_000.pt"
+    if how == "truncate":
+        victim.write_bytes(victim.read_bytes()[:100])
+    elif how == "delete":
+        victim.unlink()
+    elif how == "flip":  # same size, one byte changed: only the checksum sees it
+        data = bytearray(victim.read_bytes())
+        data[5000] ^= 1
+        victim.write_bytes(bytes(data))
+    elif how == "no manifest":
+        (tag / manifest.MANIFEST).unlink()
+
+
+PROBLEMS = {"truncate": r"layer_000\.pt is 100 bytes, the manifest says 10,240",
+            "delete": r"layer_000\.pt is missing",
+            "flip": r"layer_000\.pt does not match its SHA-256",
+            "no manifest": r"it has no manifest\.json"}
+
+
+@pytest.mark.parametrize("how", list(PROBLEMS))
+def test_a_damaged_checkpoint_names_the_file_and_the_intact_one(tmp_path, how):
+    older = make_checkpoint(tmp_path, 100)
+    newest = make_checkpoint(tmp_path, 200)
+    assert manifest.problem(newest) is None
+    damage(newest, how)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(newest))} is damaged: {PROBLEMS[how]}.* — resume from "
+                                              rf"the newest intact one: train.resume={re.escape(str(older))}$"):
+        checkpoint.find(str(newest), tmp_path)
+
+
+@pytest.mark.parametrize("how", list(PROBLEMS))
+def test_resume_auto_takes_the_newest_intact_checkpoint(tmp_path, caplog, how):
+    make_checkpoint(tmp_path, 100)
+    make_checkpoint(tmp_path, 150)
+    damage(make_checkpoint(tmp_path, 200), how)
+    with caplog.at_level(logging.WARNING, logger="train.checkpoint"):
+        assert checkpoint.find("auto", tmp_path) == CheckpointRef(tmp_path, "step00000150")
+        assert checkpoint.find(str(tmp_path), tmp_path / "elsewhere") == CheckpointRef(tmp_path, "step00000150")
+    assert "skipping checkpoint step00000200: " in caplog.text and PROBLEMS[how].split(r"\.")[0] in caplog.text
+
+
+def test_latest_first_then_newest_step(tmp_path):
+    """``latest`` is the run's own newest; a checkpoint at a later step left by an abandoned run is not taken."""
+    make_checkpoint(tmp_path, 300)
+    make_checkpoint(tmp_path, 100)  # a run resumed from an older checkpoint wrote this one last
+    assert checkpoint.find("auto", tmp_path).tag == "step00000100"
+    (tmp_path / checkpoint.LATEST).write_text("step00000400")  # names a checkpoint that is gone
+    assert checkpoint.find("auto", tmp_path).tag == "step00000300"
+
+
+def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    damage(make_checkpoint(tmp_path, 100), "truncate")
+    damage(make_checkpoint(tmp_path, 200), "delete")
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint in .*step00000200: layer_000\.pt is missing; "
+                                              r"step00000100: layer_000\.pt is 100 bytes"):
+        checkpoint.find("auto", tmp_path)
+    assert checkpoint.find("auto", tmp_path / "empty") is None  # nothing at all: a fresh start
+
+
+def test_pruning_keeps_the_newest_intact_checkpoints(tmp_path):
+    """The issue's case: the newest checkpoint (200) is damaged, the run resumed from 100 and saves 150. Pruning
+    with keep=2 keeps 100 and 150 (intact) and leaves 200 to be replaced when the run gets there."""
+    make_checkpoint(tmp_path, 100)
+    damage(make_checkpoint(tmp_path, 200), "truncate")
+    make_checkpoint(tmp_path, 150)
+    checkpoint.prune(tmp_path, keep=2, step=150)
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step00000100", "step00000150", "step00000200"]
+    # damaged and older intact checkpoints up to the current step go; the newest intact ones stay
+    damage(make_checkpoint(tmp_path, 50, latest=False), "delete")
+    make_checkpoint(tmp_path, 175)
+    checkpoint.prune(tmp_path, keep=2, step=175)
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step00000150", "step00000175", "step00000200"]
+    # keep=1 with a damaged checkpoint at the current step: the newest intact one (175) survives
+    checkpoint.prune(tmp_path, keep=1, step=200)
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step00000175"]
