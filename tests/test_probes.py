@@ -5,7 +5,8 @@ import torch
 from tokenizers import Tokenizer as HFTokenizerModel
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from train.probes import ProbeSample, mqar_probes, passkey_probes, probe_accuracy
+from train.probes import MQAR_VALUES, PASSKEY_KEYS, ProbeSample, chance_accuracy, chance_levels, mqar_probes, \
+    passkey_probes, probe_accuracy
 from train.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTE = ByteTokenizer()
@@ -97,3 +98,19 @@ def test_probe_accuracy_on_hand_made_logits():
     assert probe_accuracy(logits, sample) == 0.5
     logits[3, 9] = 2.0
     assert probe_accuracy(logits, sample) == 1.0
+
+
+class WholeNumberTokenizer(ByteTokenizer):
+    """Every number is one token (its value): guessing a 5-digit key is 1 in 90,000."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(text)] if text.isdigit() else super().encode(text)
+
+
+def test_chance_level_of_the_probes():
+    """Byte-level: a key's first digit is one of 9, the others one of 10; a value has 4 digits."""
+    assert chance_levels(BYTE) == pytest.approx({"passkey_acc": (1 / 9 + 4 / 10) / 5, "mqar_acc": (1 / 9 + 3 / 10) / 4})
+    assert chance_accuracy(WholeNumberTokenizer(), PASSKEY_KEYS) == pytest.approx(1 / 90_000)
+    assert chance_accuracy(WholeNumberTokenizer(), MQAR_VALUES) == pytest.approx(1 / 9_000)
+    key = passkey_probes(BYTE, 256, 1)[0].answer_ids
+    assert int(bytes(key.tolist()).decode()) in PASSKEY_KEYS  # the probes draw from the ranges chance is taken on

@@ -4,12 +4,17 @@ Launchers speak argparse, Hydra does not: the ``deepspeed`` launcher appends ``-
 launchers pass ``--local-rank N``), which Hydra would reject as an override. The rank moves into the
 ``LOCAL_RANK`` environment variable, where ``torchrun`` puts it anyway, before Hydra parses the rest.
 
-Only rank 0 writes the run directory's Hydra files and log: the other ranks log to stdout, and the job
-itself writes into rank 0's directory (Hydra's timestamped default may differ by a second across ranks).
+The overrides are checked before Hydra starts (``model.cli.compose_checked``): a key the config does not have,
+``+key=`` ones included, is refused with the nearest valid names. Errors and interrupts end as one line on
+stderr with an exit status (``train/errors.py``).
+
+Only rank 0 writes the run directory's Hydra files and logs: the other ranks log errors only, to stdout, and the
+job itself writes into rank 0's directory (Hydra's timestamped default may differ by a second across ranks).
 """
 import os
 import re
 import sys
+import warnings
 
 _LOCAL_RANK = re.compile(r"--local[-_]rank(?:=(\d+))?")
 
@@ -29,21 +34,40 @@ def strip_launcher_args(argv: list[str]) -> list[str]:
             value = argv[i + 1] if i + 1 < len(argv) else ""
             i += 1
         if not value.isdigit():
-            sys.exit(f"error: {flag} needs an integer value, got {value!r}")
+            sys.exit(f"error: {flag} needs an integer value, got {value!r} — pass --local_rank=<N>")
         os.environ["LOCAL_RANK"] = value
         i += 1
     return kept
 
 
 def rank_overrides() -> list[str]:
-    """Hydra overrides that keep ranks > 0 from writing their own copy of the run directory's files."""
+    """Hydra overrides that keep ranks > 0 from writing their own copy of the run directory's files, and from
+    repeating rank 0's log lines."""
     if int(os.environ.get("RANK", "0")) == 0:
         return []
-    return ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
+    warnings.simplefilter("ignore")
+    return ["hydra.output_subdir=null", "hydra/job_logging=stdout", "hydra.job_logging.root.level=ERROR"]
+
+
+def config_overrides(argv: list[str]) -> list[str]:
+    """The config overrides among Hydra's command-line arguments (not its flags such as ``-m`` or ``--cfg job``)."""
+    from hydra._internal.utils import get_args_parser
+
+    known, _ = get_args_parser().parse_known_args(argv)
+    return known.overrides
 
 
 if __name__ == "__main__":
-    sys.argv[1:] = strip_launcher_args(sys.argv[1:]) + rank_overrides()
-    from train.app import main
+    argv = strip_launcher_args(sys.argv[1:])
+    from train.errors import reported
+    from train.quiet import name_the_accelerator
 
-    main()
+    with reported():
+        from model.cli import compose_checked
+
+        compose_checked(config_overrides(argv))
+        name_the_accelerator()
+        sys.argv[1:] = argv + rank_overrides()
+        from train.app import main
+
+        main()

@@ -1,11 +1,19 @@
 """``python -m train``: a Hydra app that trains a CSA2 model on the DeepSpeed engine.
 
 ``main`` is the Hydra entry point; ``run(cfg, run_dir)`` is the job itself, also called by the tests with a
-composed config. The run directory receives the resolved ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``,
-``loss_curve.png`` and the wandb run; the job ends with an evaluation summary.
+composed config. Every check that needs no engine runs first (``train/preflight.py``), so bad input fails in
+seconds. The run directory then receives the resolved ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``,
+``loss_curve.png`` and the wandb run; the job ends with an evaluation summary and a closing line (steps, wall
+time, tokens, run directory). SIGINT / SIGTERM stop it after the current step with a checkpoint and a line that
+says how to resume (``train/interrupt.py``). A job that fails before its first step removes the run directory it
+made, so failed attempts leave nothing behind.
 """
 import logging
+import os
 import random
+import shlex
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -18,44 +26,28 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from model import ModelArgs, layout_from_config
+from model.flops import training_flops
 from train import checkpoint, distributed
 from train.data import build_loader
-from train.engine import build_engine, check_parallel, resolve_device, resolve_precision, train_step
+from train.engine import build_engine, train_step
+from train.errors import ReportedError, reported
 from train.evaluate import Evaluator, data_tokenizer
 from train.health import ActivationStats
+from train.interrupt import Interrupted, Interrupts
 from train.metrics import MetricsLogger
+from train.preflight import Checked, checkpoint_dir, launched_world_size, preflight
+from train.probes import chance_levels
 
 log = logging.getLogger(__name__)
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # absolute: Hydra reads a relative one as a package
-LOGGER_MODES = ("offline", "online", "disabled")
+HYDRA_FILES = {".hydra", "app.log"}  # what Hydra writes into a run directory before the job starts
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(ReportedError):
     """Too many non-finite steps in a row; the newest checkpoint predates them."""
 
-
-def check_config(cfg: DictConfig) -> None:
-    """Fail before any work on settings that cannot run; each message names the setting."""
-    ModelArgs.from_config(cfg.model)
-    layout_from_config(cfg.layout)
-    tokenizer = data_tokenizer(cfg.data)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer ({cfg.data.tokenizer or 'byte-level'}) has {tokenizer.vocab_size} tokens but "
-                         f"model.vocab_size={cfg.model.vocab_size}: set model.vocab_size>={tokenizer.vocab_size}")
-    train = cfg.train
-    for key in ("max_steps", "grad_accum_steps", "log_every", "max_bad_steps", "eval.batches"):
-        value = OmegaConf.select(train, key)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"train.{key} must be an integer >= 1, got {value!r}")
-    if not isinstance(train.checkpoint_every, int) or train.checkpoint_every < 0:
-        raise ValueError(f"train.checkpoint_every must be an integer >= 0 (0: no checkpoints), "
-                         f"got {train.checkpoint_every!r}")
-    if train.stop_at is not None and not 1 <= train.stop_at <= train.max_steps:
-        raise ValueError(f"train.stop_at must be in 1..train.max_steps={train.max_steps}, got {train.stop_at}")
-    check_parallel(cfg.parallel)
-    if cfg.logger.mode not in LOGGER_MODES:
-        raise ValueError(f"logger.mode must be one of {LOGGER_MODES}, got {cfg.logger.mode!r}")
+    exit_code = 1  # the input was valid; the run cannot go on
 
 
 def seed_everything(seed: int) -> None:
@@ -75,46 +67,68 @@ def memory_mb(device: torch.device) -> float:
 
 def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     """Train as ``cfg`` says, writing into ``run_dir``; returns the final evaluation row."""
-    check_config(cfg)
-    datasets.disable_progress_bars()  # one progress bar: the training loop's
-    device = resolve_device(cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, device)
-    distributed.init(device)
-    run_dir = Path(distributed.from_rank0(str(run_dir)))
-    checkpoint_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
-    ref = checkpoint.find(cfg.train.resume, checkpoint_dir)
-    saved = checkpoint.check_compatible(ref, cfg) if ref else {}
+    started = time.perf_counter()
+    made_dir = not _holds_a_run(run_dir)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    trainer = None
+    try:
+        with Interrupts(announce=rank0) as interrupts:
+            datasets.disable_progress_bars()  # one progress bar: the training loop's
+            checked = preflight(cfg, run_dir, launched_world_size())
+            distributed.init(checked.device)
+            own_dir, run_dir = run_dir, Path(distributed.from_rank0(str(run_dir)))
+            if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
+                own_dir.rmdir()  # Hydra's directory of another rank, a second off rank 0's: unused
+            trainer = _trainer(cfg, run_dir, checked)
+            logger = MetricsLogger(cfg, run_dir, trainer.state["step"], enabled=rank0,
+                                   run_id=checked.saved.get("wandb_id"))
+            try:
+                with interrupts.deferred():
+                    trainer.train(logger, interrupts)
+                final = {"step": trainer.state["step"], **trainer.evaluator(probes=True)}
+                logger.log_eval(final)
+                logger.summarize({f"eval/{k}": v for k, v in final.items()})
+            finally:
+                logger.close()
+    except BaseException as error:
+        if made_dir and rank0 and (trainer is None or trainer.steps_run == 0):
+            shutil.rmtree(run_dir, ignore_errors=True)
+        if isinstance(error, Interrupted) and trainer is not None:
+            raise Interrupted(error.signum, trainer.interrupted_line(error.signum)) from None
+        raise
+    if rank0:
+        chance = chance_levels(data_tokenizer(cfg.data)) if checked.probes else {}
+        print(summary_table(final, cfg, chance))
+        print(closing_line(trainer, time.perf_counter() - started, run_dir), flush=True)
+    return final
+
+
+def _holds_a_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` has anything besides what Hydra put there for this job (a run being resumed, say)."""
+    return run_dir.is_dir() and any(p.name not in HYDRA_FILES for p in run_dir.iterdir())
+
+
+def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
+    """The engine, data and evaluator of this process, restored from the checkpoint to resume if any."""
     if distributed.rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-
     seed_everything(cfg.train.seed)
-    engine = build_engine(cfg, precision, device)
+    engine = build_engine(cfg, checked.precision, checked.device)
     loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
-                          vocab_size=cfg.model.vocab_size)
-    evaluator = Evaluator(cfg, device, engine)
+                          vocab_size=cfg.model.vocab_size, documents=checked.train_documents)
+    evaluator = Evaluator(cfg, checked.device, engine, checked.heldout_documents, checked.probes)
     log.info("%s model (%.2fM parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
              cfg.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, cfg.layout.name,
-             precision, device.type, distributed.world_size(), run_dir)
+             checked.precision, checked.device.type, distributed.world_size(), run_dir)
+    ref, saved = checked.resume, checked.saved
     if ref:
         resume_state = checkpoint.load(engine, ref, saved["config"]["parallel"]["pipeline_stages"])
         checkpoint.set_rng_state(resume_state["rng"])
         loader.load_state_dict(resume_state["loader"])
         log.info("resumed from %s at step %d", ref.path, saved["step"])
-
-    trainer = Trainer(cfg, engine, loader, evaluator, checkpoint_dir, device,
-                      {key: saved.get(key, 0) for key in ("step", "bad_streak", "skipped")})
-    logger = MetricsLogger(cfg, run_dir, trainer.state["step"], enabled=distributed.rank() == 0)
-    try:
-        trainer.train(logger)
-        final = {"step": trainer.state["step"], **evaluator(probes=True)}
-        logger.log_eval(final)
-        logger.summarize({f"eval/{k}": v for k, v in final.items()})
-    finally:
-        logger.close()
-    if distributed.rank() == 0:
-        print(summary_table(final, cfg))
-    return final
+    return Trainer(cfg, engine, loader, evaluator, checkpoint_dir(cfg, run_dir), checked.device,
+                   {key: saved.get(key, 0) for key in ("step", "bad_streak", "skipped")}, run_dir)
 
 
 class Trainer:
@@ -122,15 +136,26 @@ class Trainer:
     ``max_steps``). ``state`` (step, bad_streak, skipped) is what a checkpoint records of the loop itself."""
 
     def __init__(self, cfg: DictConfig, engine, loader, evaluator: Evaluator, checkpoint_dir: Path,
-                 device: torch.device, state: dict[str, int]):
+                 device: torch.device, state: dict[str, int], run_dir: Path):
         self.cfg, self.engine, self.loader, self.evaluator = cfg, engine, loader, evaluator
-        self.checkpoint_dir, self.device, self.state = checkpoint_dir, device, state
+        self.checkpoint_dir, self.device, self.state, self.run_dir = checkpoint_dir, device, state, run_dir
         self.saved_step = state["step"]  # newest checkpoint of this run (0: none)
+        self.steps_run = 0  # optimizer steps of this process (a resumed job starts at 0)
+        self.wandb_id = None
+        self.flops_per_step = self._flops_per_step() if device.type == "cuda" else None
         self.activations = ActivationStats(engine.module.stage.model, scope=engine.module.stage)
 
-    def train(self, logger: MetricsLogger) -> None:
+    def _flops_per_step(self) -> float:
+        """Model FLOPs of one optimizer step over all GPUs (``model/flops.py``): the MFU numerator."""
+        cfg, engine = self.cfg, self.engine
+        per_microbatch = training_flops(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout),
+                                        int(cfg.data.seq_len), int(cfg.data.micro_batch_size))
+        return per_microbatch * engine.micro_batches * engine.dp_world_size
+
+    def train(self, logger: MetricsLogger, interrupts: Interrupts) -> None:
         train = self.cfg.train
         stop = train.stop_at or train.max_steps
+        self.wandb_id = logger.run_id
         bar = tqdm(total=stop, initial=self.state["step"], unit="step", dynamic_ncols=True,
                    disable=not (distributed.rank() == 0 and train.progress))
         try:
@@ -138,26 +163,30 @@ class Trainer:
                 row = self.step(step)
                 if step % train.log_every == 0 or row["skipped"]:
                     logger.log(row)
-                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", refresh=False)
+                bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                **({"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}), refresh=False)
                 bar.update(1)
                 self.stop_if_diverged()
-                if train.eval.every and step % train.eval.every == 0 and step != stop:  # the end has its own
-                    logger.log_eval({"step": step, **self.evaluator(probes=False)})
-                if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == stop) \
+                signum = self.agreed_interrupt(interrupts)
+                if train.eval.every and step % train.eval.every == 0 and step != stop and not signum:
+                    logger.log_eval({"step": step, **self.evaluator(probes=False)})  # the end has its own
+                if train.checkpoint_every and (step % train.checkpoint_every == 0 or step == stop or signum) \
                         and self.state["bad_streak"] == 0:
                     self.save()
+                if signum:
+                    raise Interrupted(signum)  # run() words the last line
         finally:
             bar.close()
 
     def step(self, step: int) -> dict:
         """One optimizer step; returns its ``metrics.jsonl`` row."""
-        train = self.cfg.train
+        logged = step % self.cfg.train.log_every == 0
         start = time.perf_counter()
-        logged = step % train.log_every == 0
         with self.activations.recording(logged):
-            result = train_step(self.engine, [next(self.loader) for _ in range(train.grad_accum_steps)])
+            result = train_step(self.engine, [next(self.loader) for _ in range(self.engine.micro_batches)])
         seconds = time.perf_counter() - start
         self.state["step"] = step
+        self.steps_run += 1
         if result.bad:
             self.state["bad_streak"] += 1
             self.state["skipped"] += 1
@@ -168,9 +197,29 @@ class Trainer:
         row = {"step": step, **result.metrics, "tokens_per_s": result.tokens / seconds,
                "padding_fraction": self.loader.padding_fraction, "memory_mb": memory_mb(self.device),
                "skipped": result.bad, "skipped_total": self.state["skipped"]}
+        if self.flops_per_step is not None:  # per GPU, against one GPU's peak
+            tflops = self.flops_per_step / seconds / distributed.world_size() / 1e12
+            row.update(tflops=tflops, mfu=tflops / float(self.cfg.train.peak_tflops))
         if logged:
             row.update(self.activations.collect(self.engine.grid.get_pipe_parallel_group()))
         return row
+
+    def agreed_interrupt(self, interrupts: Interrupts) -> int:
+        """The signal that stops the job after this step (0: none), the same on every rank: any rank's signal stops
+        all of them at one step, so that they save together; SIGTERM (a scheduler's) wins over SIGINT."""
+        mine = interrupts.signum
+        votes = distributed.sum_over_ranks({"sigterm": float(mine == signal.SIGTERM),
+                                            "sigint": float(mine == signal.SIGINT)})
+        return signal.SIGTERM if votes["sigterm"] else signal.SIGINT if votes["sigint"] else 0
+
+    def interrupted_line(self, signum: int) -> str:
+        """The job's last line after a signal: where it stopped, its newest checkpoint, the command that resumes."""
+        name, step = signal.Signals(signum).name, self.state["step"]
+        if not self.saved_step:
+            why = " (train.checkpoint_every=0)" if not self.cfg.train.checkpoint_every else ""
+            return f"stopped by {name} after step {step}; there is no checkpoint{why}, nothing to resume"
+        return (f"stopped by {name} after step {step}; newest checkpoint: step {self.saved_step} — resume with: "
+                f"{resume_command(self.run_dir)}")
 
     def stop_if_diverged(self) -> None:
         streak, limit = self.state["bad_streak"], self.cfg.train.max_bad_steps
@@ -180,25 +229,54 @@ class Trainer:
         kept = f"step {self.saved_step} in {self.checkpoint_dir}" if self.saved_step else "none was written"
         raise TrainingDiverged(f"steps {step - streak + 1}..{step} had a non-finite loss or gradients "
                                f"(train.max_bad_steps={limit} in a row); every one was skipped. "
-                               f"Last good checkpoint: {kept}.")
+                               f"Last good checkpoint: {kept} — lower train.lr or raise train.warmup_steps; "
+                               "train.resume=auto continues from that checkpoint")
 
     def save(self) -> None:
-        trainer_state = {**self.state, "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        trainer_state = {**self.state, "wandb_id": self.wandb_id,
+                         "config": OmegaConf.to_container(self.cfg, resolve=True)}
         resume_state = {"rng": checkpoint.rng_state(), "loader": self.loader.state_dict()}
         checkpoint.save(self.engine, self.checkpoint_dir, self.state["step"], trainer_state, resume_state,
                         self.cfg.train.keep_checkpoints)
         self.saved_step = self.state["step"]
 
 
-def summary_table(final: dict[str, float], cfg: DictConfig) -> str:
-    """The closing evaluation summary, one metric per line."""
+def resume_command(run_dir: Path) -> str:
+    """The command that continues this job: its launcher, its overrides, this run directory, ``resume=auto``."""
+    task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    kept = [o for o in task if not o.lstrip("+").startswith(("train.resume=", "hydra.run.dir="))]
+    world = distributed.world_size()
+    launcher = "python -m train" if world == 1 else (
+        f"torchrun --standalone --nproc-per-node {world} -m train"
+        if os.environ.get("LOCAL_WORLD_SIZE") == str(world) else "<your launcher> -m train")
+    return " ".join([launcher, *map(shlex.quote, kept), shlex.quote(f"hydra.run.dir={run_dir}"), "train.resume=auto"])
+
+
+def summary_table(final: dict[str, float], cfg: DictConfig, chance: dict[str, float] | None = None) -> str:
+    """The closing evaluation summary, one metric per line; probe accuracies with their chance level."""
+    chance = chance or {}
     lines = [f"evaluation after {final['step']} steps ({cfg.model.name} model, {cfg.layout.name} layout)"]
     for key, value in final.items():
-        if key != "step":
-            lines.append(f"  {key:<32} {value:10.4f}")
+        if key == "step":
+            continue
+        line = f"  {key:<32} {value:10.4f}"
+        if key.split("/")[0] in chance:
+            line += f"   (chance {chance[key.split('/')[0]]:.4f})"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def closing_line(trainer: Trainer, seconds: float, run_dir: Path) -> str:
+    """Steps of this job, wall time, tokens trained and where everything is."""
+    last, steps = trainer.state["step"], trainer.steps_run
+    tokens = steps * trainer.engine.micro_batches * trainer.engine.dp_world_size * \
+        int(trainer.cfg.data.micro_batch_size) * int(trainer.cfg.data.seq_len)
+    minutes, secs = divmod(round(seconds), 60)
+    span = f"steps {last - steps + 1}-{last}" if steps else f"no steps (already at step {last})"
+    return f"done: {span} in {minutes}m{secs:02d}s wall time, {tokens:,} tokens trained; run dir {run_dir}"
 
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    with reported():
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))

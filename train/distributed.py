@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.local import free_port
+from train.quiet import prints_to_debug
 
 
 def init(device: torch.device) -> None:
@@ -30,7 +31,8 @@ def init(device: torch.device) -> None:
         os.environ["MASTER_PORT"] = str(free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    with prints_to_debug():  # DeepSpeed announces its CPU comm op
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
 
 
 def rank() -> int:

@@ -32,12 +32,16 @@ def probe_lengths(cfg: DictConfig) -> list[int]:
     return [int(n) for n in lengths] if lengths else [cfg.data.seq_len, 2 * cfg.data.seq_len]
 
 
-def build_probes(cfg: DictConfig, max_len: int | None = None) -> dict[tuple[str, int], list]:
-    """``train.eval.probe_examples`` passkey and MQAR samples at each probe length (up to ``max_len``), keyed by
-    (kind, length)."""
+def build_probes(cfg: DictConfig, stages: int) -> dict[tuple[str, int], list]:
+    """``train.eval.probe_examples`` passkey and MQAR samples at each probe length, keyed by (kind, length). Through
+    several pipeline ``stages`` a probe fits in ``data.seq_len`` at most (the stages' buffers): longer ones are
+    skipped with a warning."""
     spec = cfg.train.eval
+    if not spec.probe_examples:
+        return {}
     tokenizer = data_tokenizer(cfg.data)
     lengths = probe_lengths(cfg)
+    max_len = cfg.data.seq_len if stages > 1 else None
     if max_len is not None and max(lengths) > max_len:
         log.warning("probe lengths %s skipped: through pipeline stages a probe fits in data.seq_len=%d at most",
                     [n for n in lengths if n > max_len], max_len)
@@ -49,7 +53,7 @@ def build_probes(cfg: DictConfig, max_len: int | None = None) -> dict[tuple[str,
             probes["mqar", length] = mqar_probes(tokenizer, length, spec.probe_examples, seed=spec.probe_seed,
                                                  n_pairs=spec.mqar_pairs, n_queries=spec.mqar_queries)
     except ValueError as error:
-        raise ValueError(f"{error}: set longer train.eval.probe_lens (default: data.seq_len and twice it) or "
+        raise ValueError(f"{error} — set longer train.eval.probe_lens (default: data.seq_len and twice it) or "
                          "train.eval.probe_examples=0") from error
     return probes
 
@@ -65,13 +69,14 @@ class Evaluator:
     in one place, is not computed.
     """
 
-    def __init__(self, cfg: DictConfig, device: torch.device, engine):
+    def __init__(self, cfg: DictConfig, device: torch.device, engine, documents=None, probes=None):
+        """``documents``, ``probes``: the held-out documents and the probes if already built (``build_documents``,
+        ``build_probes``)."""
         self.cfg, self.device, self.engine = cfg, device, engine
         self.loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
-                                   heldout=True, vocab_size=cfg.model.vocab_size)
+                                   heldout=True, vocab_size=cfg.model.vocab_size, documents=documents)
         self.loader_start = self.loader.state_dict()
-        longest = cfg.data.seq_len if engine.num_stages > 1 else None  # what fits the stages' buffers
-        self.probes = build_probes(cfg, longest) if cfg.train.eval.probe_examples else {}
+        self.probes = build_probes(cfg, engine.num_stages) if probes is None else probes
         self.pad_id = data_tokenizer(cfg.data).pad_id
 
     def __call__(self, probes: bool) -> dict[str, float]:

@@ -33,7 +33,8 @@ def read_rows(path: Path) -> list[dict]:
 class MetricsLogger:
     """Appends rows to ``metrics.jsonl`` and mirrors them to wandb (``logger.mode``: offline|online|disabled)."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, start_step: int, enabled: bool):
+    def __init__(self, cfg: DictConfig, run_dir: Path, start_step: int, enabled: bool, run_id: str | None = None):
+        """``run_id``: the wandb run to continue (a resumed job's, from its checkpoint); None starts a new one."""
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.plot_path = run_dir / PLOT_FILE
@@ -46,7 +47,12 @@ class MetricsLogger:
         constants = run_constants(cfg)
         self.once = constants if start_step == 0 else {}  # a resumed run kept its first row
         if cfg.logger.mode != "disabled":
-            self.wandb_run = _start_wandb(cfg, run_dir, constants)
+            self.wandb_run = _start_wandb(cfg, run_dir, constants, run_id)
+
+    @property
+    def run_id(self) -> str | None:
+        """The wandb run's id (kept in checkpoints, so that a resumed job continues the same run)."""
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, row: dict) -> None:
         """A training row (``step`` and scalars); the first one of a run also carries ``run_constants``."""
@@ -91,11 +97,11 @@ def _finite_or_none(value):
 def run_constants(cfg: DictConfig) -> dict:
     """KV-cache bytes and indexer FLOPs per token of the layout (at ``data.seq_len``), and the tokens of one
     optimizer step over all data-parallel ranks (step time = ``tokens_per_step / tokens_per_s``)."""
+    from parallel.batch import batch_plan
     from train import distributed  # here, so that readers of metrics.jsonl (train.report) do not load DeepSpeed
 
     figures = account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), int(cfg.data.seq_len))
-    data_parallel = distributed.world_size() // int(cfg.parallel.pipeline_stages)
-    tokens = int(cfg.data.micro_batch_size) * int(cfg.data.seq_len) * int(cfg.train.grad_accum_steps) * data_parallel
+    tokens = batch_plan(cfg, distributed.world_size()).global_batch * int(cfg.data.seq_len)
     return {"kv_bytes_per_token": figures["kv_bytes_per_token"],
             "indexer_flops_per_token": figures["indexer_flops_per_token"], "tokens_per_step": tokens}
 
@@ -118,7 +124,7 @@ def layout_plan(cfg: DictConfig) -> dict:
             **{mode.value: n for mode, n in layout.counts().items()}}
 
 
-def _start_wandb(cfg: DictConfig, run_dir: Path, constants: dict):
+def _start_wandb(cfg: DictConfig, run_dir: Path, constants: dict, run_id: str | None):
     import wandb
 
     if cfg.logger.mode not in ("offline", "online"):
@@ -134,6 +140,8 @@ def _start_wandb(cfg: DictConfig, run_dir: Path, constants: dict):
         config={**OmegaConf.to_container(cfg, resolve=True), "layout_plan": layout_plan(cfg),
                 "run_constants": constants},
         dir=str(run_dir),
+        id=run_id,
+        resume="allow" if run_id else None,
         settings=wandb.Settings(quiet=True),  # the closing summary is ours (train/app.py)
     )
 

@@ -22,6 +22,8 @@ import torch
 from train.tokenizer import Tokenizer
 
 DEFAULT_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PASSKEY_KEYS = range(10_000, 100_000)  # a passkey is one of these, uniformly
+MQAR_VALUES = range(1000, 10_000)  # an MQAR value is one of these, uniformly
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def passkey_probes(tokenizer: Tokenizer, seq_len: int, n: int, seed: int = 0,
 
 def _passkey(tokenizer: Tokenizer, seq_len: int, filler_ids: list[int], depth: float,
              rng: np.random.Generator) -> ProbeSample:
-    key = str(rng.integers(10_000, 100_000))
+    key = str(rng.integers(PASSKEY_KEYS.start, PASSKEY_KEYS.stop))
     intro = "A pass key is hidden in the text below. Find it and remember it.\n"
     needle = f"\nThe pass key is {key}. Remember it: pass_key={key}\n"
     question = "\nWhat is the pass key? pass_key="
@@ -162,7 +164,7 @@ def _distinct_pairs(n: int, rng: np.random.Generator) -> list[tuple[str, str]]:
     keys: dict[str, None] = {}
     while len(keys) < n:
         keys["".join(chr(ord("a") + int(c)) for c in rng.integers(26, size=4))] = None
-    return [(key, str(rng.integers(1000, 10_000))) for key in keys]
+    return [(key, str(rng.integers(MQAR_VALUES.start, MQAR_VALUES.stop))) for key in keys]
 
 
 def probe_accuracy(logits: torch.Tensor, sample: ProbeSample) -> float:
@@ -170,3 +172,21 @@ def probe_accuracy(logits: torch.Tensor, sample: ProbeSample) -> float:
     positions = sample.answer_positions.to(logits.device)
     predicted = logits[positions - 1].argmax(dim=-1)
     return (predicted == sample.answer_ids.to(logits.device)).float().mean().item()
+
+
+def chance_accuracy(tokenizer: Tokenizer, values: range) -> float:
+    """The accuracy of guessing: each answer token drawn uniformly from the tokens its position takes over all
+    ``values`` (e.g. 1/9 for a key's first digit and 1/10 for the others, byte-level). What a model scores that
+    knows the answer's format but cannot find the fact."""
+    answers = [tokenizer.encode(str(value)) for value in values]
+    seen: dict[int, set[int]] = {}
+    for ids in answers:
+        for position, token in enumerate(ids):
+            seen.setdefault(position, set()).add(token)
+    per_answer = [sum(1 / len(seen[p]) for p in range(len(ids))) / len(ids) for ids in answers]
+    return sum(per_answer) / len(per_answer)
+
+
+def chance_levels(tokenizer: Tokenizer) -> dict[str, float]:
+    """``chance_accuracy`` of the passkey and MQAR probes, keyed like their accuracies' prefixes."""
+    return {"passkey_acc": chance_accuracy(tokenizer, PASSKEY_KEYS), "mqar_acc": chance_accuracy(tokenizer, MQAR_VALUES)}

@@ -1,0 +1,31 @@
+"""A job's console: rank 0 speaks, libraries only when something is wrong.
+
+DeepSpeed announces itself with ``print`` (layer seeds, topology, the stage split, its comm op build) and warns
+when it has to guess the accelerator; none of that is a problem, so it goes to the DEBUG log. Ranks other than
+0 log errors only (``train/__main__.py``): they would repeat rank 0's lines.
+"""
+import contextlib
+import io
+import logging
+import os
+
+log = logging.getLogger("deepspeed.prints")
+
+
+def name_the_accelerator() -> None:
+    """Before DeepSpeed is imported: tell it the accelerator, which it otherwise detects with a warning on CPU."""
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def prints_to_debug():
+    """What the block prints to stdout goes to the DEBUG log instead."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        for line in captured.getvalue().splitlines():
+            log.debug(line)
