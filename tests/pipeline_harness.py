@@ -28,7 +28,7 @@ def recompute_overrides(recompute: str) -> list[str]:
     return [f"parallel.recompute={mode}"] + ([f"parallel.recompute_layers={count}"] if count else [])
 
 
-def _worker(rank, world, out, cuts, index_k, recompute):
+def _worker(rank, world, out, cuts, index_k, recompute, precision):
     from model.cli import compose
     from train.engine import build_engine
 
@@ -36,7 +36,7 @@ def _worker(rank, world, out, cuts, index_k, recompute):
                    f"parallel.index_k={index_k}", *recompute_overrides(recompute),
                    f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
                    f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1"])
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    engine = build_engine(cfg, precision, torch.device("cpu"))
     stage = engine.module.stage
     first_grads = {}
     clip = engine._clip_gradients
@@ -60,8 +60,8 @@ def _worker(rank, world, out, cuts, index_k, recompute):
                 "backward_traversals": stage.backward_traversals, "stage": engine.stage_id}, f"{out}/rank{rank}.pt")
 
 
-def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none"):
-    """Run the job in ``stages`` processes; returns the per-rank results."""
+def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none", precision: str = "fp32"):
+    """Run the job in ``stages`` processes (``precision``: fp32, or bf16 autocast); returns the per-rank results."""
     os.makedirs(out, exist_ok=True)
-    spawn(_worker, stages, stages, out, cuts, index_k, recompute)
+    spawn(_worker, stages, stages, out, cuts, index_k, recompute, precision)
     return [torch.load(f"{out}/rank{r}.pt", weights_only=True) for r in range(stages)]

@@ -260,11 +260,10 @@ def test_oracle_packing_is_doc_relative():
 # ----------------------------------------------------------------------------------------------------------
 def build_model(dims, layout, params, dtype=torch.float64):
     """The real model with the given parameter values (names must match exactly)."""
-    transformer = pytest.importorskip("model.transformer")
-    from model import Layout, ModelArgs
+    from model import Layout, ModelArgs, Transformer
 
     args = ModelArgs(**dims, kernel_backend="torch")
-    model = transformer.Transformer(args, Layout(**layout)).to(dtype)
+    model = Transformer(args, Layout(**layout)).to(dtype)
     names = dict(model.named_parameters())
     assert set(names) == set(params), (sorted(set(names) ^ set(params)))
     with torch.no_grad():

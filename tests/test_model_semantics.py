@@ -15,8 +15,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from oracle import random_params  # noqa: E402
 from test_model_oracle import DIMS, LAYOUTS, _one_thread, build_model, mk_layout, packed_doc_ids  # noqa: E402,F401
 
-pytest.importorskip("model.transformer")
-
 
 def make(layout, seed=0, **dims_over):
     dims = dict(DIMS, **dims_over)
