@@ -58,9 +58,10 @@ def model_flops(model, layout: Layout, args: ModelArgs, T: int, B: int, dense: b
 
 
 def training_flops(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: int) -> int:
-    """Model FLOPs of one microbatch of the whole model (built on the meta device: no memory, no init)."""
+    """Model FLOPs of one microbatch of the whole model (built on the meta device: no memory, no init), with the
+    attention ``model.attention`` names."""
     from model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(args, layout)
-    return model_flops(model, layout, args, seq_len, micro_batch)["total"]
+    return model_flops(model, layout, args, seq_len, micro_batch, dense=args.attention == "dense")["total"]

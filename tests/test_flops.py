@@ -25,7 +25,11 @@ def test_training_flops_is_the_count_of_the_committed_benchmark():
     assert training_flops(args, layout, result["T"], result["micro_batch"]) == result["flops"]["total"]
 
 
-def test_training_flops_scale_with_rows():
+def test_training_flops_scale_with_rows_and_count_dense_attention():
     cfg = compose([])
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     assert training_flops(args, layout, 256, 4) == 4 * training_flops(args, layout, 256, 1)
+    result = json.loads((RESULTS / "train_step_dense_65536.json").read_text())  # run before model.attention existed
+    cfg = compose(result["overrides"] + ["model.attention=dense"])
+    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+    assert training_flops(args, layout, result["T"], result["micro_batch"]) == result["flops"]["total"]
