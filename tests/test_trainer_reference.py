@@ -23,7 +23,7 @@ from train.engine import build_engine, train_step
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 64, 2, 2, 3  # 2 warmup steps, 1 cosine
 CONFIG = [f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}", f"train.grad_accum_steps={MICROBATCHES}",
           "train.warmup_steps=2", "train.max_steps=5", "train.min_lr_ratio=0.1", "train.lr=0.01",
-          "train.weight_decay=0.1", "train.grad_clip=0.0002", "train.indexer_loss_coef=0.5"]
+          "train.weight_decay=0.1", "train.grad_clip=0.00001", "train.indexer_loss_coef=0.5"]
 
 
 def batches(vocab: int, count: int) -> list[dict]:
