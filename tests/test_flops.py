@@ -29,7 +29,7 @@ def test_training_flops_scale_with_rows_and_count_dense_attention():
     cfg = compose([])
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     assert training_flops(args, layout, 256, 4) == 4 * training_flops(args, layout, 256, 1)
-    result = json.loads((RESULTS / "train_step_dense_65536.json").read_text())  # run before model.attention existed
-    cfg = compose(result["overrides"] + ["model.attention=dense"])
+    result = json.loads((RESULTS / "train_step_dense_65536.json").read_text())  # model.attention=dense
+    cfg = compose(result["overrides"])
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     assert training_flops(args, layout, result["T"], result["micro_batch"]) == result["flops"]["total"]
