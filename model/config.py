@@ -21,7 +21,7 @@ class ModelArgs:
     rope_theta: float = 10000.0  # window-only layers
     compress_rope_theta: float = 160000.0  # every rotation of a layer with a global branch
     rope_factor: float = 16.0  # YaRN, applied to compressed layers only
-    original_seq_len: int = 65536
+    original_seq_len: int = 65536  # 0: no YaRN
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     init_std: float = 0.006  # matrices (residual-branch outputs scaled by 1/sqrt(2 * n_layers))
@@ -36,6 +36,9 @@ class ModelArgs:
             raise ValueError(f"model.attention={self.attention!r}: use csa2 or dense")
         if self.n_heads % self.o_groups:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.o_groups={self.o_groups}")
+        if self.original_seq_len < 0:
+            raise ValueError(f"model.original_seq_len={self.original_seq_len}: the YaRN base length is >= 1, or 0 "
+                             "for no YaRN")
         for name in ("head_dim", "index_head_dim"):
             if self.rope_head_dim > getattr(self, name) or self.rope_head_dim % 2:
                 raise ValueError(f"model.rope_head_dim={self.rope_head_dim} must be even and <= model.{name}")

@@ -75,11 +75,39 @@ class Layout:
                 raise LayoutError(f"layer {layer} reads the KV of layer {kv} but its latest index source, layer "
                                   f"{index}, selects entries of the KV of layer {index_kv}: indices point into one KV")
             mode = Mode.FULL if layer == kv else Mode.REINDEX if layer == index else Mode.REUSE
-            cand = self.candidate_source_layer_id
-            uses_candidates = mode is Mode.REINDEX and cand is not None and cand < layer and kv == cand
-            plans.append(LayerPlan(layer, m, mode, kv, index, cand if uses_candidates else None,
-                                   makes_candidates=layer == cand))
+            restricted = self._restricted_by_candidates(layer, mode)
+            plans.append(LayerPlan(layer, m, mode, kv, index, self.candidate_source_layer_id if restricted else None,
+                                   makes_candidates=layer == self.candidate_source_layer_id))
         return tuple(plans)
+
+    def _restricted_by_candidates(self, layer: int, mode: Mode) -> bool:
+        """Whether ``layer`` selects only inside the candidate blocks: as in the reference, every index source
+        (Full or Reindex) after the candidate source. A block is a run of ``candidate_block_size`` entries of the
+        candidate source's KV, so it names the same tokens in another KV only at the same compression ratio."""
+        cand = self.candidate_source_layer_id
+        if mode not in (Mode.FULL, Mode.REINDEX) or cand is None or layer <= cand:
+            return False
+        if self.compress_ratios[layer] != self.compress_ratios[cand]:
+            raise LayoutError(f"layer {layer} (ratio {self.compress_ratios[layer]}) is an index source after the "
+                              f"candidate source, layer {cand} (ratio {self.compress_ratios[cand]}): every such layer "
+                              "selects inside the candidate blocks, which cover other tokens at another ratio")
+        return True
+
+    def check_candidate_capacity(self, index_topk: int) -> None:
+        """Refuse candidate blocks that may hold fewer entries than a selection: a query is guaranteed only
+        ``(blocks - 1) * block_size + 1`` candidate entries (its newest block may hold one), and where they are
+        fewer than ``index_topk`` the reference still returns ``index_topk`` picks, the extra ones outside the
+        candidates in an order it does not define. Such a layout is an error here rather than a silent difference."""
+        if not any(p.candidate_source is not None for p in self.plan):
+            return
+        guaranteed = (self.candidate_topk_blocks - 1) * self.candidate_block_size + 1
+        if guaranteed < index_topk:
+            blocks = -(-(index_topk - 1) // self.candidate_block_size) + 1
+            raise LayoutError(
+                f"candidate_topk_blocks={self.candidate_topk_blocks} blocks of candidate_block_size="
+                f"{self.candidate_block_size} guarantee a query only {guaranteed} candidate entries, fewer than "
+                f"index_topk={index_topk}; the reference then picks entries outside the candidates. Use "
+                f"layout.candidate_topk_blocks>={blocks}, or model.index_topk<={guaranteed}")
 
     def _latest(self, ids, layer, ratio=None):
         found = [i for i in ids if i <= layer and (ratio is None or self.compress_ratios[i] == ratio)]
@@ -163,7 +191,7 @@ def generate(window_layers: int, encoder: dict, decoder: dict, candidates: bool)
     """Canonical lists from the knobs of a V4.1-shaped stack: window layers, an encoder of groups that each
     start with a Full layer, and a decoder with one Full layer, Reindex every ``reindex_every`` layers (0 = never)
     and a new Full layer every ``full_every`` layers (0 = only the first). With ``candidates`` the decoder's first
-    Full layer is the candidate source, if any Reindex layer reads it."""
+    Full layer is the candidate source, if a later index source (which selects inside its blocks) exists."""
     ratios = [0] * window_layers + [encoder["ratio"]] * encoder["layers"] + [decoder["ratio"]] * decoder["layers"]
     start = window_layers
     kv = [start + i for i in range(0, encoder["layers"], encoder["group_size"])]
@@ -175,8 +203,7 @@ def generate(window_layers: int, encoder: dict, decoder: dict, candidates: bool)
             index.append(start + i)
         elif decoder.get("reindex_every") and i % decoder["reindex_every"] == 0:
             index.append(start + i)
-    reindexed = set(index) - set(kv)  # candidate blocks are made only where a Reindex layer will read them
-    cand = start if candidates and reindexed else None
+    cand = start if candidates and any(i > start for i in index) else None  # made only where something reads them
     return dict(compress_ratios=ratios, kv_source_layer_ids=kv, index_source_layer_ids=index,
                 candidate_source_layer_id=cand)
 

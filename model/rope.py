@@ -1,8 +1,8 @@
 """Rotary position embedding on the last ``rope_head_dim`` dims, adjacent element pairs rotated together.
 
 Compressed layers use ``compress_rope_theta`` with YaRN frequency interpolation (DeepSeek's formula: frequencies
-below the slow correction dim are divided by ``rope_factor``, above the fast one kept, linearly blended between);
-window-only layers use plain ``rope_theta``.
+below the slow correction dim are divided by ``rope_factor``, above the fast one kept, linearly blended between;
+``original_seq_len: 0`` turns it off); window-only layers use plain ``rope_theta``.
 """
 import math
 
@@ -20,8 +20,10 @@ def _correction_dim(rotations: float, dim: int, base: float, max_seq_len: int) -
 
 
 def rope_frequencies(dim: int, base: float, yarn: ModelArgs | None = None) -> torch.Tensor:
+    """Plain RoPE frequencies, YaRN-interpolated when ``yarn`` is given with ``original_seq_len > 0`` (0 means
+    no YaRN, as in the reference config)."""
     freqs = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    if yarn is not None:
+    if yarn is not None and yarn.original_seq_len > 0:
         low = max(math.floor(_correction_dim(yarn.beta_fast, dim, base, yarn.original_seq_len)), 0)
         high = min(math.ceil(_correction_dim(yarn.beta_slow, dim, base, yarn.original_seq_len)), dim - 1)
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)

@@ -78,6 +78,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, layer_ids: range | None = None, seed: int = 0,
                  init: bool = True):
         super().__init__()
+        layout.check_candidate_capacity(args.index_topk)
         self.args, self.layout = args, layout
         layer_ids = range(layout.n_layers) if layer_ids is None else layer_ids
         self.has_embed, self.has_head = layer_ids.start == 0, layer_ids.stop == layout.n_layers

@@ -8,8 +8,9 @@ dtype of the parameters (use float64 for tight comparisons). Differentiable thro
 Conventions (SPEC §1, DESIGN "Packed sequences"):
 - every document is processed as if it were alone (doc-relative positions, compression groups, window,
   entry visibility, candidate blocks); nothing crosses a document boundary;
-- the candidate source's own top-k is over all its visible entries; index sources after it that read the
-  same KV score only the visible entries inside the candidate blocks of the candidate source (same query);
+- the candidate source's own top-k is over all its visible entries; every index source after it (Full or
+  Reindex, same ratio: the reference's rule) scores only the visible entries of its own KV inside the candidate
+  blocks of the candidate source (same query);
 - the indexer loss of an index source is averaged over all queries of the batch that select >= 1 entry;
   if no query selects anything, the loss is 0.
 """
@@ -47,7 +48,8 @@ def layer_plan(layout: dict) -> list[dict]:
         if idx_src < i:
             assert plan[idx_src]["kv_src"] == kv_src, f"layer {i}: its index source {idx_src} reads another KV"
         restricted_by = None
-        if mode in ("full", "reindex") and cand is not None and i > cand and kv_src == cand:
+        if mode in ("full", "reindex") and cand is not None and i > cand:
+            assert m == ratios[cand], f"layer {i}: candidate blocks of layer {cand} index entries of another ratio"
             restricted_by = cand
         plan.append(dict(m=m, mode=mode, kv_src=kv_src, idx_src=idx_src, restricted_by=restricted_by))
     return plan

@@ -45,8 +45,12 @@ def test_command_line_overrides():
         [2, 8, 14, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38]
     moved = layout("layout=v41", "layout.kv_source_layer_ids=[2,8,14,20,30]")
     assert moved.plan[30].mode is Mode.FULL and moved.plan[33].kv_source == 30
-    assert moved.plan[32].candidate_source is None  # candidates index layer 20's KV, not layer 30's
-    assert layout("layout=v41", "layout.candidate_source_layer_id=8").plan[8].makes_candidates
+    # as in the reference, every index source after the candidate source selects inside its blocks
+    assert moved.plan[30].candidate_source == 20 and moved.plan[32].candidate_source == 20
+    moved = layout("layout=v41", "layout.decoder.ratio=2", "layout.candidate_source_layer_id=8")
+    assert moved.plan[8].makes_candidates and moved.plan[14].candidate_source == 8
+    with pytest.raises(LayoutError, match="other tokens at another ratio"):  # layer 20 (m=1) after 8 (m=2)
+        layout("layout=v41", "layout.candidate_source_layer_id=8")
 
 
 RULES = [

@@ -41,7 +41,10 @@ LAYOUTS = {
     "m2": mk_layout([0, 2, 2, 2], [1], [1, 2]),
     "m3": mk_layout([0, 3, 3, 3], [1], [1, 2]),
     # two KVs of different ratios, a candidate source (m=1) with a Reindex and a Reuse after it
-    "mixed_cand": mk_layout([0, 2, 2, 1, 1, 1], [1, 3], [1, 3, 4], cand=3, keep=2, bs=2),
+    "mixed_cand": mk_layout([0, 2, 2, 1, 1, 1], [1, 3], [1, 3, 4], cand=3, keep=3, bs=2),
+    # a Full layer after the candidate source: it and the Reindex layer on its KV select inside the candidate
+    # source's blocks too (the reference restricts every later index source)
+    "cand_full": mk_layout([0, 1, 1, 1, 1, 1], [1, 3], [1, 2, 3, 4], cand=1, keep=3, bs=2),
     # candidate source with m=2, two later Reindex layers (both restricted), block size 3
     "cand_m2": mk_layout([2, 2, 2, 2], [0], [0, 1, 3], cand=0, keep=2, bs=3),
 }
@@ -198,6 +201,7 @@ def _objective(logits, losses, ids):
 @pytest.mark.parametrize("name,T,topk,window", [
     ("m1", 9, 64, 64), ("m2", 9, 64, 64), ("m3", 11, 64, 64),  # dense: everything visible is read
     ("m2", 23, 4, 8), ("m3", 23, 3, 5), ("mixed_cand", 23, 4, 8), ("cand_m2", 29, 3, 8),  # sparse
+    ("cand_full", 23, 4, 8),
 ])
 def test_oracle_matches_vectorised_reference(name, T, topk, window):
     dims = dict(DIMS, index_topk=topk, window_size=window)
@@ -316,6 +320,7 @@ CASES = [
     ("m1", 23, [[9, 14], [1, 22]], 4, 8),
     ("mixed_cand", 23, None, 4, 8), ("mixed_cand", 40, [[17, 23], [40]], 4, 8),
     ("cand_m2", 40, None, 3, 8), ("cand_m2", 40, [[25, 15], [3, 37]], 3, 6),
+    ("cand_full", 31, None, 4, 8), ("cand_full", 40, [[17, 23], [40]], 4, 8),
 ]
 
 
