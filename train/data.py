@@ -36,6 +36,7 @@ import bisect
 import dataclasses
 import hashlib
 import itertools
+import json
 import logging
 import os
 import sysconfig
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from train import sft
 from train.tokenizer import Tokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
@@ -66,6 +68,10 @@ class DataConfig:
     text_field: str = "text"  # hf: column holding the document text
     sample_by: str = "auto"  # hf text files: "document" (one per file), "paragraph", "line"; "auto": one per
     # file, but one file alone is split by paragraph (by line when it has no blank line)
+    format: str = "auto"  # hf: text | chat | prompt_response | auto (train/sft.py: SFT data, loss on responses only)
+    messages_field: str = "messages"  # hf chat data: column of [{role, content}, ...]
+    prompt_field: str = "prompt"  # hf prompt/response data: the two text columns
+    response_field: str = "response"
     streaming: bool = False  # read through an IterableDataset
     shuffle_buffer: int = 10_000  # streaming: documents in the shuffle buffer
     tokenizer: str | None = None  # None: byte-level; else a `tokenizers` JSON file
@@ -83,17 +89,17 @@ class DataConfig:
 # ---------------------------------------------------------------------------------------------- sources
 
 class MapDocuments:
-    """Texts of a map-style dataset, read in a fresh seeded permutation every epoch."""
+    """Texts (or conversations, ``format`` chat) of a map-style dataset, in a fresh seeded permutation every epoch."""
 
     _FETCH = 256  # rows fetched from Arrow per call: per-row access is slow
 
     def __init__(self, dataset: datasets.Dataset, text_field: str = "text", seed: int = 0,
-                 description: str = "in-memory dataset"):
+                 description: str = "in-memory dataset", format: str = "text"):
         _check_field(dataset.column_names, text_field, description)
         if len(dataset) == 0:
             raise ValueError(f"dataset is empty: {description}")
         self._dataset = dataset.select_columns([text_field])
-        self.text_field, self.seed, self.description = text_field, seed, description
+        self.text_field, self.seed, self.description, self.format = text_field, seed, description, format
 
     def texts(self, epoch: int, start: int) -> Iterator[str]:
         """Texts of `epoch` from its `start`-th document on."""
@@ -106,12 +112,12 @@ class StreamingDocuments:
     """Texts of an IterableDataset, buffer-shuffled with a per-epoch seed; `start` is reached by re-reading."""
 
     def __init__(self, dataset: datasets.IterableDataset, text_field: str = "text", seed: int = 0,
-                 shuffle_buffer: int = 10_000, description: str = "streaming dataset"):
+                 shuffle_buffer: int = 10_000, description: str = "streaming dataset", format: str = "text"):
         if dataset.column_names is not None:
             _check_field(dataset.column_names, text_field, description)
         self._dataset = dataset
         self.text_field, self.seed, self.shuffle_buffer = text_field, seed, shuffle_buffer
-        self.description = description
+        self.description, self.format = description, format
 
     def texts(self, epoch: int, start: int) -> Iterator[str]:
         """Texts of `epoch` from its `start`-th document on."""
@@ -228,22 +234,35 @@ def is_heldout(key: str, fraction: float) -> bool:
 
 
 def _split(dataset, key_field: str, fraction: float, heldout: bool):
-    """The held-out part (`heldout`) or the rest; keys are file paths (stdlib) or texts (hf: duplicates of a
-    document land on the same side). A small map-style dataset whose hashes put nothing below `fraction > 0`
-    holds out its one document with the lowest hash, so that a few documents still give both parts."""
-    part = dataset.filter(lambda batch: [is_heldout(k or "", fraction) == heldout for k in batch[key_field]],
+    """The held-out part (`heldout`) or the rest; keys are file paths (stdlib), texts or conversations (hf:
+    duplicates of a document land on the same side). A small map-style dataset whose hashes put nothing below
+    `fraction > 0` holds out its one document with the lowest hash, so that a few documents still give both parts."""
+    part = dataset.filter(lambda batch: [is_heldout(_key(k), fraction) == heldout for k in batch[key_field]],
                           batched=True)
     if isinstance(dataset, datasets.IterableDataset) or fraction <= 0 or len(dataset) < 2:
         return part
     if len(part) != (0 if heldout else len(dataset)):
         return part
-    hashes = [_hash(key or "") for key in dataset[key_field]]
+    hashes = [_hash(_key(key)) for key in dataset[key_field]]
     lowest = hashes.index(min(hashes))
     return dataset.select([lowest] if heldout else [i for i in range(len(dataset)) if i != lowest])
 
 
+def _key(value) -> str:
+    """The split key of a document: its text (or path), or its conversation as JSON."""
+    return value or "" if isinstance(value, str) or value is None else json.dumps(value, sort_keys=True)
+
+
 def _hash(key: str) -> bytes:
     return hashlib.blake2b(key.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
+
+
+def _columns(dataset) -> list[str] | None:
+    """Column names; a streaming dataset that does not declare them shows them in its first example."""
+    if dataset.column_names is not None:
+        return dataset.column_names
+    first = next(iter(dataset), None)
+    return None if first is None else list(first)
 
 
 def build_documents(config: DataConfig, heldout: bool = False) -> MapDocuments | StreamingDocuments:
@@ -255,25 +274,28 @@ def build_documents(config: DataConfig, heldout: bool = False) -> MapDocuments |
         dataset = _split(python_source_dataset(root), "path", config.heldout_fraction, heldout)
         if config.streaming and len(dataset) > 0:
             dataset = dataset.to_iterable_dataset()
-        text_field = "text"
+        text_field, fmt = "text", "text"
     elif config.source == "hf":
         if config.path is None:
             raise ValueError("data.source=hf needs data.path (data files, a directory or a dataset name)")
         description = f"dataset {config.path!r} (name={config.name}, split={config.split}, {part})"
         dataset = hf_dataset(config.path, config.name, config.split, config.streaming, config.sample_by)
-        text_field = config.text_field
-        if dataset.column_names is not None:
-            _check_field(dataset.column_names, text_field, description)
+        fmt = sft.resolve_format(config.format, _columns(dataset), config.text_field, config.messages_field,
+                                 config.prompt_field, config.response_field, description)
+        text_field = {"text": config.text_field, "chat": config.messages_field}.get(fmt, sft.CONVERSATION)
+        if fmt == "prompt_response":
+            dataset = sft.prompt_response_conversations(dataset, config.prompt_field, config.response_field)
         dataset = _split(dataset, text_field, config.heldout_fraction, heldout)
     else:
         raise ValueError(f"unknown data.source {config.source!r} — use data=stdlib or data=hf")
+    kind = "text" if fmt == "text" else "chat"
     if isinstance(dataset, datasets.IterableDataset):
-        return StreamingDocuments(dataset, text_field, config.shuffle_seed, config.shuffle_buffer, description)
+        return StreamingDocuments(dataset, text_field, config.shuffle_seed, config.shuffle_buffer, description, kind)
     if len(dataset) == 0:
         fix = ("raise data.heldout_fraction or give more documents (split one text file with data.sample_by="
                "paragraph or line)" if heldout else "lower data.heldout_fraction or give more documents")
         raise ValueError(f"dataset is empty: {description} — {fix}")
-    return MapDocuments(dataset, text_field, config.shuffle_seed, description)
+    return MapDocuments(dataset, text_field, config.shuffle_seed, description, kind)
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -311,7 +333,9 @@ class PackedLoader:
     """Endless iterator over packed micro-batches of one data-parallel rank, with exact resume.
 
     `documents` is a `MapDocuments` / `StreamingDocuments` (anything with `texts(epoch, start)` and
-    `description`). `vocab_size` (default: the tokenizer's) bounds the token ids; a larger id (a tokenizer
+    `description`). `encode` turns one document into its tokens (default: `[BOS] text [EOS]`, every label
+    trained; `sft.ChatEncoder` for conversations: prompt tokens complemented, None for nothing to train).
+    `vocab_size` (default: the tokenizer's) bounds the token ids; a larger id (a tokenizer
     that does not match the model) is a ValueError. `tokens_total` / `tokens_padding` count the global
     stream; `padding_fraction` is their ratio.
 
@@ -325,7 +349,7 @@ class PackedLoader:
 
     def __init__(self, documents, tokenizer: Tokenizer, *, seq_len: int, micro_batch_size: int,
                  shuffle_seed: int = 0, pack_buffer: int = 256, pack_carry: int = 64, rank: int = 0,
-                 world_size: int = 1, vocab_size: int | None = None):
+                 world_size: int = 1, vocab_size: int | None = None, encode=None):
         if (min(seq_len, micro_batch_size, world_size) < 1 or not 0 <= pack_carry < pack_buffer
                 or not 0 <= rank < world_size):
             raise ValueError(f"bad loader geometry: seq_len={seq_len} micro_batch_size={micro_batch_size} "
@@ -334,6 +358,7 @@ class PackedLoader:
         if shuffle_seed < 0:
             raise ValueError(f"shuffle_seed must be >= 0, got {shuffle_seed}")
         self.documents, self.tokenizer = documents, tokenizer
+        self.encode = encode or self._text_tokens
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.pack_buffer, self.pack_carry = pack_buffer, pack_carry
         self.shuffle_seed, self.rank, self.world_size = shuffle_seed, rank, world_size
@@ -438,21 +463,22 @@ class PackedLoader:
         budget, positions, consumed, docs = self.pack_buffer * self.seq_len, 0, 0, []
         for text in texts:
             consumed += 1
-            if text:
-                docs.append(self._tokenize(text))
-                positions += len(docs[-1]) - 1
+            tokens = self.encode(text) if text else None
+            if tokens is not None:
+                self._check_ids(tokens, f"a document of {self.documents.description}")
+                docs.append(tokens)
+                positions += len(tokens) - 1
                 if positions >= budget:
                     return docs, consumed, False
         return docs, consumed, True
 
-    def _tokenize(self, text: str) -> np.ndarray:
-        tokens = np.concatenate(([self.tokenizer.bos_id], self.tokenizer.encode_array(text),
-                                 [self.tokenizer.eos_id])).astype(np.int64)
-        self._check_ids(tokens, f"a document of {self.documents.description}")
-        return tokens
+    def _text_tokens(self, text: str) -> np.ndarray:
+        return np.concatenate(([self.tokenizer.bos_id], self.tokenizer.encode_array(text),
+                               [self.tokenizer.eos_id])).astype(np.int64)
 
     def _check_ids(self, tokens: np.ndarray, where: str) -> None:
-        bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
+        tokens = np.where(tokens < 0, ~tokens, tokens)  # prompt tokens of SFT documents are stored complemented
+        bad = tokens[tokens >= self.vocab_size]
         if bad.size:
             raise ValueError(f"token id {int(bad[0])} in {where} is outside the vocabulary (vocab_size "
                              f"{self.vocab_size}): the tokenizer does not match the model")
@@ -463,10 +489,8 @@ class PackedLoader:
         doc_ids = np.full(self.seq_len, len(row), dtype=np.int64)  # padding: one id past the last chunk
         position = 0
         for chunk_id, (doc, start, length) in enumerate(row):
-            tokens = self._docs[doc]
             end = position + length
-            input_ids[position:end] = tokens[start:start + length]
-            labels[position:end] = tokens[start + 1:start + length + 1]
+            input_ids[position:end], labels[position:end] = sft.split_labels(self._docs[doc][start:start + length + 1])
             doc_ids[position:end] = chunk_id
             position = end
         return input_ids, labels, doc_ids
@@ -483,10 +507,11 @@ def build_loader(cfg, *, rank: int = 0, world_size: int = 1, heldout: bool = Fal
     config = data_config(cfg)
     tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token, config.pad_token)
     documents = build_documents(config, heldout) if documents is None else documents
+    encode = sft.ChatEncoder(tokenizer, config.seq_len + 1) if documents.format == "chat" else None
     return PackedLoader(documents, tokenizer, seq_len=config.seq_len,
                         micro_batch_size=config.micro_batch_size, shuffle_seed=config.shuffle_seed,
                         pack_buffer=config.pack_buffer, pack_carry=config.pack_carry, rank=rank,
-                        world_size=world_size, vocab_size=vocab_size)
+                        world_size=world_size, vocab_size=vocab_size, encode=encode)
 
 
 def data_config(cfg) -> DataConfig:

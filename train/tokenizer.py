@@ -12,6 +12,7 @@ represent any input exactly: ids 0..255 are the UTF-8 bytes, then BOS = 256, EOS
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ class Tokenizer:
     bos_id: int
     eos_id: int
     pad_id: int
+    chat_template: str | None = None  # a Jinja chat template shipped with the tokenizer (train/sft.py)
 
     def encode_array(self, text: str) -> np.ndarray:
         """Token ids of `text` as int64, without special tokens (the loader adds BOS/EOS itself)."""
@@ -69,7 +71,9 @@ class HFTokenizer(Tokenizer):
         if not file.is_file():
             raise FileNotFoundError(f"tokenizer file {str(file)!r} does not exist")
         self.path = str(file)
-        self._tok = HFTokenizerModel.from_file(self.path)
+        spec = json.loads(file.read_text(encoding="utf-8"))
+        self.chat_template = _chat_template(spec.pop("chat_template", None) or _sibling_chat_template(file))
+        self._tok = HFTokenizerModel.from_str(json.dumps(spec))  # `tokenizers` refuses keys it does not know
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = self._special(eos_token, _EOS_NAMES, None, "eos")
         self.bos_id = self._special(bos_token, _BOS_NAMES, self.eos_id, "bos")
@@ -88,11 +92,29 @@ class HFTokenizer(Tokenizer):
                              f"set data.{role}_token")
         return fallback
 
+    def token(self, token_id: int) -> str:
+        """The text of one token (special tokens included), e.g. for a chat template's ``eos_token``."""
+        return self._tok.id_to_token(token_id)
+
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _sibling_chat_template(file: Path):
+    """The ``chat_template`` of a ``tokenizer_config.json`` beside the tokenizer file (Hugging Face's layout)."""
+    config = file.with_name("tokenizer_config.json")
+    return json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+
+
+def _chat_template(template) -> str | None:
+    """A template string; Hugging Face also stores a list of named templates, of which "default" is the chat one."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        return named.get("default", template[0].get("template") if template else None)
+    return template
 
 
 def load_tokenizer(path: str | None = None, bos_token: str | None = None, eos_token: str | None = None,
