@@ -126,7 +126,13 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
         resume_state = checkpoint.load(engine, ref, saved["config"]["parallel"]["pipeline_stages"])
         checkpoint.set_rng_state(resume_state["rng"])
         loader.load_state_dict(resume_state["loader"])
-        log.info("resumed from %s at step %d", ref.path, saved["step"])
+        log.info("resumed from %s at step %d%s", ref.path, saved["step"],
+                 f" (train.init_from={cfg.train.init_from} is not used: train.resume wins)" if cfg.train.init_from
+                 else "")
+    elif checked.warm_start:
+        checked.warm_start.load_into(engine)
+        if distributed.rank() == 0:
+            checked.warm_start.report(run_dir)
     return Trainer(cfg, engine, loader, evaluator, checkpoint_dir(cfg, run_dir), checked.device,
                    {key: saved.get(key, 0) for key in ("step", "bad_streak", "skipped")}, run_dir)
 

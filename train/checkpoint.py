@@ -52,12 +52,17 @@ TRAINER_STATE = "trainer_state.json"
 RESUME_STATE = "resume_state.pt"
 OPTIMIZER_STATE = "optimizer_stage{stage:02d}_dp{dp:02d}.pt"
 OPTIMIZER_STATES = "optimizer_stage*_dp*.pt"
+WEIGHT_FILES = ("embed.pt", "layer_*.pt", "head.pt")  # as CSA2PipelineModule.save_weights names them
 # Config keys that change how the same weights are computed, not what they are: they may differ on resume.
 RUNTIME_ONLY_KEYS = ("model.kernel_backend",)
 
 
 class CheckpointError(ReportedError):
     """A checkpoint that cannot be resumed here; the message says which one, why, and what to do."""
+
+
+class NoCheckpoint(CheckpointError):
+    """A path that holds no checkpoint at all (as opposed to a damaged one)."""
 
 
 @dataclass(frozen=True)
@@ -93,19 +98,28 @@ def find(resume: str | None, checkpoint_dir: Path) -> CheckpointRef | None:
             log.info("train.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)
             return None
         return _newest_intact(checkpoint_dir)
-    path = Path(resume).expanduser().resolve()
-    if _tags(path):
-        return _newest_intact(path)
-    if (path / TRAINER_STATE).is_file() or (path / manifest.MANIFEST).is_file():
-        problem = manifest.problem(path)
+    return locate(resume, "train.resume")
+
+
+def locate(path: str, setting: str) -> CheckpointRef:
+    """The intact checkpoint at ``path``, which the setting ``setting`` names (for the messages): a checkpoint
+    directory gives ``latest`` if intact, else its newest intact checkpoint; a tag directory gives itself."""
+    location = Path(path).expanduser().resolve()
+    if _tags(location):
+        return _newest_intact(location)
+    if (location / TRAINER_STATE).is_file() or (location / manifest.MANIFEST).is_file():
+        problem = manifest.problem(location)
         if problem is None:
-            return CheckpointRef(path.parent, path.name)
-        intact = [tag for tag in reversed(_tags(path.parent)) if tag != path and manifest.problem(tag) is None]
-        hint = (f"resume from the newest intact one: train.resume={intact[0]}" if intact else
-                "no other intact checkpoint is there; start fresh with train.resume=null")
-        raise CheckpointError(f"checkpoint {path} is damaged: {problem} — {hint}")
-    raise CheckpointError(f"train.resume={resume}: no checkpoint there ({path} is neither a checkpoint directory "
-                          f"nor a checkpoint tag directory) — point it at <run dir>/checkpoints or one step directory")
+            return CheckpointRef(location.parent, location.name)
+        intact = [tag for tag in reversed(_tags(location.parent))
+                  if tag != location and manifest.problem(tag) is None]
+        verb = "resume from" if setting == "train.resume" else "use"
+        hint = (f"{verb} the newest intact one: {setting}={intact[0]}" if intact else
+                "no other intact checkpoint is there" + ("; start fresh with train.resume=null"
+                                                         if setting == "train.resume" else ""))
+        raise CheckpointError(f"checkpoint {location} is damaged: {problem} — {hint}")
+    raise NoCheckpoint(f"{setting}={path}: no checkpoint there ({location} is neither a checkpoint directory nor a "
+                       "checkpoint tag directory) — point it at <run dir>/checkpoints or one step directory")
 
 
 def _tags(directory: Path) -> list[Path]:
@@ -281,6 +295,21 @@ def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
     for key, value in resume["counters"].items():
         setattr(engine, key, value)
     return resume
+
+
+def read_weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
+    """Every weight of the checkpoint under the full model's names, in model order, memory-mapped (a tensor is
+    read from disk when used), whatever pipeline split wrote it."""
+    weights = {}
+    for pattern in WEIGHT_FILES:
+        for path in sorted(ref.path.glob(pattern)):
+            try:
+                weights.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+            except (RuntimeError, EOFError, pickle.UnpicklingError) as error:
+                raise CheckpointError(f"{path} is not a readable weight file ({error})") from error
+    if not weights:
+        raise CheckpointError(f"checkpoint {ref.path} holds no weight files ({', '.join(WEIGHT_FILES)})")
+    return weights
 
 
 def optimizer_pieces(ref: CheckpointRef) -> dict[str, list[dict]]:

@@ -1,7 +1,8 @@
 """Every check a job can make without the engine, run first so that bad input fails in seconds, before the
 process group, the engine or the run directory exist: config values, layout, tokenizer, device and precision,
 the batch against the stages and launched processes, the stage split, the probes, the data (path, format, text
-field, both parts non-empty) and the checkpoint to resume (manifest: sizes and SHA-256).
+field, both parts non-empty), the checkpoint to resume (manifest: sizes and SHA-256) or else the weights of
+``train.init_from`` (matched tensor by tensor against the model).
 
 What the checks build (documents, probes, the checkpoint) is kept for the job, so nothing is read twice.
 """
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from model import ModelArgs, layout_from_config
 from parallel.batch import BatchPlan, batch_plan
 from parallel.partition import partition
-from train import checkpoint
+from train import checkpoint, init_from
 from train.data import build_documents, data_config
 from train.engine import check_parallel, resolve_device, resolve_precision
 from train.evaluate import build_probes, data_tokenizer
@@ -35,6 +36,7 @@ class Checked:
     probes: dict
     resume: checkpoint.CheckpointRef | None
     saved: dict  # the checkpoint's trainer state ({} for a fresh run)
+    warm_start: init_from.InitFrom | None  # train.init_from, matched against the model (None when resuming)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -84,4 +86,5 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     train_documents, heldout_documents = build_documents(data), build_documents(data, heldout=True)
     ref = checkpoint.find(cfg.train.resume, checkpoint_dir(cfg, run_dir))
     saved = checkpoint.check_compatible(ref, cfg) if ref else {}
-    return Checked(device, precision, batch, train_documents, heldout_documents, probes, ref, saved)
+    warm_start = None if ref else init_from.from_config(cfg)
+    return Checked(device, precision, batch, train_documents, heldout_documents, probes, ref, saved, warm_start)

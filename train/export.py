@@ -1,0 +1,69 @@
+"""``python -m train.export <checkpoint> <out dir> [--dtype bf16|fp32] [--max-shard-size 5GB]``.
+
+Writes a checkpoint's weights in the reference format (``train/reference_format.py``): ``model.safetensors``
+(sharded above ``--max-shard-size``, with ``model.safetensors.index.json``) under the reference tensor names, and
+``config.json`` with the reference config's field names. ``<checkpoint>`` is a checkpoint directory (its
+``latest``) or one tag directory, written under any pipeline split. ``train.init_from=<out dir>`` reads it back.
+The tokenizer file the run trained with, if any, is copied beside them as ``tokenizer.json``.
+"""
+import argparse
+import logging
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from model import ModelArgs, layout_from_config
+from train import checkpoint
+from train.reference_format import CONFIG, DTYPES, MAX_SHARD_BYTES, reference_config, write_json, write_weights
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``1e9`` -> bytes (decimal units, as the safetensors sharding convention)."""
+    found = re.fullmatch(r"\s*([0-9.e+]+)\s*([KMGT]?B?)\s*", text.upper())
+    if not found or float(found.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MB)")
+    return int(float(found.group(1)) * _UNITS[found.group(2)])
+
+
+def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write the checkpoint at ``checkpoint_path`` into ``out_dir``; returns the files written."""
+    ref = checkpoint.locate(checkpoint_path, "checkpoint")
+    config = checkpoint.read_trainer_state(ref)["config"]
+    args, layout = ModelArgs.from_config(config["model"]), layout_from_config(config["layout"])
+    weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in checkpoint.read_weights(ref).items()}
+    files = write_weights(weights, out_dir, max_shard_bytes)
+    write_json(out_dir / CONFIG, reference_config(args, layout, dtype))
+    files.append(CONFIG)
+    tokenizer = config.get("data", {}).get("tokenizer")
+    if tokenizer:
+        if Path(tokenizer).is_file():
+            shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+            files.append("tokenizer.json")
+        else:
+            log.warning("the run's tokenizer %s is not on this machine: not copied", tokenizer)
+    return files
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n\n")[1])
+    parser.add_argument("checkpoint", help="a checkpoint directory (its latest) or one tag directory")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--max-shard-size", type=parse_size, default=MAX_SHARD_BYTES,
+                        help="shard the weights above this size (default 5GB)")
+    options = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        files = export(options.checkpoint, options.out_dir, options.dtype, options.max_shard_size)
+    except (checkpoint.CheckpointError, ValueError, OSError) as error:
+        sys.exit(f"error: {error}")
+    print(f"exported {options.checkpoint} ({options.dtype}) to {options.out_dir}: {', '.join(files)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,153 @@
+"""Weights in the reference format: what DeepSeek's inference code and the tools around it read.
+
+A directory holds ``config.json`` and the weights as safetensors: ``model.safetensors``, or, above
+``MAX_SHARD_BYTES``, shards ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json`` mapping
+each tensor to its shard (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``).
+
+Tensor names are our parameter names, which are the reference's (``embed.weight``,
+``layers.N.attn_norm.weight``, ``layers.N.attn.wq_a.weight``, ..., ``norm.weight``, ``head.weight``; SPEC §1.1).
+``config.json`` uses the reference config's field names, which are also ours (``ModelArgs``, ``Layout``), plus
+``n_layers``, ``dtype`` and the FFN: our dense SwiGLU FFN is the reference's dense MLP (``ffn.w1/w2/w3``, width
+``inter_dim``) on every layer, i.e. ``n_dense_layers = n_layers``. No candidate source is ``-1``, as there.
+"""
+import json
+import os
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model.config import ModelArgs
+from model.layout import Layout
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SHARD = "model-{index:05d}-of-{count:05d}.safetensors"
+MAX_SHARD_BYTES = 5 * 10**9
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LAYOUT_FIELDS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
+                 "candidate_topk_blocks", "candidate_block_size")
+TRAINING_ONLY = ("init_std", "kernel_backend")  # how we train or compute, not what the weights are
+
+
+def reference_config(args: ModelArgs, layout: Layout, dtype: str) -> dict:
+    """``config.json`` of a model: the reference's field names, our dense FFN as its dense MLP."""
+    config = {k: v for k, v in asdict(args).items() if k not in TRAINING_ONLY}
+    config.update({name: getattr(layout, name) for name in LAYOUT_FIELDS})
+    config.update(n_layers=layout.n_layers, n_dense_layers=layout.n_layers, dtype=dtype,
+                  compress_ratios=list(layout.compress_ratios), kv_source_layer_ids=list(layout.kv_source_layer_ids),
+                  index_source_layer_ids=list(layout.index_source_layer_ids),
+                  candidate_source_layer_id=-1 if layout.candidate_source_layer_id is None
+                  else layout.candidate_source_layer_id)
+    return config
+
+
+def model_settings(config: dict) -> dict[str, object]:
+    """The ``model.*`` and ``layout.*`` settings a reference-format ``config.json`` stands for, as override keys
+    (``model.dim``, ``layout.compress_ratios``, ...). Fields we do not have (MoE, hyper-connections) are an error
+    naming them: those weights could not be loaded into this model."""
+    model_keys = {f.name for f in fields(ModelArgs)} - set(TRAINING_ONLY)
+    known = model_keys | set(LAYOUT_FIELDS) | {"n_layers", "n_dense_layers", "dtype"}
+    n_layers = config.get("n_layers", len(config.get("compress_ratios", ())))
+    if config.get("n_dense_layers", n_layers) != n_layers:
+        raise ValueError(f"config.json: n_dense_layers={config['n_dense_layers']} < n_layers={n_layers}: the other "
+                         "layers are MoE, which this framework does not have")
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"config.json has fields this framework does not have: {unknown}")
+    settings = {f"model.{k}": config[k] for k in sorted(model_keys) if k in config}
+    for key in LAYOUT_FIELDS:
+        if key in config:
+            value = config[key]
+            settings[f"layout.{key}"] = None if key == "candidate_source_layer_id" and value == -1 else value
+    return settings
+
+
+def write_weights(state: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write ``state`` (in its order) as safetensors into ``out_dir``; returns the file names written.
+
+    Shards are filled in order up to ``max_shard_bytes`` (a tensor larger than that gets a shard of its own).
+    Every file is written under a temporary name and renamed, the index last; weight files of an earlier export
+    that this one does not write are removed, so the directory never mixes two exports' shards."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.contiguous()
+        size += nbytes
+    names = [WEIGHTS] if len(shards) == 1 else [SHARD.format(index=i + 1, count=len(shards)) for i in range(len(shards))]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*out_dir.glob("model-*-of-*.safetensors"), out_dir / WEIGHTS, out_dir / INDEX]:
+        if stale.name not in names and stale.exists():
+            stale.unlink()
+    mode = _file_mode()
+    for file, tensors in zip(names, shards):
+        tmp = out_dir / f".{file}.tmp"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, mode)  # safetensors creates its files private (0600); these are for other tools to read
+        os.replace(tmp, out_dir / file)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": {name: file for file, tensors in zip(names, shards) for name in tensors}}
+        write_json(out_dir / INDEX, index)
+        names.append(INDEX)
+    return names
+
+
+def _file_mode() -> int:
+    """What a plain ``open(..., "w")`` would give a new file under this process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def is_exported(path: Path) -> bool:
+    return (path / CONFIG).is_file() and ((path / WEIGHTS).is_file() or (path / INDEX).is_file())
+
+
+class ExportedWeights:
+    """The tensors of a reference-format directory, read lazily: shapes from the headers, a tensor when asked."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.description = f"exported weights {directory}"
+        self.config = json.loads((directory / CONFIG).read_text())
+        if (directory / INDEX).is_file():
+            files = json.loads((directory / INDEX).read_text())["weight_map"]
+        else:
+            files = None
+        self._files: dict[str, str] = {}
+        self._shapes: dict[str, torch.Size] = {}
+        for file in sorted(set(files.values())) if files else [WEIGHTS]:
+            with safe_open(str(directory / file), framework="pt") as handle:
+                for name in handle.keys():
+                    self._files[name] = file
+                    self._shapes[name] = torch.Size(handle.get_slice(name).get_shape())
+        if files is not None and set(files) != set(self._files):
+            raise ValueError(f"{directory / INDEX} does not match its shards: tensors "
+                             f"{sorted(set(files) ^ set(self._files))[:5]} are in one and not the other")
+
+    def shapes(self) -> dict[str, torch.Size]:
+        return dict(self._shapes)
+
+    def load(self, names) -> dict[str, torch.Tensor]:
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._files[name], []).append(name)
+        tensors = {}
+        for file, wanted in by_file.items():
+            with safe_open(str(self.directory / file), framework="pt") as handle:
+                tensors.update({name: handle.get_tensor(name) for name in wanted})
+        return tensors
