@@ -96,7 +96,7 @@ def test_long_examples_are_cut_and_promptless_ones_skipped(tmp_path):
 
 def test_a_missing_column_is_named(tmp_path):
     path = jsonl(tmp_path / "text.jsonl", [{"body": "hello"}])
-    with pytest.raises(ValueError, match=r"no column\(s\) \['messages'\] for data.format=chat"):
+    with pytest.raises(ValueError, match=r"chat field 'messages' is not a column of .*data.format=chat looks for"):
         documents(path, format="chat")
     with pytest.raises(ValueError, match="must be a list of"):
         documents(jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user"}]}]))

@@ -41,8 +41,7 @@ class Checked:
 
 def check_config(cfg: DictConfig) -> None:
     """Fail before any work on settings that cannot run; each message names the setting."""
-    ModelArgs.from_config(cfg.model)
-    layout_from_config(cfg.layout)
+    layout_from_config(cfg.layout).check_candidate_capacity(ModelArgs.from_config(cfg.model).index_topk)
     if OmegaConf.is_missing(cfg.data, "path"):
         raise ValueError(f"data.source={cfg.data.source} needs data.path — set data.path=<a file, a directory of "
                          "files, or a dataset name>")

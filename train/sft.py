@@ -47,13 +47,16 @@ def resolve_format(fmt: str, columns: list[str] | None, text_field: str, message
     if fmt not in FORMATS:
         raise ValueError(f"data.format={fmt!r}: use one of {FORMATS}")
     needs = {"text": [text_field], "chat": [messages_field], "prompt_response": [prompt_field, response_field]}
+    chosen = fmt
     if fmt == "auto":
-        fmt = next((f for f, cols in needs.items() if columns is not None and set(cols) <= set(columns)), "text")
-    if columns is not None and not set(needs[fmt]) <= set(columns):
-        raise ValueError(f"{description} has no column(s) {[c for c in needs[fmt] if c not in columns]} for "
-                         f"data.format={fmt} (columns: {columns}); plain text needs data.text_field, chat data "
-                         "data.messages_field, prompt/response data data.prompt_field and data.response_field")
-    return fmt
+        chosen = next((f for f, cols in needs.items() if columns is not None and set(cols) <= set(columns)), "text")
+    missing = [c for c in needs[chosen] if columns is not None and c not in columns]
+    if missing:
+        raise ValueError(f"{chosen} field {missing[0]!r} is not a column of {description} (columns: {columns}); "
+                         f"data.format={fmt} looks for {needs if fmt == 'auto' else needs[chosen]}: set "
+                         "data.text_field (plain text), data.messages_field (chat) or data.prompt_field and "
+                         "data.response_field")
+    return chosen
 
 
 def as_conversation(prompt: str, response: str) -> list[dict[str, str]]:
