@@ -7,7 +7,8 @@ Shift convention. A document of n tokens becomes `[BOS] t1 .. tn [EOS]`, i.e. n+
 chunk is one document for the model (its doc-relative positions restart at 0). A chunk of L positions thus
 holds L+1 tokens of its document, so every label is the next token of the *same* document, also at the last
 position of a chunk (whose label is the first input of the following chunk). No prediction is lost at chunk
-cuts, no label crosses a document, and labels are -100 (`IGNORE_INDEX`) only on padding. Padding sits at the
+cuts, no label crosses a document, and labels are -100 (`IGNORE_INDEX`) only on padding (and, for fine-tuning
+conversations, where the next token is a prompt token: `train/sft.py`). Padding sits at the
 end of a row, reads `pad_id`, and has a doc id of its own (one more than the row's last chunk); doc ids
 restart at 0 in every row.
 

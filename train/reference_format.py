@@ -36,12 +36,12 @@ TRAINING_ONLY = ("init_std", "kernel_backend")  # how we train or compute, not w
 def reference_config(args: ModelArgs, layout: Layout, dtype: str) -> dict:
     """``config.json`` of a model: the reference's field names, our dense FFN as its dense MLP."""
     config = {k: v for k, v in asdict(args).items() if k not in TRAINING_ONLY}
-    config.update({name: getattr(layout, name) for name in LAYOUT_FIELDS})
-    config.update(n_layers=layout.n_layers, n_dense_layers=layout.n_layers, dtype=dtype,
-                  compress_ratios=list(layout.compress_ratios), kv_source_layer_ids=list(layout.kv_source_layer_ids),
-                  index_source_layer_ids=list(layout.index_source_layer_ids),
-                  candidate_source_layer_id=-1 if layout.candidate_source_layer_id is None
-                  else layout.candidate_source_layer_id)
+    for name in LAYOUT_FIELDS:
+        value = getattr(layout, name)
+        config[name] = list(value) if isinstance(value, tuple) else value
+    if layout.candidate_source_layer_id is None:
+        config["candidate_source_layer_id"] = -1
+    config.update(n_layers=layout.n_layers, n_dense_layers=layout.n_layers, dtype=dtype)
     return config
 
 
