@@ -113,6 +113,10 @@ def test_export_in_bf16_and_sharded(v41, tmp_path):
                 assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, source[name].to(torch.bfloat16))
     assert not (tmp_path / "out" / WEIGHTS).exists()
     assert (tmp_path / "out" / shards[0]).stat().st_mode & 0o044  # readable by others, like any written file
+    damaged = tmp_path / "out" / shards[1]
+    damaged.write_bytes(damaged.read_bytes()[:50])
+    with pytest.raises(ValueError, match=f"{shards[1]} is not a readable safetensors file"):
+        _match(f"train.init_from={tmp_path / 'out'}")
 
 
 # ------------------------------------------------------------------------------------------- init_from

@@ -131,10 +131,13 @@ class ExportedWeights:
         self._files: dict[str, str] = {}
         self._shapes: dict[str, torch.Size] = {}
         for file in sorted(set(files.values())) if files else [WEIGHTS]:
-            with safe_open(str(directory / file), framework="pt") as handle:
-                for name in handle.keys():
-                    self._files[name] = file
-                    self._shapes[name] = torch.Size(handle.get_slice(name).get_shape())
+            try:
+                with safe_open(str(directory / file), framework="pt") as handle:
+                    for name in handle.keys():
+                        self._files[name] = file
+                        self._shapes[name] = torch.Size(handle.get_slice(name).get_shape())
+            except Exception as error:  # safetensors raises its own error type for a damaged header
+                raise ValueError(f"{directory / file} is not a readable safetensors file ({error})") from error
         if files is not None and set(files) != set(self._files):
             raise ValueError(f"{directory / INDEX} does not match its shards: tensors "
                              f"{sorted(set(files) ^ set(self._files))[:5]} are in one and not the other")
