@@ -30,7 +30,8 @@ def parse_size(text: str) -> int:
     return int(float(found.group(1)) * _UNITS[found.group(2)])
 
 
-def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16", max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16",
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write the checkpoint at ``checkpoint_path`` into ``out_dir``; returns the files written."""
     ref = checkpoint.locate(checkpoint_path, "checkpoint")
     config = checkpoint.read_trainer_state(ref)["config"]

@@ -81,7 +81,8 @@ def write_weights(state: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes
             size = 0
         shards[-1][name] = tensor.contiguous()
         size += nbytes
-    names = [WEIGHTS] if len(shards) == 1 else [SHARD.format(index=i + 1, count=len(shards)) for i in range(len(shards))]
+    count = len(shards)
+    names = [WEIGHTS] if count == 1 else [SHARD.format(index=i + 1, count=count) for i in range(count)]
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in [*out_dir.glob("model-*-of-*.safetensors"), out_dir / WEIGHTS, out_dir / INDEX]:
         if stale.name not in names and stale.exists():
