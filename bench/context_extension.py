@@ -9,15 +9,15 @@ comparison. Each job's final held-out LM loss is read from its ``metrics.jsonl``
 the length: positions are doc-relative RoPE (YaRN on compressed layers), so the weights load as they are.
 """
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from result_meta import result_meta
 
 COMMON = ["train.eval.probe_examples=0", "logger.mode=disabled", "train.progress=false", "train.eval.batches=16"]
 
@@ -37,8 +37,8 @@ def job(run_dir: Path, *overrides: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--short-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--extend-steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--extend-steps", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path("bench/results/finetune/context_extension.json"))
     args = parser.parse_args()
     short, long = args.short_len, 4 * args.short_len
@@ -58,8 +58,7 @@ def main() -> None:
     report = {"what": "tiny model, v41_scaled, stdlib corpus: final held-out LM loss of each job at its own "
                       "data.seq_len (the three jobs at long_len evaluate the same held-out batches; the short job's "
                       "are other ones)",
-              "short_len": short, "long_len": long, "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores "
-              "(shared)", "date": datetime.date.today().isoformat(), "jobs": results}
+              **result_meta(), "cpu_cores": os.cpu_count(), "short_len": short, "long_len": long, "jobs": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     for name, row in results.items():

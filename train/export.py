@@ -36,6 +36,9 @@ def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16",
     ref = checkpoint.locate(checkpoint_path, "checkpoint")
     config = checkpoint.read_trainer_state(ref)["config"]
     args, layout = ModelArgs.from_config(config["model"]), layout_from_config(config["layout"])
+    if args.attention != "csa2":
+        raise ValueError(f"{ref.path} is a model.attention={args.attention} baseline, not a CSA2 model that the "
+                         "reference code runs: nothing to export")
     weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in checkpoint.read_weights(ref).items()}
     files = write_weights(weights, out_dir, max_shard_bytes)
     write_json(out_dir / CONFIG, reference_config(args, layout, dtype))

@@ -30,12 +30,13 @@ MAX_SHARD_BYTES = 5 * 10**9
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LAYOUT_FIELDS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
                  "candidate_topk_blocks", "candidate_block_size")
-TRAINING_ONLY = ("init_std", "kernel_backend")  # how we train or compute, not what the weights are
+# How we initialise, compute or run a baseline, not what the weights are: not in config.json.
+NOT_EXPORTED = ("init_std", "embed_init_std", "head_init_std", "kernel_backend", "attention", "dense_head_dim")
 
 
 def reference_config(args: ModelArgs, layout: Layout, dtype: str) -> dict:
     """``config.json`` of a model: the reference's field names, our dense FFN as its dense MLP."""
-    config = {k: v for k, v in asdict(args).items() if k not in TRAINING_ONLY}
+    config = {k: v for k, v in asdict(args).items() if k not in NOT_EXPORTED}
     for name in LAYOUT_FIELDS:
         value = getattr(layout, name)
         config[name] = list(value) if isinstance(value, tuple) else value
@@ -49,7 +50,7 @@ def model_settings(config: dict) -> dict[str, object]:
     """The ``model.*`` and ``layout.*`` settings a reference-format ``config.json`` stands for, as override keys
     (``model.dim``, ``layout.compress_ratios``, ...). Fields we do not have (MoE, hyper-connections) are an error
     naming them: those weights could not be loaded into this model."""
-    model_keys = {f.name for f in fields(ModelArgs)} - set(TRAINING_ONLY)
+    model_keys = {f.name for f in fields(ModelArgs)} - set(NOT_EXPORTED)
     known = model_keys | set(LAYOUT_FIELDS) | {"n_layers", "n_dense_layers", "dtype"}
     n_layers = config.get("n_layers", len(config.get("compress_ratios", ())))
     if config.get("n_dense_layers", n_layers) != n_layers:
