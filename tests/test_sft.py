@@ -134,3 +134,77 @@ def test_the_tokenizers_chat_template_is_used(chatml_tokenizer, tmp_path, where)
     assert {tuple(counted(labels)) for _, labels in docs} == expected
     im_start = tokenizer.encode("<|im_start|>")
     assert len(im_start) == 1 and all(ids[0] == im_start[0] for ids, _ in docs)  # no BOS: the template's tokens
+
+
+def tokenizer_dir(chatml_tokenizer, tmp_path, config):
+    """The ChatML tokenizer with ``config`` as the ``tokenizer_config.json`` beside it."""
+    (tmp_path / "tokenizer.json").write_text((chatml_tokenizer / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(tmp_path / "tokenizer.json")
+
+
+# A template that writes the special tokens it is given: the end of a response is ``eos_token``.
+ROLE_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}"
+                 "{{ eos_token if m.role == 'assistant' }}\n{% endfor %}{% if add_generation_prompt %}assistant: "
+                 "{% endif %}")
+
+
+def test_special_tokens_come_from_tokenizer_config(chatml_tokenizer, tmp_path):
+    """Hugging Face's ``tokenizer_config.json`` names the special tokens (a string or an AddedToken object); without
+    it the guessed EOS would be ``<|endoftext|>``. ``data.eos_token`` still wins, and a name the vocabulary lacks
+    is an error naming where it came from."""
+    path = tokenizer_dir(chatml_tokenizer, tmp_path, {
+        "chat_template": ROLE_TEMPLATE, "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|im_end|>", "lstrip": False, "special": True}, "pad_token": None})
+    tokenizer = load_tokenizer(path)
+    model = HFModel.from_file(path)
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (model.token_to_id("<|im_start|>"), model.token_to_id("<|im_end|>"))
+    assert tokenizer.pad_id == tokenizer.eos_id  # pad_token null: none of the usual names, so EOS
+    assert load_tokenizer(path, eos_token="<|endoftext|>").eos_id == model.token_to_id("<|endoftext|>")
+    docs, _ = documents(jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS]), tokenizer=path)
+    expected = {tuple(t for m in chat if m["role"] == "assistant"
+                      for t in tokenizer.encode(m["content"] + "<|im_end|>\n")) for chat in CHATS}
+    assert {tuple(counted(labels)) for _, labels in docs} == expected  # the template got the config's EOS
+    assert all(ids[0] == tokenizer.bos_id for ids, _ in docs)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ValueError, match=r"eos token '</s>' \(eos_token of .*tokenizer_config.json\) is not in"):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for m in messages %}{{ m.content }", "is not a valid Jinja template"),
+    ("{{ messages | length }}{% for m in messages %}{{ m.content }}{% endfor %}", "does not render conversations "
+                                                                                    "incrementally"),
+    ("{{ raise_exception('no system message') }}", "chat template: no system message"),
+])
+def test_an_unusable_chat_template_fails_before_any_work(chatml_tokenizer, tmp_path, template, message):
+    """Checked in the preflight (no engine, no run directory), on a one-question conversation."""
+    from model.cli import compose
+    from tests.test_train_run import SMALL
+    from train.preflight import preflight
+
+    path = tokenizer_dir(chatml_tokenizer, tmp_path, {"chat_template": template})
+    data = jsonl(tmp_path / "chat.jsonl", [{"messages": c} for c in CHATS * 2])
+    cfg = compose(SMALL + ["data=hf", f"data.path={data}", f"data.tokenizer={path}", "data.heldout_fraction=0.3",
+                           "model.vocab_size=300"])
+    with pytest.raises(ValueError, match=message):
+        preflight(cfg, tmp_path / "run", 1)
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_carries_the_tokenizer_with_its_template_and_special_tokens(chatml_tokenizer, tmp_path):
+    """``python -m train.export`` copies the run's tokenizer in Hugging Face's layout: read back, it has the run's
+    chat template and special tokens (``data.pad_token`` of the run over the file's ``pad_token``)."""
+    from train.export import _copy_tokenizer
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    out.mkdir()
+    path = tokenizer_dir(chatml_tokenizer, run, {"chat_template": CHATML, "eos_token": "<|im_end|>",
+                                                 "pad_token": "<|endoftext|>"})
+    assert _copy_tokenizer({"tokenizer": path, "pad_token": "<|im_start|>"}, out) == ["tokenizer.json",
+                                                                                       "tokenizer_config.json"]
+    original, copied = load_tokenizer(path, pad_token="<|im_start|>"), load_tokenizer(str(out / "tokenizer.json"))
+    assert copied.chat_template == CHATML
+    assert (copied.bos_id, copied.eos_id, copied.pad_id) == (original.bos_id, original.eos_id, original.pad_id)
+    assert copied.eos_id != load_tokenizer(str(chatml_tokenizer / "tokenizer.json")).eos_id  # the config mattered

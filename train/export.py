@@ -4,9 +4,11 @@ Writes a checkpoint's weights in the reference format (``train/reference_format.
 (sharded above ``--max-shard-size``, with ``model.safetensors.index.json``) under the reference tensor names, and
 ``config.json`` with the reference config's field names. ``<checkpoint>`` is a checkpoint directory (its
 ``latest``) or one tag directory, written under any pipeline split. ``train.init_from=<out dir>`` reads it back.
-The tokenizer file the run trained with, if any, is copied beside them as ``tokenizer.json``.
+The tokenizer file the run trained with, if any, is copied beside them as ``tokenizer.json``, with a
+``tokenizer_config.json`` holding its chat template and the run's special tokens.
 """
 import argparse
+import json
 import logging
 import re
 import shutil
@@ -16,6 +18,7 @@ from pathlib import Path
 from model import ModelArgs, layout_from_config
 from train import checkpoint
 from train.reference_format import CONFIG, DTYPES, MAX_SHARD_BYTES, reference_config, write_json, write_weights
+from train.tokenizer import TOKENIZER_CONFIG
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +46,30 @@ def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16",
     files = write_weights(weights, out_dir, max_shard_bytes)
     write_json(out_dir / CONFIG, reference_config(args, layout, dtype))
     files.append(CONFIG)
-    tokenizer = config.get("data", {}).get("tokenizer")
-    if tokenizer:
-        if Path(tokenizer).is_file():
-            shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
-            files.append("tokenizer.json")
-        else:
-            log.warning("the run's tokenizer %s is not on this machine: not copied", tokenizer)
+    data = config.get("data", {})
+    if data.get("tokenizer"):
+        files += _copy_tokenizer(data, out_dir)
     return files
+
+
+def _copy_tokenizer(data: dict, out_dir: Path) -> list[str]:
+    """The run's tokenizer file as ``tokenizer.json`` and, when the run had one or named special tokens, a
+    ``tokenizer_config.json`` (Hugging Face's layout: the chat template, and the special tokens, the run's
+    ``data.*_token`` over its file's), so ``data.tokenizer=<out dir>/tokenizer.json`` tokenizes as the run did."""
+    tokenizer = Path(data["tokenizer"])
+    if not tokenizer.is_file():
+        log.warning("the run's tokenizer %s is not on this machine: not copied", tokenizer)
+        return []
+    shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
+    beside = tokenizer.with_name(TOKENIZER_CONFIG)
+    settings = json.loads(beside.read_text(encoding="utf-8")) if beside.is_file() else {}
+    settings.update({f"{role}_token": data[f"{role}_token"] for role in ("bos", "eos", "pad")
+                     if data.get(f"{role}_token") is not None})
+    if not settings:
+        (out_dir / TOKENIZER_CONFIG).unlink(missing_ok=True)  # an earlier export's, which this tokenizer lacks
+        return ["tokenizer.json"]
+    write_json(out_dir / TOKENIZER_CONFIG, settings)
+    return ["tokenizer.json", TOKENIZER_CONFIG]
 
 
 def main(argv: list[str]) -> None:

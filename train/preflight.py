@@ -1,8 +1,8 @@
 """Every check a job can make without the engine, run first so that bad input fails in seconds, before the
 process group, the engine or the run directory exist: config values, layout, tokenizer, device and precision,
 the batch against the stages and launched processes, the stage split, the probes, the data (path, format, text
-field, both parts non-empty), the checkpoint to resume (manifest: sizes and SHA-256) or else the weights of
-``train.init_from`` (matched tensor by tensor against the model).
+field, both parts non-empty, the chat template), the checkpoint to resume (manifest: sizes and SHA-256) or else
+the weights of ``train.init_from`` (matched tensor by tensor against the model).
 
 What the checks build (documents, probes, the checkpoint) is kept for the job, so nothing is read twice.
 """
@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from model import ModelArgs, layout_from_config
 from parallel.batch import BatchPlan, batch_plan
 from parallel.partition import partition
-from train import checkpoint, init_from
+from train import checkpoint, init_from, sft
 from train.data import build_documents, data_config
 from train.engine import check_parallel, resolve_device, resolve_precision
 from train.evaluate import build_probes, data_tokenizer
@@ -83,6 +83,8 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     probes = build_probes(cfg, batch.stages)
     data = data_config(cfg.data)
     train_documents, heldout_documents = build_documents(data), build_documents(data, heldout=True)
+    if train_documents.format == "chat":
+        sft.check_template(data_tokenizer(cfg.data))
     ref = checkpoint.find(cfg.train.resume, checkpoint_dir(cfg, run_dir))
     saved = checkpoint.check_compatible(ref, cfg) if ref else {}
     warm_start = None if ref else init_from.from_config(cfg)

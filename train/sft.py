@@ -9,11 +9,11 @@ joins two examples into one attention context); one longer than ``data.seq_len``
 ``seq_len + 1`` tokens (a warning counts them), and one with no response left is skipped.
 
 Template. When the tokenizer file (or the ``tokenizer_config.json`` beside it) has a ``chat_template``, that Jinja
-template renders the conversation (variables ``messages``, ``add_generation_prompt``, ``bos_token``,
-``eos_token``); the tokens of assistant turn ``i`` are the text that ``messages[:i + 1]`` adds to
-``messages[:i]`` rendered with ``add_generation_prompt``, so what the template appends after a response (an
-end-of-turn token) is trained too, and the header before it is not. Segments are tokenized one by one, so a
-token never straddles a prompt/response boundary. Without a template, the default is::
+template renders the conversation (variables ``messages``, ``add_generation_prompt``, and the tokenizer's special
+tokens ``bos_token``, ``eos_token``: ``train/tokenizer.py``); the tokens of assistant turn ``i`` are the text that
+``messages[:i + 1]`` adds to ``messages[:i]`` rendered with ``add_generation_prompt``, so what the template appends
+after a response (an end-of-turn token) is trained too, and the header before it is not. Segments are tokenized
+one by one, so a token never straddles a prompt/response boundary. Without a template, the default is::
 
     <BOS><|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}<EOS><|user|>\\n...
 
@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from train.loss import IGNORE_INDEX
 from train.tokenizer import Tokenizer
@@ -84,7 +86,7 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int):
         self.tokenizer, self.max_tokens = tokenizer, max_tokens
-        self.template = _compile(tokenizer.chat_template) if tokenizer.chat_template else None
+        self.template = _compile(tokenizer) if tokenizer.chat_template else None
         self.truncated = 0
 
     def __call__(self, messages: list[dict]) -> np.ndarray | None:
@@ -132,8 +134,17 @@ class ChatEncoder:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         tok = self.tokenizer
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=tok.token(tok.bos_id), eos_token=tok.token(tok.eos_id))
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=tok.token(tok.bos_id), eos_token=tok.token(tok.eos_id))
+        except TemplateError as error:
+            raise ValueError(f"the chat template of {tok.path} fails on a conversation: {error}") from error
+
+
+def check_template(tokenizer: Tokenizer) -> None:
+    """Encode a one-question conversation, so that a chat template that cannot be used (a syntax error, or one
+    that does not render incrementally) fails before any work rather than at the first batch."""
+    ChatEncoder(tokenizer, max_tokens=2**31)(as_conversation("Hello?", "Hello."))
 
 
 def _check(messages) -> None:
@@ -143,13 +154,15 @@ def _check(messages) -> None:
                          f"{str(messages)[:200]}")
 
 
-def _compile(template: str):
-    """A Jinja template in a sandbox, as Hugging Face renders chat templates (``raise_exception`` available)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
+def _compile(tokenizer: Tokenizer):
+    """The tokenizer's chat template as a Jinja template in a sandbox, as Hugging Face renders chat templates
+    (``raise_exception`` available)."""
     def raise_exception(message):
         raise ValueError(f"chat template: {message}")
 
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     environment.globals["raise_exception"] = raise_exception
-    return environment.from_string(template)
+    try:
+        return environment.from_string(tokenizer.chat_template)
+    except TemplateError as error:
+        raise ValueError(f"the chat template of {tokenizer.path} is not a valid Jinja template: {error}") from error

@@ -55,11 +55,13 @@ class ByteTokenizer(Tokenizer):
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
-# Names tried, in order, when the config does not name a special token. BOS and PAD fall back to EOS
-# (GPT-2 style): BOS only has to start a document, and padding is never attended to or predicted.
+# Names tried, in order, when neither `data.<role>_token` nor a `tokenizer_config.json` beside the tokenizer
+# names a special token. BOS and PAD fall back to EOS (GPT-2 style): BOS only has to start a document, and
+# padding is never attended to or predicted.
 _EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|end_of_text|>")
 _BOS_NAMES = ("<s>", "<bos>", "<|bos|>", "[CLS]", "<|begin_of_text|>")
 _PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class HFTokenizer(Tokenizer):
@@ -72,21 +74,27 @@ class HFTokenizer(Tokenizer):
             raise FileNotFoundError(f"tokenizer file {str(file)!r} does not exist")
         self.path = str(file)
         spec = json.loads(file.read_text(encoding="utf-8"))
-        self.chat_template = _chat_template(spec.pop("chat_template", None) or _sibling_chat_template(file))
+        config = _sibling_config(file)
+        self.chat_template = _chat_template(spec.pop("chat_template", None) or config.get("chat_template"))
         self._tok = HFTokenizerModel.from_str(json.dumps(spec))  # `tokenizers` refuses keys it does not know
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_id = self._special(eos_token, _EOS_NAMES, None, "eos")
-        self.bos_id = self._special(bos_token, _BOS_NAMES, self.eos_id, "bos")
-        self.pad_id = self._special(pad_token, _PAD_NAMES, self.eos_id, "pad")
+        self.eos_id = self._special(eos_token, config, _EOS_NAMES, None, "eos")
+        self.bos_id = self._special(bos_token, config, _BOS_NAMES, self.eos_id, "bos")
+        self.pad_id = self._special(pad_token, config, _PAD_NAMES, self.eos_id, "pad")
 
-    def _special(self, name: str | None, candidates: tuple[str, ...], fallback: int | None, role: str) -> int:
-        """Id of the configured token, else of the first known name present, else `fallback`."""
+    def _special(self, name: str | None, config: dict, candidates: tuple[str, ...], fallback: int | None,
+                 role: str) -> int:
+        """Id of the token ``data.<role>_token`` names, else the one ``tokenizer_config.json`` names, else the first
+        known name present, else `fallback`."""
+        where = f"data.{role}_token"
+        if name is None and _token_text(config.get(f"{role}_token")) is not None:
+            name, where = _token_text(config[f"{role}_token"]), f"{role}_token of {self.path}'s tokenizer_config.json"
         for token in (name,) if name is not None else candidates:
             token_id = self._tok.token_to_id(token)
             if token_id is not None:
                 return token_id
         if name is not None:
-            raise ValueError(f"{role} token {name!r} is not in tokenizer {self.path!r}")
+            raise ValueError(f"{role} token {name!r} ({where}) is not in tokenizer {self.path!r}")
         if fallback is None:
             raise ValueError(f"tokenizer {self.path!r} has none of the {role} tokens {candidates}; "
                              f"set data.{role}_token")
@@ -103,10 +111,16 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def _sibling_chat_template(file: Path):
-    """The ``chat_template`` of a ``tokenizer_config.json`` beside the tokenizer file (Hugging Face's layout)."""
-    config = file.with_name("tokenizer_config.json")
-    return json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+def _sibling_config(file: Path) -> dict:
+    """The ``tokenizer_config.json`` beside the tokenizer file (Hugging Face's layout: its ``chat_template`` and
+    special tokens), or {}."""
+    config = file.with_name(TOKENIZER_CONFIG)
+    return json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+
+
+def _token_text(token) -> str | None:
+    """A special token of ``tokenizer_config.json``: a string, or an ``AddedToken`` object with its ``content``."""
+    return token.get("content") if isinstance(token, dict) else token
 
 
 def _chat_template(template) -> str | None:
