@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -26,6 +27,7 @@ from triton.compiler import ASTSource
 from kernels import triton_attention as attn
 from kernels import triton_dkv as dkv
 from kernels import triton_indexer as idx
+from kernels import triton_select as sel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -54,6 +56,12 @@ def machine_code(cubin: bytes) -> str:
 LINES: list[str] = []  # every printed line, for --json
 
 
+def untuned(kernel, num_warps: int, num_stages: int = 1, maxnreg: int | None = None):
+    """A plain @triton.jit kernel with the one launch config its host code uses, shaped like an autotuner."""
+    return SimpleNamespace(fn=kernel, configs=[triton.Config({}, num_warps=num_warps, num_stages=num_stages,
+                                                             maxnreg=maxnreg)])
+
+
 def report(autotuned, types: dict, constexprs: dict):
     """Compile each autotune config of ``autotuned`` (args not in ``types`` are constexpr) and print one line."""
     fn = autotuned.fn
@@ -61,10 +69,12 @@ def report(autotuned, types: dict, constexprs: dict):
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in types.items() if t[0] in "*i"}
     for config in autotuned.configs:
         consts = {**constexprs, **config.kwargs}
-        label = f"{fn.__name__} {config.kwargs} warps={config.num_warps} stages={config.num_stages}"
+        label = f"{fn.__name__} {config.kwargs} warps={config.num_warps} stages={config.num_stages}" + (
+            f" maxnreg={config.maxnreg}" if config.maxnreg else "")
         try:
             kernel = triton.compile(ASTSource(fn, signature, consts, aligned), target=HOPPER,
-                                    options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+                                    options=dict(num_warps=config.num_warps, num_stages=config.num_stages,
+                                                 **({"maxnreg": config.maxnreg} if config.maxnreg else {})))
         except Exception as e:  # noqa: BLE001 - one config failing to compile is itself the finding
             LINES.append(f"{label}: COMPILE FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             print(LINES[-1])
@@ -95,10 +105,16 @@ def main():
     report(dkv._window_reduce_kernel, dict(PART=bf, DKV=f32, tok0=i32, n_tok=i32, row0=i32, n_rows=i32), chunk)
     report(dkv._entry_reduce_kernel, dict(PART=bf, ORDER=i64, OFFSETS=i64, DKV=f32), chunk)
     index = dict(NH=i32)
-    report(idx._score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, OUT=f32, n_queries=i32, s_begin=i32,
-                                   s_end=i32, C=i32, **index), dict(DI=128, NH_P=32, WHILE_LOOP=False))
-    report(idx._cand_score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, CAND=i64, OUT=f32, **index),
-           dict(DI=128, NH_P=32, BS=8, NC=2048))
+    levels = dict(row_len=i32, level1=i32)
+    report(idx._score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32, **levels,
+                                   **index), dict(DI=128, NH_P=32, G=8, WHILE_LOOP=False))
+    report(idx._cand_score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, CAND=i64, LEVELS=f32, **levels,
+                                        **index), dict(DI=128, NH_P=32, G=8, NC=2048))
+    select = dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, SCRATCH=i64, OUT=i64, row_len=i32, width0=i32, top=i32)
+    report(untuned(sel._select_kernel, **sel.SELECT_LAUNCH), select, dict(K=512, K_P=512, G=8, LOG_G=3))
+    report(untuned(sel._group_max_kernel, num_warps=4), dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, row_len=i32, src=i32,
+                                                             dst=i32, dst_width=i32, level=i32),
+           dict(G=8, LOG_G=3, BLOCK=256))
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     report(idx._logits_fwd_kernel, dict(OUT=f32, **logits), dict(DI=128, NH_P=32, K=512))
     report(idx._logits_bwd_kernel, dict(DOUT=f32, DQ=bf, DW=bf, DKEY=f32, **logits), dict(DI=128, NH_P=32, K=512))

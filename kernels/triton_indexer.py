@@ -1,34 +1,40 @@
-"""Lightning-indexer scoring in Triton: chunked full scoring, candidate-restricted scoring, and index_logits.
+"""Lightning-indexer scoring, selection and index logits in Triton.
 
-Score of query t and entry j: ``sum_h w[t,h] * relu(q[t,h] . k[j])``. The heads of a few queries form the M
-dimension of one matmul against a tile of entries (M = BLOCK_T * 32 heads, contraction over 128), and the
-weighted ReLU head-sum is reduced in registers, so per-head dots never reach memory.
+Score of query t and entry j: ``sum_h w[t,h] * relu(q[t,h] . k[j])``. In the scoring kernels the entries are the
+M dimension of one matmul and the heads of a few queries the N dimension (N = BLOCK_T * 32), contraction over
+128: on Hopper a wgmma whose head sum is a reduction inside each thread and its lane quad, so per-head dots never
+leave registers.
 
-Selection (``indexer_select``) never holds the T x S score matrix: queries are processed in chunks of rows
-whose fp32 scores fit ``SCORE_CHUNK_BYTES``; each chunk is scored by a Triton kernel into a doc-relative row
-(column c = entry vis_lo[t] + c, so candidate blocks of 8 are plain column groups), then reduced by
-``torch.topk`` (entries) and a column-group max + ``torch.topk`` (blocks). Memory is O(chunk x S), linear in T.
+Selection (``indexer_select``) never holds the T x S score matrix: queries are processed in chunks whose score
+rows fit ``SCORE_CHUNK_BYTES``. A chunk's row per query is a pyramid (kernels/triton_select.py): its scores at
+doc-relative columns (column c = entry vis_lo[t] + c, so candidate blocks are column groups), which the scoring
+kernel writes together with their block maxima (level 1), then coarser group maxima. The top-k kernel walks the
+pyramid down, reading G * k scores per level, and returns exact picks, best first, ties to the lower entry.
+Candidate blocks (a candidate source) are the best blocks of level 1 by ``torch.topk`` on (score, block) keys.
+Memory is O(chunk x S), linear in T.
 """
+import numpy as np
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.reference import _top
 from kernels.triton_common import INTERPRET, add_rows, configs, load_rows, new_output
+from kernels.triton_select import Pyramid, build_upper_levels, select_blocks, select_entries
 
 NEG_INF = float("-inf")
 KERNEL_NEG_INF = tl.constexpr(NEG_INF)  # kernels may only read constexpr globals
-SCORE_CHUNK_BYTES = 256 << 20  # fp32 scores of one chunk of queries
+SCORE_CHUNK_BYTES = 256 << 20  # the pyramid rows of one chunk of queries
 
-# M = BLOCK_T * 32 heads = 128 rows of wgmma on Hopper; the key tile (BLOCK_S x 128 bf16) is L2-resident.
+# M = BLOCK_S entries (one or two wgmma M=64 per warpgroup), N = BLOCK_T * 32 heads; keys are L2-resident. Configs
+# with <= 114 KB of shared memory and <= 64K registers per two CTAs run two per SM (one's epilogue hides behind the
+# other's MMA); BLOCK_T = 8 halves the key traffic from L2 against BLOCK_T = 4.
 _SCORE_CONFIGS = configs(
-    hopper=[dict(BLOCK_T=4, BLOCK_S=64, num_warps=4, num_stages=3), dict(BLOCK_T=4, BLOCK_S=128, num_warps=4, num_stages=3),
-            dict(BLOCK_T=8, BLOCK_S=64, num_warps=8, num_stages=3), dict(BLOCK_T=2, BLOCK_S=128, num_warps=4, num_stages=3)],
-    interpret=dict(BLOCK_T=4, BLOCK_S=16, num_warps=4, num_stages=1))
-# Candidate and index_logits kernels gather rows per query: one query's 32 heads against BLOCK_E entries.
+    hopper=[dict(BLOCK_T=8, BLOCK_S=64, num_warps=4, num_stages=2), dict(BLOCK_T=4, BLOCK_S=64, num_warps=4, num_stages=4),
+            dict(BLOCK_T=8, BLOCK_S=128, num_warps=8, num_stages=3), dict(BLOCK_T=4, BLOCK_S=128, num_warps=8, num_stages=3)],
+    interpret=dict(BLOCK_T=2, BLOCK_S=16, num_warps=4, num_stages=1))
+# Candidate and index_logits kernels gather rows per query: BLOCK_E entries (M) against one query's heads (N).
 _GATHER_CONFIGS = configs(
-    hopper=[dict(BLOCK_E=64, num_warps=4, num_stages=3), dict(BLOCK_E=128, num_warps=4, num_stages=3),
+    hopper=[dict(BLOCK_E=64, num_warps=4, num_stages=4), dict(BLOCK_E=128, num_warps=4, num_stages=3),
             dict(BLOCK_E=128, num_warps=8, num_stages=3)],
     interpret=dict(BLOCK_E=16, num_warps=4, num_stages=1))
 
@@ -50,71 +56,88 @@ def _head_rows(Q, WGT, first_query, n_queries, NH, DI: tl.constexpr, QUERIES: tl
 
 
 @triton.jit
-def _relu_head_sum(q, w, keys, QUERIES: tl.constexpr, NH_P: tl.constexpr, N: tl.constexpr):
-    """sum_h w * relu(q_h . k) for each (query, key): [QUERIES, N] fp32 from the [QUERIES*NH_P, N] dots."""
-    dots = tl.dot(q, tl.trans(keys))
-    weighted = tl.maximum(dots, 0.0) * w[:, None]
-    return tl.sum(tl.reshape(weighted, [QUERIES, NH_P, N]), 1)
+def _relu_head_sum(keys, q, w, QUERIES: tl.constexpr, NH_P: tl.constexpr, N: tl.constexpr):
+    """sum_h w * relu(q_h . k) for each (key, query): [N, QUERIES] fp32 from the [N, QUERIES*NH_P] dots."""
+    dots = tl.dot(keys, tl.trans(q))
+    weighted = tl.maximum(dots, 0.0) * w[None, :]
+    return tl.sum(tl.reshape(weighted, [N, QUERIES, NH_P]), 2)
 
 
 @triton.jit
-def _score_tile(q, w, KEY, lo, hi, r, OUT, s0, s_end, C, DI: tl.constexpr, NH_P: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Scores of BLOCK_T queries against entries s0..s0+BLOCK_S, stored at doc-relative columns where visible."""
-    j = s0 + tl.arange(0, BLOCK_S)
-    score = _relu_head_sum(q, w, load_rows(KEY, j, j < s_end, DI), BLOCK_T, NH_P, BLOCK_S)
-    visible = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
-    tl.store(OUT + r[:, None].to(tl.int64) * C + (j[None, :] - lo[:, None]), score, mask=visible)
+def _score_tile(q, w, KEY, doc_lo, c0, sweep, width, active, rows, level1, DI: tl.constexpr, NH_P: tl.constexpr,
+                G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Columns c0..c0+BLOCK_S of the active queries (entries doc_lo + column) and their block maxima."""
+    col = c0 + tl.arange(0, BLOCK_S)
+    score = _relu_head_sum(load_rows(KEY, doc_lo + col, col < sweep, DI), q, w, BLOCK_T, NH_P, BLOCK_S)
+    visible = active[None, :] & (col[:, None] < width[None, :])
+    tl.store(rows[None, :] + col[:, None], score, mask=visible)
+    blocks = tl.max(tl.reshape(tl.where(visible, score, KERNEL_NEG_INF), [BLOCK_S // G, G, BLOCK_T]), 1)
+    block = c0 // G + tl.arange(0, BLOCK_S // G)
+    tl.store(rows[None, :] + level1 + block[:, None], blocks, mask=active[None, :] & (block[:, None] * G < width[None, :]))
 
 
-@triton.autotune(configs=_SCORE_CONFIGS, key=["NH", "DI"])
+@triton.autotune(configs=_SCORE_CONFIGS, key=["NH", "DI", "G"])
 @triton.jit
-def _score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, OUT, n_queries, s_begin, s_end, C, NH,
-                  DI: tl.constexpr, NH_P: tl.constexpr, WHILE_LOOP: tl.constexpr, BLOCK_T: tl.constexpr,
+def _score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, NH, DI: tl.constexpr,
+                  NH_P: tl.constexpr, G: tl.constexpr, WHILE_LOOP: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_S: tl.constexpr):
-    """Scores of BLOCK_T queries against entries [s_begin, s_end) (the chunk's hull), stored doc-relative.
+    """Scores of BLOCK_T queries over their visible entries at doc-relative columns (level 0 of their pyramid
+    rows) and the block maxima (level 1), entries past a query's range left unwritten.
 
-    The loop bounds are the chunk's, not the program's: a program wastes at most a chunk's width of entries.
-    Invisible entries are skipped by the store mask; the caller pre-fills OUT with -inf. WHILE_LOOP (set under
-    the interpreter only): Triton 3.6's interpreter cannot take a ``range`` bound from a runtime argument under
-    NumPy 2 (it calls int() on a 1-element array), while a ``for`` loop is what the GPU compiler pipelines.
+    Columns, not entries, are tiled, so blocks of G columns fall inside a tile for every query. Queries of
+    different documents (a program straddling a document start) see different entries at the same column:
+    they are swept one document after the other. WHILE_LOOP (set under the interpreter only): Triton 3.6's
+    interpreter cannot take a ``range`` bound from a runtime value under NumPy 2, while a ``for`` loop is what
+    the GPU compiler pipelines.
     """
+    tl.static_assert(BLOCK_S % G == 0)
     first = tl.program_id(0) * BLOCK_T
     q, w = _head_rows(Q, WGT, first, n_queries, NH, DI, BLOCK_T, NH_P)
     r = first + tl.arange(0, BLOCK_T)
-    rmask = r < n_queries
-    lo = tl.load(VIS_LO + r, mask=rmask, other=0)
-    hi = tl.load(VIS_HI + r, mask=rmask, other=0)
-    if WHILE_LOOP:
-        s0 = s_begin
-        while s0 < s_end:
-            _score_tile(q, w, KEY, lo, hi, r, OUT, s0, s_end, C, DI, NH_P, BLOCK_T, BLOCK_S)
-            s0 += BLOCK_S
-    else:
-        for s0 in range(s_begin, s_end, BLOCK_S):
-            _score_tile(q, w, KEY, lo, hi, r, OUT, s0, s_end, C, DI, NH_P, BLOCK_T, BLOCK_S)
+    live = r < n_queries
+    lo = tl.load(VIS_LO + r, mask=live, other=0)
+    width = tl.maximum(tl.load(VIS_HI + r, mask=live, other=0) - lo, 0)
+    rows = LEVELS + r.to(tl.int64) * row_len
+    pending = width > 0
+    while tl.max(pending.to(tl.int32), 0) > 0:
+        doc_lo = tl.min(tl.where(pending, lo, 2 ** 62), 0)
+        active = pending & (lo == doc_lo)
+        sweep = tl.max(tl.where(active, width, 0), 0)
+        if WHILE_LOOP:
+            c0 = sweep * 0
+            while c0 < sweep:
+                _score_tile(q, w, KEY, doc_lo, c0, sweep, width, active, rows, level1, DI, NH_P, G, BLOCK_T, BLOCK_S)
+                c0 += BLOCK_S
+        else:
+            for c0 in range(0, sweep, BLOCK_S):
+                _score_tile(q, w, KEY, doc_lo, c0, sweep, width, active, rows, level1, DI, NH_P, G, BLOCK_T, BLOCK_S)
+        pending = pending & ~active
 
 
-@triton.autotune(configs=_GATHER_CONFIGS, key=["NH", "DI", "BS", "NC"])
+@triton.autotune(configs=_GATHER_CONFIGS, key=["NH", "DI", "G", "NC"])
 @triton.jit
-def _cand_score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, CAND, OUT, NH, DI: tl.constexpr, NH_P: tl.constexpr,
-                       BS: tl.constexpr, NC: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Scores of one query's candidate entries: column slot*BS + i is entry vis_lo + cand[slot]*BS + i.
-
-    Empty slots (-1) and entries at or past vis_hi get -inf, so every column of OUT is written.
-    """
+def _cand_score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, CAND, LEVELS, row_len, level1, NH, DI: tl.constexpr,
+                       NH_P: tl.constexpr, G: tl.constexpr, NC: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One query's candidate blocks (doc-relative ids, -1 = none, repeats allowed): their scores at their columns
+    (level 0, -inf past the visible range) and block maxima (level 1, which the caller fills with -inf first)."""
+    tl.static_assert(BLOCK_E % G == 0)
+    SLOTS: tl.constexpr = BLOCK_E // G
     r = tl.program_id(0).to(tl.int64)
     q, w = _head_rows(Q, WGT, r, r + 1, NH, DI, 1, NH_P)
     lo = tl.load(VIS_LO + r)
-    hi = tl.load(VIS_HI + r)
-    for c0 in range(0, NC * BS, BLOCK_E):
-        col = c0 + tl.arange(0, BLOCK_E)
-        slot = col // BS
-        blk = tl.load(CAND + r * NC + slot, mask=slot < NC, other=-1)
-        j = lo + blk * BS + col % BS
-        valid = (blk >= 0) & (j < hi)
-        score = tl.reshape(_relu_head_sum(q, w, load_rows(KEY, j, valid, DI), 1, NH_P, BLOCK_E), [BLOCK_E])
-        tl.store(OUT + r * NC * BS + col, tl.where(valid, score, KERNEL_NEG_INF), mask=slot < NC)
+    width = tl.maximum(tl.load(VIS_HI + r) - lo, 0)
+    row = LEVELS + r * row_len
+    for s0 in range(0, NC, SLOTS):
+        slot = s0 + tl.arange(0, SLOTS)
+        block = tl.load(CAND + r * NC + slot, mask=slot < NC, other=-1).to(tl.int64)
+        used = (block >= 0) & (block * G < width)
+        col = block[:, None] * G + tl.arange(0, G)[None, :]
+        visible = used[:, None] & (col < width)
+        col, visible = tl.reshape(col, [BLOCK_E]), tl.reshape(visible, [BLOCK_E])
+        score = tl.reshape(_relu_head_sum(load_rows(KEY, lo + col, visible, DI), q, w, 1, NH_P, BLOCK_E), [BLOCK_E])
+        score = tl.where(visible, score, KERNEL_NEG_INF)
+        tl.store(row + col, score, mask=tl.reshape(tl.broadcast_to(used[:, None], [SLOTS, G]), [BLOCK_E]))
+        tl.store(row + level1 + block, tl.max(tl.reshape(score, [SLOTS, G]), 1), mask=used)
 
 
 @triton.autotune(configs=_GATHER_CONFIGS, key=["NH", "DI", "K"])
@@ -129,7 +152,7 @@ def _logits_fwd_kernel(Q, WGT, KEY, IDX, OUT, T, S, NH, DI: tl.constexpr, NH_P: 
         offs = k0 + tl.arange(0, BLOCK_E)
         idx = tl.load(IDX + tok * K + offs, mask=offs < K, other=-1)
         valid = idx >= 0
-        logit = tl.reshape(_relu_head_sum(q, w, load_rows(key, idx, valid, DI), 1, NH_P, BLOCK_E), [BLOCK_E])
+        logit = tl.reshape(_relu_head_sum(load_rows(key, idx, valid, DI), q, w, 1, NH_P, BLOCK_E), [BLOCK_E])
         tl.store(OUT + tok * K + offs, tl.where(valid, logit, KERNEL_NEG_INF), mask=offs < K)
 
 
@@ -166,123 +189,64 @@ def _logits_bwd_kernel(Q, WGT, KEY, IDX, DOUT, DQ, DW, DKEY, T, S, NH, DI: tl.co
 
 def _heads_p(n_heads: int) -> int:
     """Heads padded to a power of two (tl.reshape and tl.arange need one) of at least 16: one query's heads are
-    the M dimension of a ``tl.dot``, which needs 16 rows on the GPU (padding rows are 0 and weigh 0)."""
+    the N dimension of the ``tl.dot``s of candidate scoring and index logits, which needs 16 on the GPU (padding
+    rows are 0 and weigh 0)."""
     return max(16, triton.next_power_of_2(n_heads))
 
 
-def _chunks(lo: torch.Tensor, hi: torch.Tensor, chunk: int):
-    """(start, end, s_begin, s_end, width) per chunk of query rows, from one host sync.
+def _chunks(width: np.ndarray, group: int, budget: int):
+    """(start, end) of consecutive query rows whose pyramid rows fit ``budget`` bytes together (at least one row).
 
-    [s_begin, s_end) is the hull of the chunk's visible ranges and width the longest range (the chunk's columns).
-    """
-    T = lo.shape[0]
-    n_chunks = -(-T // chunk)
-    which = torch.arange(T, device=lo.device) // chunk
-
-    def per_chunk(values, reduce):
-        out = torch.zeros(n_chunks, dtype=torch.long, device=lo.device)
-        return out.scatter_reduce(0, which, values.long(), reduce, include_self=False)
-
-    stats = torch.stack([per_chunk(lo, "amin"), per_chunk(hi, "amax"), per_chunk(hi - lo, "amax")], 1).tolist()
-    for c, (s_begin, s_end, width) in enumerate(stats):
-        yield c * chunk, min(T, (c + 1) * chunk), s_begin, s_end, max(width, 0)
+    A chunk's rows are as wide as its widest query, so under causal visibility early chunks hold more rows."""
+    start = 0
+    while start < len(width):
+        widest = np.maximum.accumulate(width[start:])
+        row_bytes = 4 * (widest * group / (group - 1) + 64)  # >= Pyramid(widest, group, ...).row floats
+        fits = np.arange(1, len(widest) + 1) * row_bytes <= budget
+        rows = len(widest) if fits.all() else max(1, int(np.argmin(fits)))
+        yield start, start + rows
+        start += rows
 
 
-def _full_scores(q, w, k, lo, hi, s_begin, s_end, width):
-    """Doc-relative scores [n, width] of n queries over their whole visible ranges; -inf where invisible."""
+def _score_chunk(levels, pyramid: Pyramid, q, w, k, lo, hi, cand):
+    """Levels 0 and 1 of the chunk's pyramid rows: every visible entry, or the candidate blocks' entries."""
     n, NH, DI = q.shape
-    out = torch.full((n, width), NEG_INF, dtype=torch.float32, device=q.device)
-    if width:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)
-        _score_kernel[grid](q, w, k, lo, hi, out, n, s_begin, s_end, width, NH, DI=DI, NH_P=_heads_p(NH),
-                            WHILE_LOOP=INTERPRET)
-    return out
-
-
-def _dedup_sorted(cand: torch.Tensor) -> torch.Tensor:
-    """Candidate block ids sorted per query with repeats and negatives turned into -1 (each block scored once)."""
-    cand = cand.long().sort(-1).values
-    repeat = torch.zeros_like(cand, dtype=torch.bool)
-    repeat[:, 1:] = cand[:, 1:] == cand[:, :-1]
-    return cand.masked_fill(repeat | (cand < 0), -1)
-
-
-def _cand_scores(q, w, k, lo, hi, cand, block_size):
-    """Scores [n, NC*block_size] of each query's candidate entries (column = slot*block_size + i)."""
-    n, NH, DI = q.shape
-    NC = cand.shape[1]
-    out = new_output((n, NC * block_size), torch.float32, q.device)
-    _cand_score_kernel[(n,)](q, w, k, lo, hi, cand, out, NH, DI=DI, NH_P=_heads_p(NH), BS=block_size, NC=NC)
-    return out
-
-
-def _top_blocks(block_scores, block_ids, newest, has_entry, keep):
-    """Best ``keep`` block ids (-1 where fewer), the newest visible block always first.
-
-    The newest block is appended as an extra +inf column (-inf when the query sees no entry) and masked out of
-    ``block_ids`` so it is never counted twice.
-    """
-    block_scores = block_scores.masked_fill(block_ids == newest[:, None], NEG_INF)
-    forced = torch.where(has_entry, float("inf"), NEG_INF).to(block_scores.dtype)
-    scores = torch.cat([block_scores, forced[:, None]], 1)
-    ids = torch.cat([block_ids.expand_as(block_scores), newest[:, None]], 1)
-    cols = _top(scores, keep, ties_by_index=False)
-    return torch.where(cols >= 0, ids.gather(1, cols.clamp(min=0)), -1)
-
-
-def _chunk_blocks(scores, cand, lo, hi, block_size: int, keep: int):
-    """Candidate blocks of one chunk: block max of its scores (doc-relative columns, or candidate columns)."""
-    n = scores.shape[0]
+    args = dict(NH=NH, DI=DI, NH_P=_heads_p(NH), G=pyramid.group)
     if cand is None:
-        n_blocks = -(-scores.shape[1] // block_size)
-        padded = F.pad(scores, (0, n_blocks * block_size - scores.shape[1]), value=NEG_INF)
-        block_scores = padded.view(n, n_blocks, block_size).amax(-1)
-        ids = torch.arange(n_blocks, device=scores.device)[None, :]
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)  # noqa: E731
+        _score_kernel[grid](q, w, k, lo, hi, levels, n, pyramid.row, pyramid.offsets[1], WHILE_LOOP=INTERPRET, **args)
     else:
-        block_scores = scores.view(n, cand.shape[1], block_size).amax(-1)
-        ids = cand
-    newest = torch.div(hi - 1 - lo, block_size, rounding_mode="floor").long()
-    return _top_blocks(block_scores, ids, newest, hi > lo, keep)
-
-
-def _select_chunk(q, w, k, lo, hi, s_begin, s_end, width, cand, topk, block_size, keep_blocks):
-    """(top-k entry ids, candidate blocks or None) of one chunk of queries of one batch row."""
-    if cand is None:
-        scores = _full_scores(q, w, k, lo, hi, s_begin, s_end, width)
-        cols = _top(scores, topk, ties_by_index=False)
-        entries = cols + lo[:, None]
-    else:
-        cand = _dedup_sorted(cand)
-        scores = _cand_scores(q, w, k, lo, hi, cand, block_size)
-        cols = _top(scores, topk, ties_by_index=False)
-        slot_block = cand.gather(1, cols.clamp(min=0) // block_size)
-        entries = lo[:, None] + slot_block * block_size + cols % block_size
-    topk_idx = torch.where(cols >= 0, entries, -1)
-    blocks = _chunk_blocks(scores, cand, lo, hi, block_size, keep_blocks) if keep_blocks else None
-    return topk_idx, blocks
+        pyramid.level(levels, 1).fill_(NEG_INF)  # blocks that are not candidates
+        _cand_score_kernel[(n,)](q, w, k, lo, hi, cand, levels, pyramid.row, pyramid.offsets[1], NC=cand.shape[1],
+                                 **args)
 
 
 def indexer_select(q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_size: int = 8, keep_blocks: int = 0):
-    """Same contract as ``kernels.reference.indexer_select``, in chunks of queries (memory linear in T)."""
+    """Same contract as ``kernels.reference.indexer_select``, in chunks of queries (memory linear in T); block_size
+    must be a power of two >= 2 (the pyramid's group)."""
+    if block_size < 2 or block_size & (block_size - 1):
+        raise ValueError(f"the Triton indexer needs a power-of-two candidate block size >= 2, got {block_size}")
     with torch.no_grad():
         B, T = q.shape[:2]
         q, w, k = q.contiguous(), w.contiguous(), k.contiguous()
-        if cand_blocks is None:
-            per_row = int((vis_hi - vis_lo).max().clamp(min=1))
-        else:
-            per_row = cand_blocks.shape[-1] * block_size
-        chunk = max(1, min(T, SCORE_CHUNK_BYTES // (4 * per_row)))
         topk_idx = new_output((B, T, topk), torch.long, q.device)
         blocks = new_output((B, T, keep_blocks), torch.long, q.device) if keep_blocks else None
+        cap = block_size * triton.next_power_of_2(topk)
+        widths = (vis_hi - vis_lo).clamp(min=0).cpu().numpy()  # the one host sync
         for b in range(B):
             lo, hi = vis_lo[b].contiguous(), vis_hi[b].contiguous()
-            for t0, t1, s_begin, s_end, width in _chunks(lo, hi, chunk):
-                cand = None if cand_blocks is None else cand_blocks[b, t0:t1]
-                idx, blk = _select_chunk(q[b, t0:t1], w[b, t0:t1], k[b], lo[t0:t1], hi[t0:t1], s_begin, s_end, width,
-                                         cand, topk, block_size, keep_blocks)
-                topk_idx[b, t0:t1] = idx
+            spans = list(_chunks(widths[b], block_size, SCORE_CHUNK_BYTES))
+            pyramids = [Pyramid(int(widths[b, t0:t1].max()), block_size, cap, min_top=int(cand_blocks is not None))
+                        for t0, t1 in spans]
+            pool = torch.empty(max((t1 - t0) * p.row for (t0, t1), p in zip(spans, pyramids)), device=q.device)
+            for (t0, t1), pyramid in zip(spans, pyramids):
+                levels = pool[:(t1 - t0) * pyramid.row].view(t1 - t0, pyramid.row)
+                cand = None if cand_blocks is None else cand_blocks[b, t0:t1].contiguous()
+                _score_chunk(levels, pyramid, q[b, t0:t1], w[b, t0:t1], k[b], lo[t0:t1], hi[t0:t1], cand)
+                build_upper_levels(levels, pyramid, lo[t0:t1], hi[t0:t1])
+                select_entries(levels, pyramid, lo[t0:t1], hi[t0:t1], topk, out=topk_idx[b, t0:t1])
                 if keep_blocks:
-                    blocks[b, t0:t1] = blk
+                    blocks[b, t0:t1] = select_blocks(levels, pyramid, lo[t0:t1], hi[t0:t1], keep_blocks)
         return topk_idx, blocks
 
 

@@ -184,13 +184,26 @@ def check_picks(picks, ref_picks, table, seed):
 INDEX_CASES = [([[5, 14, 18], [37]], 2, 3, 16, 6, 4, 3), ([[20, 17], [3, 34]], 1, 2, 16, 5, 2, 4)]
 
 
+def chunk_budget(rows, width, block_size):
+    """SCORE_CHUNK_BYTES for chunks of about ``rows`` queries as wide as ``width``."""
+    return rows * 4 * (width * block_size // (block_size - 1) + 8)
+
+
+def with_candidates(ref_blocks):
+    """Candidate blocks from a reference block selection, with a repeated block and an empty slot."""
+    cand = ref_blocks.clone()
+    cand[..., -1] = cand[..., 0]  # a repeated block must be scored once
+    cand[..., 1] = -1
+    return cand
+
+
 @pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep", INDEX_CASES)
 def test_indexer_select(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep):
     _, vis_lo, vis_hi = packed_geometry(doc_lens, m, 1)
     B, T = vis_lo.shape
     q, w, k = torch.randn(B, T, NH, DI), torch.randn(B, T, NH), torch.randn(B, T // m, DI)
     width = int((vis_hi - vis_lo).max())
-    monkeypatch.setattr(triton_indexer, "SCORE_CHUNK_BYTES", 4 * width * 7)  # chunks of 7 queries
+    monkeypatch.setattr(triton_indexer, "SCORE_CHUNK_BYTES", chunk_budget(7, width, bs))
 
     picks, blocks = triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
     ref_picks, ref_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
@@ -198,15 +211,54 @@ def test_indexer_select(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep):
     check_picks(picks, ref_picks, scores, seed)
     check_picks(blocks, ref_blocks, block_table(scores, vis_lo, vis_hi, bs), seed)
 
-    cand = ref_blocks.clone()
-    cand[..., -1] = cand[..., 0]  # a repeated block must be scored once
-    cand[..., 1] = -1
-    monkeypatch.setattr(triton_indexer, "SCORE_CHUNK_BYTES", 4 * keep * bs * 5)  # chunks of 5 queries
+    cand = with_candidates(ref_blocks)
     picks, blocks = triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs, keep)
     ref_picks, ref_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs, keep)
     scores = masked_scores(q, w, k, vis_lo, vis_hi, bs, cand)
     check_picks(picks, ref_picks, scores, seed)
     check_picks(blocks, ref_blocks, block_table(scores, vis_lo, vis_hi, bs), seed)
+
+
+# Exact ties: integer-valued inputs make every score an exact small integer in any summation order, so the kernels'
+# scores equal the reference's and picks must be identical, order included (best first, ties to the lower entry).
+# Many scores tie (ReLU of dots in {-8..8}, weights in {-2..2}: zeros are +0.0 and -0.0); top-k 9 of up to 40
+# entries with group 2 walks a three-level pyramid, with group 4 two levels.
+TIE_CASES = [([[7, 41, 32], [80]], 1, 3, 16, 9, 2, 5), ([[30, 50], [3, 77]], 2, 2, 16, 6, 4, 3)]
+
+
+def integer_inputs(B, T, S, NH, DI):
+    def draw(*shape, span=2):
+        return torch.randint(-span, span + 1, shape).float()
+    q = draw(B, T, NH, DI)
+    q[..., 2:, :] = 0  # sparse dots: q . k in {-8..8}, ties on every value
+    q[..., :2, 4:] = 0
+    k = draw(B, S, DI)
+    return q, draw(B, T, NH), k
+
+
+@pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep", TIE_CASES)
+def test_indexer_select_ties_exact(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep):
+    """Picks equal the reference exactly on tied scores, for every entry and block (full and candidate scoring),
+    and a token's picks do not depend on the tokens after it (a prefix of the sequence selects the same)."""
+    _, vis_lo, vis_hi = packed_geometry(doc_lens, m, 1)
+    B, T = vis_lo.shape
+    q, w, k = integer_inputs(B, T, T // m, NH, DI)
+    width = int((vis_hi - vis_lo).max())
+    monkeypatch.setattr(triton_indexer, "SCORE_CHUNK_BYTES", chunk_budget(9, width, bs))
+    ref_picks, ref_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
+    assert (ref_picks < 0).any() and (ref_blocks < 0).any(), "the case should have -1 slots"
+    cand = with_candidates(ref_blocks)
+    ref_cand_picks, ref_cand_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs, keep)
+    prefix = T - 23  # inside the last document of each row
+    for t in (T, prefix):
+        picks, blocks = triton_ops.indexer_select(q[:, :t], w[:, :t], k, vis_lo[:, :t], vis_hi[:, :t], topk,
+                                                  block_size=bs, keep_blocks=keep)
+        assert torch.equal(picks, ref_picks[:, :t]), (t, seed)
+        assert torch.equal(blocks, ref_blocks[:, :t]), (t, seed)
+        picks, blocks = triton_ops.indexer_select(q[:, :t], w[:, :t], k, vis_lo[:, :t], vis_hi[:, :t], topk,
+                                                  cand[:, :t], bs, keep)
+        assert torch.equal(picks, ref_cand_picks[:, :t]), (t, seed)
+        assert torch.equal(blocks, ref_cand_blocks[:, :t]), (t, seed)
 
 
 @pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep", INDEX_CASES)
