@@ -11,6 +11,7 @@ bench_matmul,bench_attention``). ``--smoke`` runs the same code at tiny shapes o
 interpreter, to test this script without a GPU.
 """
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -25,9 +26,8 @@ if SMOKE:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from kernels import reference, triton_attention, triton_ops  # noqa: E402
+from kernels import reference, triton_attention, triton_indexer, triton_ops, triton_select  # noqa: E402
 from result_meta import result_meta  # noqa: E402
-from kernels.triton_indexer import _full_scores  # noqa: E402
 from kernels.triton_testing import packed_geometry, random_topk  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
@@ -67,6 +67,17 @@ def ms(fn) -> float:
         fn()
         return (time.perf_counter() - start) * 1e3
     return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+
+
+@contextlib.contextmanager
+def overridden(module, name: str, value):
+    """``module.name`` set to ``value`` inside the block (a kernel module's tuning constant)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def rel_err(got, want) -> float:
@@ -145,6 +156,7 @@ def pick_quality(picks, ref_picks, table):
     return {"same_empty_count": torch.equal(filled.sum(-1), (ref_picks >= 0).sum(-1)),
             "all_allowed": bool(torch.isfinite(values[filled]).all()), "repeated": repeated,
             "max_score_gap_rel": ((got[finite] - want[finite]).abs().max().item() / scale) if finite.any() else 0.0,
+            "best_first": bool((values[..., :-1] >= values[..., 1:]).all()),
             "recall": (same.any(-1).sum() / filled.sum().clamp(min=1)).item()}
 
 
@@ -157,9 +169,13 @@ def masked_table(q, w, k, vis_lo, vis_hi, block_size, cand=None):
     return reference.index_scores(q, w, k).masked_fill(~allowed, float("-inf"))
 
 
+INDEXER_DOCS = n([[1500, 2596]], [[20, 44]])  # two packed documents
+
+
 @section
 def check_indexer():
-    _, vis_lo, vis_hi = packed_geometry(n([[1500, 2596]], [[20, 44]]), 1, 1, DEV)
+    """Random bf16 inputs: picks against the fp32 reference on the same (bf16-rounded) inputs, up to near-ties."""
+    _, vis_lo, vis_hi = packed_geometry(INDEXER_DOCS, 1, 1, DEV)
     T, NH, DI, topk, bs, keep = n(4096, 64), n(32, 2), n(128, 16), n(512, 8), 8, n(128, 3)
     q, w, k = torch.randn(1, T, NH, DI, device=DEV), torch.randn(1, T, NH, device=DEV), torch.randn(1, T, DI, device=DEV)
     qb, wb, kb = q.to(BF16), w.to(BF16), k.to(BF16)
@@ -175,6 +191,34 @@ def check_indexer():
     RESULTS["indexer_cand_topk"] = pick_quality(picks, ref_picks, masked_table(qr, wr, kr, vis_lo, vis_hi, bs, cand))
     RESULTS["indexer_blocks_recall"] = ((blocks.unsqueeze(-1) == ref_blocks.unsqueeze(-2)) & (blocks >= 0).unsqueeze(-1)
                                         ).any(-1).sum().item() / max(1, (ref_blocks >= 0).sum().item())
+
+
+@section
+def check_indexer_ties():
+    """Integer-valued bf16 inputs (exact in bf16 and in any fp32 summation order, with many tied scores): picks must
+    equal the reference bit for bit, order and ties included (the autotuned GPU configs, not the interpreter's), and
+    a prefix of the sequence must select what the whole sequence selects for its tokens."""
+    _, vis_lo, vis_hi = packed_geometry(INDEXER_DOCS, 1, 1, DEV)
+    T, NH, DI, topk, bs, keep = n(4096, 64), n(32, 2), n(128, 16), n(512, 8), 8, n(128, 3)
+    q = torch.randint(-2, 3, (1, T, NH, DI), device=DEV).float()
+    q[..., n(24, 1):] = 0  # dots in a narrow integer range: ties on every value
+    w = torch.randint(-2, 3, (1, T, NH), device=DEV).float()
+    k = torch.randint(-2, 3, (1, T, DI), device=DEV).float()
+    k[..., n(16, 4):] = 0
+    ref_picks, ref_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
+    ref_cand, _ = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, ref_blocks, bs)
+    res = {}
+    with overridden(triton_indexer, "SCORE_SPLIT", n(1024, 16)):  # several column splits per query at this T
+        for t in (T, T - n(700, 9)):
+            qt, wt, lo, hi = q[:, :t].to(BF16), w[:, :t].to(BF16), vis_lo[:, :t], vis_hi[:, :t]
+            picks, blocks = triton_ops.indexer_select(qt, wt, k.to(BF16), lo, hi, topk, block_size=bs, keep_blocks=keep)
+            res[f"T{t}"] = {"full_equal": torch.equal(picks, ref_picks[:, :t]),
+                            "blocks_equal": torch.equal(blocks, ref_blocks[:, :t])}
+            for path, dense in (("gathered", 0.0), ("dense", float("inf"))):
+                with overridden(triton_indexer, "DENSE_CANDIDATES", dense):
+                    cand, _ = triton_ops.indexer_select(qt, wt, k.to(BF16), lo, hi, topk, ref_blocks[:, :t], bs)
+                res[f"T{t}"][f"cand_{path}_equal"] = torch.equal(cand, ref_cand[:, :t])
+    RESULTS["indexer_ties_exact"] = {**res, "pass": all(v for r in res.values() for v in r.values())}
 
 
 @section
@@ -215,6 +259,32 @@ def check_rope():
         (want_dx,) = torch.autograd.grad(want, x, grad.double())
         res[name] = {"out": rel_err(out, want), "dx": rel_err(dx, want_dx)}
     RESULTS["rope"] = {"rel_err": res, "pass": all(e < 1e-2 for r in res.values() for e in r.values())}
+
+
+@section
+def check_norm_and_cast():
+    """The layer-side kernels in bf16: RMSNorm alone (q_norm-shaped rows) and with RoPE (KV-shaped rows, 64 of 512
+    features rotated), output and gradients against the fp32 reference on the same inputs; the one-launch cast of a
+    layer's weights bit-exact."""
+    T, D, Q, R = n(4096, 37), n(512, 32), n(768, 48), n(64, 16)
+    res = {}
+    for name, shape, rope_dim in (("q_norm", (1, T, Q), 0), ("kv_norm_rope", (1, T, D), R)):
+        x = leaf(torch.randn(shape, device=DEV) * 3, BF16)
+        weight = (torch.rand(shape[-1], device=DEV) + 0.5).requires_grad_()
+        angle = torch.rand(1, T, max(rope_dim, 2) // 2, device=DEV, dtype=torch.float64) * T
+        rotation = torch.polar(torch.ones_like(angle), angle).to(torch.complex64) if rope_dim else None
+        grad = torch.randn(shape, device=DEV)
+        out = triton_ops.rms_norm(x, weight, 1e-20, rotation, rope_dim)
+        got = torch.autograd.grad(out, (x, weight), grad.to(BF16))
+        x32 = x.detach().float().requires_grad_()
+        want = reference.rms_norm(x32, weight, 1e-20, rotation, rope_dim)
+        ref = torch.autograd.grad(want, (x32, weight), grad)
+        res[name] = {"out": rel_err(out, want), "dx": rel_err(got[0], ref[0]), "dweight": rel_err(got[1], ref[1])}
+    weights = [torch.randn(shape, device=DEV) for shape in ((n(768, 5), n(2048, 7)), (n(32768, 9), n(768, 5)),
+                                                            (n(512, 3), n(2048, 7)))]
+    exact = all(torch.equal(c, w.to(BF16)) for c, w in zip(triton_ops.cast(weights, BF16), weights))
+    RESULTS["norm_and_cast"] = {"rel_err": res, "cast_exact": exact,
+                                "pass": exact and all(e < 1e-2 for r in res.values() for e in r.values())}
 
 
 # ----------------------------------------------------------------------------------------------- bench
@@ -381,23 +451,73 @@ def torch_select(q, w, k, vis_hi, topk, chunk):
     return out
 
 
+def indexer_stages(q, w, k, vis_lo, vis_hi, topk, bs, cand=None):
+    """(score, select): indexer_select's two stages over every chunk of batch row 0, each chunk in its own buffer
+    (so selection can be timed on scored buffers; T^2/2 floats at most: 8.6 GB at 64K)."""
+    lo, hi = vis_lo[0].contiguous(), vis_hi[0].contiguous()
+    plan = triton_indexer.chunk_plan((hi - lo).clamp(min=0).cpu().numpy(), topk, bs, cand is not None)
+    buffers = [torch.empty(t1 - t0, p.row, device=DEV) for t0, t1, p in plan]
+    out = torch.empty(q.shape[1], topk, dtype=torch.long, device=DEV)
+
+    def score():
+        for (t0, t1, p), levels in zip(plan, buffers):
+            triton_indexer.score_chunk(levels, p, q[0, t0:t1], w[0, t0:t1], k[0], lo[t0:t1], hi[t0:t1],
+                                       None if cand is None else cand[0, t0:t1].contiguous())
+
+    def select():
+        for (t0, t1, p), levels in zip(plan, buffers):
+            triton_select.build_upper_levels(levels, p, lo[t0:t1], hi[t0:t1])
+            triton_select.select_entries(levels, p, lo[t0:t1], hi[t0:t1], topk, out=out[t0:t1])
+    return score, select, len(plan)
+
+
+def per_config_ms(kernel, fn) -> dict:
+    """fn's time with each of the autotuned ``kernel``'s configs forced (the autotuner's choice is in its cache)."""
+    configs, cache, times = kernel.configs, kernel.cache, {}
+    try:
+        for config in configs:
+            kernel.configs, kernel.cache = [config], {}
+            times[f"{config.kwargs} warps={config.num_warps} stages={config.num_stages}"] = ms(fn)
+    finally:
+        kernel.configs, kernel.cache = configs, cache
+    return times
+
+
 @section
 def bench_indexer():
+    """Selection at T = 65,536 (m = 1, one document, 32 x 128 index heads, top-512, blocks of 8) against its scoring
+    GEMM at the matmul rate measured in this run: full causal (goal <= 2x), with candidate blocks (keep 2,048; goal
+    <= 2x its GEMM; also each candidate scoring path alone, to place DENSE_CANDIDATES), the scoring and selection
+    stages apart, each scoring config forced, and the torch baseline."""
     T, NH, DI, topk, bs, keep = n(65536, 128), n(32, 2), n(128, 16), n(512, 8), 8, n(2048, 4)
     q, w, k, vis_lo, vis_hi = indexer_problem(T, NH, DI)
     rate = RESULTS["matmul_8192_bf16"]["tflops"]
     full_flops = T * (T + 1) // 2 * NH * DI * 2
-    cand_flops = T * keep * bs * NH * DI * 2
+    cand_flops = T * keep * bs * NH * DI * 2  # upper bound: every candidate block full
     res = {"gemm_ms_full": full_flops / rate / 1e9, "gemm_ms_cand": cand_flops / rate / 1e9}
     res["select_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk))
+    res["select_vs_gemm"] = res["select_ms"] / res["gemm_ms_full"]
     res["select_blocks_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs,
                                                                    keep_blocks=keep))
-    chunk = n(1024, 32)  # what indexer_select picks at T = 65,536 (SCORE_CHUNK_BYTES)
-    res["scores_only_ms"] = ms(lambda: [_full_scores(q[0, t0:t0 + chunk], w[0, t0:t0 + chunk], k[0],
-                                                     vis_lo[0, t0:t0 + chunk], vis_hi[0, t0:t0 + chunk], 0,
-                                                     t0 + chunk, t0 + chunk) for t0 in range(0, T, chunk)])
     _, cand = triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
     res["cand_select_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs))
+    res["cand_select_vs_gemm"] = res["cand_select_ms"] / res["gemm_ms_cand"]
+    res["cand_dense_switch"] = triton_indexer.DENSE_CANDIDATES
+    for path, dense in (("gathered", 0.0), ("dense", float("inf"))):  # each candidate scoring path alone
+        with overridden(triton_indexer, "DENSE_CANDIDATES", dense):
+            res[f"cand_select_{path}_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs))
+    for name, candidates, kernel, flops in (("full", None, triton_indexer._score_kernel, full_flops),
+                                            ("cand_gathered", cand, triton_indexer._cand_score_kernel, cand_flops)):
+        with overridden(triton_indexer, "DENSE_CANDIDATES", 0.0):
+            score, select, chunks = indexer_stages(q, w, k, vis_lo, vis_hi, topk, bs, candidates)
+            res[f"{name}_chunks"] = chunks
+            res[f"{name}_score_ms"] = ms(score)
+            res[f"{name}_score_tflops"] = flops / res[f"{name}_score_ms"] / 1e9
+            res[f"{name}_pyramid_select_ms"] = ms(select)
+            res[f"{name}_score_ms_by_config"] = per_config_ms(kernel, score)
+        del score, select
+        if not SMOKE:
+            torch.cuda.empty_cache()
     res["torch_chunked_ms"] = ms(lambda: torch_select(q, w, k, vis_hi, topk, n(512, 32)))
     del cand
     res["peak_mib"] = {}
@@ -459,7 +579,8 @@ def main():
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
     parser.add_argument("--only", help="comma-separated sections of the mode (default: all of them)")
     args = parser.parse_args()
-    sections = {"check": [check_attention, check_indexer, check_index_logits, check_rope],
+    sections = {"check": [check_attention, check_indexer, check_indexer_ties, check_index_logits, check_rope,
+                          check_norm_and_cast],
                 "bench": [bench_matmul, bench_attention, bench_sdpa_cudnn, bench_indexer, bench_index_logits]}
     by_name = {fn.__name__: fn for fn in sections[args.mode]}
     chosen = args.only.split(",") if args.only else list(by_name)

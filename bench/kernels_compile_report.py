@@ -107,7 +107,7 @@ def main():
     index = dict(NH=i32)
     levels = dict(row_len=i32, level1=i32)
     report(idx._score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32, **levels,
-                                   **index), dict(DI=128, NH_P=32, G=8, WHILE_LOOP=False))
+                                   **index), dict(DI=128, NH_P=32, G=8, SPLIT=idx.SCORE_SPLIT, WHILE_LOOP=False))
     report(idx._cand_score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, CAND=i64, LEVELS=f32, **levels,
                                         **index), dict(DI=128, NH_P=32, G=8, NC=2048))
     select = dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, SCRATCH=i64, OUT=i64, row_len=i32, width0=i32, top=i32)

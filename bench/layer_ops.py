@@ -12,8 +12,10 @@ kernel launch as one (the ATen ops the interpreter runs inside a launch are not 
 import argparse
 import collections
 import contextlib
+import datetime
 import json
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -114,7 +116,10 @@ def main():
     for name, n in counts.most_common():
         print(f"  {n:3d}  {name}")
     if a.json:
-        summary = {"layer": reuse, "weights": a.weights, "launches": total, "by_op": dict(counts)}
+        summary = {"layer": reuse, "weights": a.weights, "launches": total, "by_op": dict(counts),
+                   "command": "TRITON_INTERPRET=1 python " + " ".join(sys.argv),
+                   "machine": f"{platform.node()} (CPU, Triton interpreter count)",
+                   "date": datetime.date.today().isoformat()}
         Path(a.json).write_text(json.dumps(summary, indent=1))
 
 

@@ -24,15 +24,32 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, flat).view(B, T, K, x.shape[-1])
 
 
-def rope(x: torch.Tensor, rotation: torch.Tensor, dim: int) -> torch.Tensor:
+def rope(x: torch.Tensor, rotation: torch.Tensor, dim: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [B,N,(H,)D] with its last ``dim`` features rotated: each adjacent pair, as a complex number, times
-    ``rotation`` [B,N,dim/2] (complex; its real type is the compute dtype). Linear in x: the backward is the
-    same product by the conjugate, which autograd derives."""
+    ``rotation`` [B,N,dim/2] (complex; its real type is the compute dtype), in ``out_dtype`` (default x's). Linear
+    in x: the backward is the same product by the conjugate, which autograd derives."""
+    out_dtype = out_dtype or x.dtype
     if x.dim() == 4:
         rotation = rotation.unsqueeze(2)
     pairs = torch.view_as_complex(x[..., -dim:].to(rotation.dtype.to_real()).unflatten(-1, (-1, 2)))
-    rotated = torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-dim], rotated], dim=-1)
+    rotated = torch.view_as_real(pairs * rotation).flatten(-2).to(out_dtype)
+    return torch.cat([x[..., :-dim].to(out_dtype), rotated], dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: torch.Tensor | None = None,
+             rope_dim: int = 0) -> torch.Tensor:
+    """RMSNorm over the last dim computed in (at least) fp32, then, with a ``rotation``, RoPE on its last
+    ``rope_dim`` features, rounded to x's dtype once."""
+    dtype = _compute_dtype(x)
+    out = F.rms_norm(x.to(dtype), weight.shape, weight.to(dtype), eps)
+    if rotation is not None:
+        out = rope(out, rotation, rope_dim)
+    return out.to(x.dtype)
+
+
+def cast(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The tensors in ``dtype`` (differentiable)."""
+    return [t.to(dtype) for t in tensors]
 
 
 def window_slots(win_lo: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,14 @@ from kernels.triton_select import Pyramid, build_upper_levels, select_blocks, se
 NEG_INF = float("-inf")
 KERNEL_NEG_INF = tl.constexpr(NEG_INF)  # kernels may only read constexpr globals
 SCORE_CHUNK_BYTES = 256 << 20  # the pyramid rows of one chunk of queries
+# Columns a scoring program sweeps (a multiple of every BLOCK_S): a late chunk at T = 65,536 holds ~900 queries, so
+# without splitting its columns it would give ~110 programs of 8 queries for 132 SMs.
+SCORE_SPLIT = 8192
+# Candidate-restricted chunks whose rows are at most this many times a query's candidate entries (NC * G) wide are
+# scored densely and masked to their candidate blocks: the dense kernel shares each key tile among 8 queries, while
+# the gather kernel reads every candidate row once per query (L2-bound). At T = 65,536 with 2,048 x 8 candidates:
+# queries before t = 32,768.
+DENSE_CANDIDATES = 2.0
 
 # M = BLOCK_S entries (one or two wgmma M=64 per warpgroup), N = BLOCK_T * 32 heads; keys are L2-resident. Configs
 # with <= 114 KB of shared memory and <= 64K registers per two CTAs run two per SM (one's epilogue hides behind the
@@ -79,10 +87,11 @@ def _score_tile(q, w, KEY, doc_lo, c0, sweep, width, active, rows, level1, DI: t
 @triton.autotune(configs=_SCORE_CONFIGS, key=["NH", "DI", "G"])
 @triton.jit
 def _score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, NH, DI: tl.constexpr,
-                  NH_P: tl.constexpr, G: tl.constexpr, WHILE_LOOP: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    """Scores of BLOCK_T queries over their visible entries at doc-relative columns (level 0 of their pyramid
-    rows) and the block maxima (level 1), entries past a query's range left unwritten.
+                  NH_P: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Scores of BLOCK_T queries over their visible entries in columns [SPLIT * program_id(1), + SPLIT), at
+    doc-relative columns (level 0 of their pyramid rows), and the block maxima (level 1); entries past a
+    query's range are left unwritten.
 
     Columns, not entries, are tiled, so blocks of G columns fall inside a tile for every query. Queries of
     different documents (a program straddling a document start) see different entries at the same column:
@@ -90,26 +99,27 @@ def _score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level
     interpreter cannot take a ``range`` bound from a runtime value under NumPy 2, while a ``for`` loop is what
     the GPU compiler pipelines.
     """
-    tl.static_assert(BLOCK_S % G == 0)
+    tl.static_assert((BLOCK_S % G == 0) & (SPLIT % BLOCK_S == 0))
     first = tl.program_id(0) * BLOCK_T
+    begin = tl.program_id(1) * SPLIT
     q, w = _head_rows(Q, WGT, first, n_queries, NH, DI, BLOCK_T, NH_P)
     r = first + tl.arange(0, BLOCK_T)
     live = r < n_queries
     lo = tl.load(VIS_LO + r, mask=live, other=0)
     width = tl.maximum(tl.load(VIS_HI + r, mask=live, other=0) - lo, 0)
     rows = LEVELS + r.to(tl.int64) * row_len
-    pending = width > 0
+    pending = width > begin
     while tl.max(pending.to(tl.int32), 0) > 0:
         doc_lo = tl.min(tl.where(pending, lo, 2 ** 62), 0)
         active = pending & (lo == doc_lo)
-        sweep = tl.max(tl.where(active, width, 0), 0)
+        sweep = tl.minimum(tl.max(tl.where(active, width, 0), 0), begin + SPLIT)
         if WHILE_LOOP:
-            c0 = sweep * 0
+            c0 = begin
             while c0 < sweep:
                 _score_tile(q, w, KEY, doc_lo, c0, sweep, width, active, rows, level1, DI, NH_P, G, BLOCK_T, BLOCK_S)
                 c0 += BLOCK_S
         else:
-            for c0 in range(0, sweep, BLOCK_S):
+            for c0 in range(begin, sweep, BLOCK_S):
                 _score_tile(q, w, KEY, doc_lo, c0, sweep, width, active, rows, level1, DI, NH_P, G, BLOCK_T, BLOCK_S)
         pending = pending & ~active
 
@@ -208,17 +218,36 @@ def _chunks(width: np.ndarray, group: int, budget: int):
         start += rows
 
 
-def _score_chunk(levels, pyramid: Pyramid, q, w, k, lo, hi, cand):
-    """Levels 0 and 1 of the chunk's pyramid rows: every visible entry, or the candidate blocks' entries."""
+def _keep_candidate_blocks(blocks: torch.Tensor, cand: torch.Tensor) -> None:
+    """Level 1 rows [n, blocks] set to -inf outside each query's candidate blocks (ids out of range ignored)."""
+    usable = (cand >= 0) & (cand < blocks.shape[1])
+    member = torch.zeros(blocks.shape, dtype=torch.int32, device=blocks.device)
+    member.scatter_add_(1, torch.where(usable, cand, 0).long(), usable.int())
+    blocks.masked_fill_(member == 0, NEG_INF)
+
+
+def score_chunk(levels, pyramid: Pyramid, q, w, k, lo, hi, cand):
+    """Levels 0 and 1 of the chunk's pyramid rows: every visible entry, or the candidate blocks' entries (level 0
+    then holds scores of candidate blocks at least; level 1 is -inf outside them)."""
     n, NH, DI = q.shape
     args = dict(NH=NH, DI=DI, NH_P=_heads_p(NH), G=pyramid.group)
-    if cand is None:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]),)  # noqa: E731
-        _score_kernel[grid](q, w, k, lo, hi, levels, n, pyramid.row, pyramid.offsets[1], WHILE_LOOP=INTERPRET, **args)
+    if cand is None or pyramid.widths[0] <= DENSE_CANDIDATES * cand.shape[1] * pyramid.group:
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), triton.cdiv(pyramid.widths[0], SCORE_SPLIT))  # noqa: E731
+        _score_kernel[grid](q, w, k, lo, hi, levels, n, pyramid.row, pyramid.offsets[1], SPLIT=SCORE_SPLIT,
+                            WHILE_LOOP=INTERPRET, **args)
+        if cand is not None:
+            _keep_candidate_blocks(pyramid.level(levels, 1), cand)
     else:
         pyramid.level(levels, 1).fill_(NEG_INF)  # blocks that are not candidates
         _cand_score_kernel[(n,)](q, w, k, lo, hi, cand, levels, pyramid.row, pyramid.offsets[1], NC=cand.shape[1],
                                  **args)
+
+
+def chunk_plan(widths: np.ndarray, topk: int, block_size: int, candidates: bool) -> list[tuple[int, int, Pyramid]]:
+    """(start, end, pyramid) of each chunk of one batch row's queries, from their visible widths (host)."""
+    cap = block_size * triton.next_power_of_2(topk)
+    return [(t0, t1, Pyramid(int(widths[t0:t1].max()), block_size, cap, min_top=int(candidates)))
+            for t0, t1 in _chunks(widths, block_size, SCORE_CHUNK_BYTES)]
 
 
 def indexer_select(q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_size: int = 8, keep_blocks: int = 0):
@@ -231,18 +260,15 @@ def indexer_select(q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_s
         q, w, k = q.contiguous(), w.contiguous(), k.contiguous()
         topk_idx = new_output((B, T, topk), torch.long, q.device)
         blocks = new_output((B, T, keep_blocks), torch.long, q.device) if keep_blocks else None
-        cap = block_size * triton.next_power_of_2(topk)
         widths = (vis_hi - vis_lo).clamp(min=0).cpu().numpy()  # the one host sync
         for b in range(B):
             lo, hi = vis_lo[b].contiguous(), vis_hi[b].contiguous()
-            spans = list(_chunks(widths[b], block_size, SCORE_CHUNK_BYTES))
-            pyramids = [Pyramid(int(widths[b, t0:t1].max()), block_size, cap, min_top=int(cand_blocks is not None))
-                        for t0, t1 in spans]
-            pool = torch.empty(max((t1 - t0) * p.row for (t0, t1), p in zip(spans, pyramids)), device=q.device)
-            for (t0, t1), pyramid in zip(spans, pyramids):
+            plan = chunk_plan(widths[b], topk, block_size, cand_blocks is not None)
+            pool = torch.empty(max((t1 - t0) * p.row for t0, t1, p in plan), device=q.device)
+            for t0, t1, pyramid in plan:
                 levels = pool[:(t1 - t0) * pyramid.row].view(t1 - t0, pyramid.row)
                 cand = None if cand_blocks is None else cand_blocks[b, t0:t1].contiguous()
-                _score_chunk(levels, pyramid, q[b, t0:t1], w[b, t0:t1], k[b], lo[t0:t1], hi[t0:t1], cand)
+                score_chunk(levels, pyramid, q[b, t0:t1], w[b, t0:t1], k[b], lo[t0:t1], hi[t0:t1], cand)
                 build_upper_levels(levels, pyramid, lo[t0:t1], hi[t0:t1])
                 select_entries(levels, pyramid, lo[t0:t1], hi[t0:t1], topk, out=topk_idx[b, t0:t1])
                 if keep_blocks:

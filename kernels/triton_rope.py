@@ -1,4 +1,5 @@
-"""RoPE in one launch: copy the unrotated features and rotate the last ``dim`` ones pairwise, in fp32.
+"""RoPE in one launch: copy the unrotated features and rotate the last ``dim`` ones pairwise, in fp32 (optionally
+into another dtype: a cast folded in).
 
 The PyTorch formula (``kernels.reference.rope``) costs four launches per call (upcast, complex multiply,
 downcast, concatenation), and a layer makes four calls; here each is one read and one write of x. The backward
@@ -40,11 +41,11 @@ def _rope_kernel(x, rotation, out, R, H, D: tl.constexpr, DIM: tl.constexpr, BLO
     tl.store(out + tail + 1, (even * sin + odd * cos).to(out.dtype.element_ty), mask=live[:, None])
 
 
-def _launch(x: torch.Tensor, rotation: torch.Tensor, dim: int, conj: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, rotation: torch.Tensor, dim: int, conj: bool, out_dtype: torch.dtype) -> torch.Tensor:
     x = x.contiguous()
     D, H = x.shape[-1], x.shape[2] if x.dim() == 4 else 1
     R = x.numel() // D
-    out = new_output(x.shape, x.dtype, x.device)
+    out = new_output(x.shape, out_dtype, x.device)
     grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)  # noqa: E731
     _rope_kernel[grid](x, torch.view_as_real(rotation), out, R, H, D, dim,
                        triton.next_power_of_2(max(D - dim, 1)), conj)
@@ -53,20 +54,21 @@ def _launch(x: torch.Tensor, rotation: torch.Tensor, dim: int, conj: bool) -> to
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rotation, dim):
+    def forward(ctx, x, rotation, dim, out_dtype):
         ctx.save_for_backward(rotation)
-        ctx.dim = dim
-        return _launch(x, rotation, dim, conj=False)
+        ctx.dim, ctx.in_dtype = dim, x.dtype
+        return _launch(x, rotation, dim, False, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):
         (rotation,) = ctx.saved_tensors
-        return _launch(grad, rotation, ctx.dim, conj=True), None, None
+        return _launch(grad, rotation, ctx.dim, True, ctx.in_dtype), None, None, None
 
 
-def rope(x: torch.Tensor, rotation: torch.Tensor, dim: int) -> torch.Tensor:
-    """``kernels.reference.rope``: x [B,N,(H,)D] (fp32/bf16/fp16), rotation [B,N,dim/2] complex64."""
-    if rotation.dtype != torch.complex64 or dim & (dim - 1) or x.dtype == torch.float64:
+def rope(x: torch.Tensor, rotation: torch.Tensor, dim: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``kernels.reference.rope``: x [B,N,(H,)D] (fp32/bf16/fp16), rotation [B,N,dim/2] complex64, the result in
+    ``out_dtype`` (default x's; a cast folded into the rotation)."""
+    if rotation.dtype != torch.complex64 or dim & (dim - 1) or torch.float64 in (x.dtype, out_dtype):
         raise ValueError(f"Triton rope takes fp32/bf16/fp16 x, a complex64 rotation and a power-of-two dim; got "
-                         f"{x.dtype}, {rotation.dtype}, dim={dim}")
-    return _Rope.apply(x, rotation.contiguous(), dim)
+                         f"{x.dtype} -> {out_dtype}, {rotation.dtype}, dim={dim}")
+    return _Rope.apply(x, rotation.contiguous(), dim, out_dtype or x.dtype)

@@ -16,6 +16,7 @@ from model.geometry import EntryGeometry, Geometry, TokenGeometry
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
 from model.rope import Rotary
+from model.weights import matmul_weights
 
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
@@ -32,7 +33,7 @@ class Compressor(nn.Module):
         self.ratio = ratio
         self.wkv = linear(args.dim, args.head_dim)
         self.wgate = linear(args.dim, args.head_dim) if ratio > 1 else None
-        self.norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.norm = RMSNorm(args.head_dim, args.norm_eps, args.kernel_backend)
 
     def forward(self, x: torch.Tensor, entries: EntryGeometry) -> torch.Tensor:
         if self.ratio == 1:  # one entry per token, stored in token order
@@ -56,7 +57,7 @@ class IndexKeys(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.wk = linear(args.head_dim, args.index_head_dim)
-        self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.index_head_dim, args.norm_eps, args.kernel_backend)
 
     def forward(self, latent: torch.Tensor, rotary: Rotary, entries: EntryGeometry) -> torch.Tensor:
         return index_keys(self, latent, rotary, entries)
@@ -64,7 +65,7 @@ class IndexKeys(nn.Module):
 
 def index_keys(owner: nn.Module, latent: torch.Tensor, rotary: Rotary, entries: EntryGeometry) -> torch.Tensor:
     """``RoPE(k_norm(wk(latent)))`` with the ``wk``/``k_norm`` of ``owner`` (an Indexer or its IndexKeys replica)."""
-    return rotary(owner.k_norm(owner.wk(latent.detach())), entries)
+    return owner.k_norm(owner.wk(latent.detach()), rotary, entries)
 
 
 class Indexer(nn.Module):
@@ -98,10 +99,10 @@ class Attention(nn.Module):
         self.candidate_topk_blocks, self.candidate_block_size = candidate_topk_blocks, candidate_block_size
         H, D = args.n_heads, args.head_dim
         self.wq_a = linear(args.dim, args.q_lora_rank)
-        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps, args.kernel_backend)
         self.wq_b = linear(args.q_lora_rank, H * D)
         self.wkv = linear(args.dim, D)
-        self.kv_norm = RMSNorm(D, args.norm_eps)
+        self.kv_norm = RMSNorm(D, args.norm_eps, args.kernel_backend)
         self.wo_a = linear(H * D // args.o_groups, args.o_groups * args.o_lora_rank)
         self.wo_b = linear(args.o_groups * args.o_lora_rank, args.dim)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
@@ -118,9 +119,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         args, plan, tokens = self.args, self.plan, geometry.tokens
         ops = kernels.ops(args.kernel_backend, x.device)
-        qr = self.q_norm(self.wq_a(x))
-        q = self.rotary(self.wq_b(qr).view(B, T, args.n_heads, args.head_dim), tokens)
-        kv_window = self.rotary(self.kv_norm(self.wkv(x)), tokens)
+        wq_a, wq_b, wkv, wo_a, wo_b = matmul_weights([self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b],
+                                                     args.kernel_backend)
+        qr = self.q_norm(F.linear(x, wq_a))
+        q = self.rotary(F.linear(qr, wq_b).view(B, T, args.n_heads, args.head_dim), tokens)
+        kv_window = self.kv_norm(F.linear(x, wkv), self.rotary, tokens)
         produced, kv_comp, topk = {}, None, None
         if plan.mode is not Mode.WINDOW:
             entries = geometry.entries(plan.ratio)
@@ -133,7 +136,7 @@ class Attention(nn.Module):
                 produced.update(self._select(ops, x, qr, tokens, entries, index_k, reads.get("candidates")))
             topk = produced["topk"] if plan.selects else reads["topk"]
             # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
-            kv_comp = self.rotary(latent.to(q.dtype), entries)
+            kv_comp = self.rotary(latent, entries, out_dtype=q.dtype)
         out, selected_mass = ops.sparse_attention(q, kv_window, geometry.window_lo, kv_comp, topk, self.attn_sink,
                                                   args.head_dim ** -0.5, args.window_size)
         if topk is not None:
@@ -141,7 +144,7 @@ class Attention(nn.Module):
             if collect_recall:
                 produced["recall"] = index_recall(q, kv_comp, entries.vis_lo, entries.vis_hi, topk,
                                                   args.head_dim ** -0.5)
-        return self._project_out(self.rotary(out, tokens, inverse=True)), produced
+        return self._project_out(self.rotary(out, tokens, inverse=True), wo_a, wo_b), produced
 
     def _select(self, ops, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k,
                 candidates) -> dict[str, torch.Tensor]:
@@ -156,10 +159,12 @@ class Attention(nn.Module):
             selection["candidates"] = blocks
         return selection
 
-    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
-        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b."""
+    def _project_out(self, out: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
+        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b.
+
+        Computed transposed, ``low^T[g] = wo_a[g] @ out[:, g]^T`` [G, R, B*T], so that both matmuls read their
+        operands in place (strided views a GEMM takes as they are) and nothing is copied into another layout."""
         B, T = out.shape[:2]
         G, R = self.args.o_groups, self.args.o_lora_rank
-        grouped = out.reshape(B, T, G, -1)
-        low = torch.einsum("btgd,grd->btgr", grouped, self.wo_a.weight.view(G, R, -1))
-        return self.wo_b(low.flatten(2))
+        low_t = torch.matmul(wo_a.view(G, R, -1), out.reshape(B * T, G, -1).permute(1, 2, 0))
+        return F.linear(low_t.reshape(G * R, B * T).t(), wo_b).view(B, T, -1)

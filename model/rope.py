@@ -69,7 +69,8 @@ class Rotary(nn.Module):
             where.rotations[key] = rotation.to(dtype.to_complex())
         return where.rotations[key]
 
-    def forward(self, x: torch.Tensor, where, inverse: bool = False) -> torch.Tensor:
-        """x [B,N,(H,)D] -> x with its last ``dim`` features rotated by the positions of ``where`` (or back)."""
+    def forward(self, x: torch.Tensor, where, inverse: bool = False, out_dtype: torch.dtype | None = None):
+        """x [B,N,(H,)D] -> x with its last ``dim`` features rotated by the positions of ``where`` (or back), in
+        ``out_dtype`` (default x's)."""
         rotation = self.rotation(where, torch.promote_types(x.dtype, torch.float32), inverse)
-        return kernels.ops(self.kernel_backend, x.device).rope(x, rotation, self.dim)
+        return kernels.ops(self.kernel_backend, x.device).rope(x, rotation, self.dim, out_dtype)

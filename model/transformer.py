@@ -17,15 +17,18 @@ from model.dense import DenseAttention
 from model.layout import Layout, LayerPlan
 from model.norm import RMSNorm
 from model.state import SharedState
+from model.weights import matmul_weights
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, inter_dim: int):
+    def __init__(self, dim: int, inter_dim: int, kernel_backend: str = "auto"):
         super().__init__()
+        self.kernel_backend = kernel_backend
         self.w1, self.w2, self.w3 = linear(dim, inter_dim), linear(inter_dim, dim), linear(dim, inter_dim)
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        w1, w2, w3 = matmul_weights([self.w1, self.w2, self.w3], self.kernel_backend)
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 class Block(nn.Module):
@@ -33,11 +36,11 @@ class Block(nn.Module):
         super().__init__()
         self.recompute = False  # set by the parallel config (activation checkpointing of this layer)
         self.keep_attention = False  # with recompute: keep the sparse attention's outputs instead of re-running it
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
         attention = DenseAttention if args.attention == "dense" else Attention
         self.attn = attention(args, plan, layout.candidate_topk_blocks, layout.candidate_block_size)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn = FeedForward(args.dim, args.inter_dim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
+        self.ffn = FeedForward(args.dim, args.inter_dim, args.kernel_backend)
 
     def forward(self, x: torch.Tensor, state: SharedState) -> torch.Tensor:
         """Runs the layer on the forward's shared state. With ``recompute`` the layer is a non-reentrant
@@ -86,7 +89,7 @@ class Transformer(nn.Module):
             self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): Block(args, layout, layout.plan[i]) for i in layer_ids})
         if self.has_head:
-            self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
             self.head = linear(args.dim, args.vocab_size)
         if init:  # False: the caller draws the values (benchmarks drawing init_std's distribution on the GPU)
             init_parameters(self.named_parameters(), args, layout.n_layers, seed)

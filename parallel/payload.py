@@ -4,7 +4,11 @@ The schema of each boundary is planned statically from the layout's producer -> 
 stage split. On the wire it is two tensors, because DeepSpeed's pipeline engine runs one backward pass per
 floating-point tensor it sends and requires each to carry a gradient:
 - one float tensor with every differentiable field (hidden state, KV latents, index keys in ``payload`` mode,
-  student index logits, finished indexer losses), so a stage runs exactly one backward traversal;
+  student index logits, finished indexer losses), so a stage runs exactly one backward traversal. Each field
+  travels in its own dtype: a bf16 field (an m = 1 latent, index keys, under autocast) is carried as its bits,
+  two per fp32 slot, and its gradient comes back the same way, so it costs half of an upcast and round trips
+  exactly. Packing and unpacking are one autograd function each, whose backward only moves bits (no gradient
+  of a packed slot ever goes through an addition, which could turn -0.0 into +0.0 or quiet a NaN);
 - one uint8 tensor with everything else, bit-for-bit (selected entries as int32, candidate blocks as int16,
   the running indexer-loss targets as fp32 bits, document ids), led by a fingerprint of the schema that the
   receiver checks on its first microbatch.
@@ -27,7 +31,7 @@ class Field:
     source: int | None  # producing layer
     shape: tuple[int, ...]
     dtype: torch.dtype  # dtype in the model
-    wire_dtype: torch.dtype  # dtype on the wire
+    wire_dtype: torch.dtype  # dtype of its bits on the wire (a differentiable field's is its own)
     differentiable: bool
 
     @property
@@ -51,13 +55,14 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
     """Fields that cross the boundary after ``last_layer``: produced at or before it, last used after it.
 
     ``dtype`` is the compute dtype of projections (bf16 under autocast); the residual stream ``h`` stays fp32
-    (fp32 master weights, the embedding's dtype)."""
+    (fp32 master weights, the embedding's dtype), and so does the latent of an m > 1 Full layer (its gated
+    pooling runs in fp32)."""
     B, T, K = micro_batch, seq_len, args.index_topk
     ratio = layout.compress_ratios
     n_blocks = layout.candidate_topk_blocks
     block_id = torch.int16 if -(-T // layout.candidate_block_size) < 2 ** 15 else torch.int32
     specs = {  # name -> (shape, model dtype, wire dtype, differentiable)
-        "kv": (lambda s: (B, T // ratio[s], args.head_dim), dtype, None, True),
+        "kv": (lambda s: (B, T // ratio[s], args.head_dim), None, None, True),
         "index_k": (lambda s: (B, T // ratio[s], args.index_head_dim), dtype, None, True),
         "index_logits": (lambda s: (B, T, K), torch.float32, None, True),
         "topk": (lambda s: (B, T, K), torch.int64, torch.int32, False),
@@ -65,18 +70,68 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
                        block_id, False),
         "index_target": (lambda s: (B, T, K), torch.float32, torch.float32, False),
     }
-    fields = [Field("h", None, (B, T, args.dim), torch.float32, None, True),
+    fields = [Field("h", None, (B, T, args.dim), torch.float32, torch.float32, True),
               Field("doc_ids", None, (B, T), torch.int64, torch.int32, False)]
     for (name, source), last in sorted(layout.last_use.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if source <= last_layer < last and not (name == "index_k" and index_k == "shadow"):
             shape, model_dtype, wire, diff = specs[name]
-            fields.append(Field(name, source, shape(source), model_dtype, wire, diff))
+            if name == "kv":
+                model_dtype = torch.float32 if ratio[source] > 1 else dtype
+            fields.append(Field(name, source, shape(source), model_dtype, wire or model_dtype, diff))
     for source in layout.index_source_layer_ids:
         if max(layout.readers(source)) <= last_layer:
-            fields.append(Field("indexer_loss", source, (), torch.float32, None, True))
-    float_wire = torch.float32 if any(f.differentiable and f.dtype == torch.float32 for f in fields) else dtype
-    return [f if f.wire_dtype is not None else Field(f.name, f.source, f.shape, f.dtype, float_wire, True)
-            for f in fields]
+            fields.append(Field("indexer_loss", source, (), torch.float32, torch.float32, True))
+    return fields
+
+
+def _to_slots(value: torch.Tensor, dtype: torch.dtype, slots: int) -> torch.Tensor:
+    """A field's values as ``slots`` elements of the float tensor's ``dtype``: itself, or its bits packed."""
+    flat = value.contiguous().reshape(-1)
+    if value.dtype == dtype:
+        return flat
+    per_slot = dtype.itemsize // value.dtype.itemsize
+    return torch.nn.functional.pad(flat, (0, slots * per_slot - flat.numel())).view(dtype)
+
+
+def _from_slots(slots: torch.Tensor, f: Field) -> torch.Tensor:
+    """Inverse of ``_to_slots``."""
+    if slots.dtype == f.wire_dtype:
+        return slots.view(f.shape)
+    return slots.view(f.wire_dtype)[:f.numel].view(f.shape)
+
+
+class _PackFloats(torch.autograd.Function):
+    """Differentiable fields -> one float tensor (bf16 fields as bits); the gradient goes back the same way."""
+
+    @staticmethod
+    def forward(ctx, payload, *values):
+        ctx.payload = payload
+        return torch.cat([_to_slots(v, payload.float_dtype, payload.slots(f))
+                          for f, v in zip(payload.float_fields, values)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        payload = ctx.payload
+        return None, *(_from_slots(g, f) for f, g in zip(payload.float_fields,
+                                                          grad.split([payload.slots(f) for f in payload.float_fields])))
+
+
+class _UnpackFloats(torch.autograd.Function):
+    """One float tensor -> the differentiable fields; the gradients (zeros for unused fields) go back packed."""
+
+    @staticmethod
+    def forward(ctx, payload, floats):
+        ctx.payload = payload
+        return tuple(_from_slots(part, f) for f, part in
+                     zip(payload.float_fields, floats.split([payload.slots(f) for f in payload.float_fields])))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        payload = ctx.payload
+        grads = [torch.zeros(f.shape, dtype=f.wire_dtype, device=payload.device) if g is None else g
+                 for f, g in zip(payload.float_fields, grads)]
+        return None, torch.cat([_to_slots(g, payload.float_dtype, payload.slots(f))
+                                for f, g in zip(payload.float_fields, grads)])
 
 
 class Payload:
@@ -85,6 +140,9 @@ class Payload:
     def __init__(self, fields: list[Field]):
         self.fields = fields
         self.fingerprint = zlib.crc32(repr([(f.name, f.source, f.shape, str(f.wire_dtype)) for f in fields]).encode())
+        wire = {f.wire_dtype for f in self.float_fields}
+        self.float_dtype = torch.float32 if torch.float32 in wire or len(wire) > 1 else wire.pop()
+        self.device = None  # of the last unpacked payload (zero gradients of unused fields are made there)
         self._checked = False
 
     @property
@@ -98,9 +156,17 @@ class Payload:
     def nbytes(self) -> int:
         return sum(f.nbytes for f in self.fields)
 
+    def slots(self, f: Field) -> int:
+        """Elements of the float tensor that field ``f`` occupies."""
+        return -(-f.nbytes // self.float_dtype.itemsize)
+
     def pack(self, h: torch.Tensor, state: SharedState) -> tuple[torch.Tensor, torch.Tensor]:
         values = {f: self._value(f, h, state) for f in self.fields}
-        floats = torch.cat([values[f].to(f.wire_dtype).reshape(-1) for f in self.float_fields])
+        for f in self.float_fields:
+            if values[f].dtype != f.wire_dtype:
+                raise RuntimeError(f"pipeline payload: field {f.name}[{f.source}] is {values[f].dtype} in the model "
+                                   f"but the boundary schema carries {f.wire_dtype}")
+        floats = _PackFloats.apply(self, *(values[f] for f in self.float_fields))
         header = torch.tensor([self.fingerprint], dtype=torch.int64, device=h.device).view(torch.uint8)
         chunks = [header]
         for f in self.byte_fields:
@@ -111,10 +177,8 @@ class Payload:
     def unpack(self, floats: torch.Tensor, raw: torch.Tensor, state_factory) -> tuple[torch.Tensor, SharedState]:
         """(hidden state, a SharedState holding the carried fields); ``state_factory(doc_ids)`` makes the state."""
         self._check(floats, raw)
-        values, offset = {}, 0
-        for f in self.float_fields:
-            values[f] = floats[offset: offset + f.numel].view(f.shape).to(f.dtype)
-            offset += f.numel
+        self.device = floats.device
+        values = dict(zip(self.float_fields, _UnpackFloats.apply(self, floats)))
         offset = ALIGN
         for f in self.byte_fields:
             values[f] = raw[offset: offset + f.nbytes].view(f.wire_dtype).view(f.shape).to(f.dtype)
@@ -140,7 +204,7 @@ class Payload:
         """Once per run: the sender packed the schema this stage expects (same layout, split and shapes)."""
         if self._checked:
             return
-        want_floats = sum(f.numel for f in self.float_fields)
+        want_floats = sum(self.slots(f) for f in self.float_fields)
         want_bytes = ALIGN + sum(f.padded_bytes for f in self.byte_fields)
         got = int(raw[:ALIGN].view(torch.int64)[0]) if raw.numel() >= ALIGN else None
         if floats.numel() != want_floats or raw.numel() != want_bytes or got != self.fingerprint:

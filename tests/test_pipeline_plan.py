@@ -6,7 +6,7 @@ from model import ModelArgs, layout_from_config
 from model.cli import compose
 from model.state import FIELDS
 from parallel.partition import PartitionError, partition
-from parallel.payload import Payload, boundary_fields
+from parallel.payload import Field, Payload, _PackFloats, _UnpackFloats, boundary_fields
 from parallel.batch import plan_batch
 from parallel.plan import describe
 from parallel.stage import shadow_sources
@@ -81,6 +81,56 @@ def test_payload_round_trip_is_exact(tiny, last_layer, index_k):
         assert got.dtype == want.dtype and torch.equal(got, want), (name, source)
     if "topk" in {f.name for f in payload.fields}:
         assert (state.topk[2] == -1).any() and (state.topk[2] >= 0).any()  # empty slots cross as -1 too
+
+
+def test_bf16_fields_travel_as_their_bits(tiny):
+    """Under bf16 autocast the m = 1 latent and the index keys are bf16 in the model: they travel as bf16 bits (half
+    an fp32 slot each), the m = 2 latent and the residual stream as fp32; values round trip bitwise."""
+    args, layout = tiny
+    from model.transformer import Transformer
+
+    for last, index_k in ((2, "shadow"), (7, "payload")):
+        payload = Payload(boundary_fields(args, layout, last, 2, 64, torch.bfloat16, index_k))
+        model = Transformer(args, layout, range(0, last + 1))
+        state = model.new_state(torch.zeros(2, 64, dtype=torch.long))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model.run_layers(model.embed_tokens(torch.randint(0, args.vocab_size, (2, 64))), state)
+            floats, raw = payload.pack(h, state)
+        wire = {(f.name, f.source): f.wire_dtype for f in payload.float_fields}
+        assert wire[("h", None)] == torch.float32
+        assert wire[("kv", last - 1 if last == 7 else last)] == (torch.bfloat16 if last == 7 else torch.float32)
+        assert last == 2 or wire[("index_k", 6)] == torch.bfloat16
+        assert floats.dtype == torch.float32
+        assert floats.numel() == sum(-(-f.numel * f.wire_dtype.itemsize // 4) for f in payload.float_fields)
+        h2, state2 = Payload(payload.fields).unpack(floats, raw, model.new_state)
+        assert torch.equal(h2, h)
+        for f in payload.float_fields[1:]:
+            got = state2.indexer_losses[f.source] if f.name == "indexer_loss" else getattr(state2, f.name)[f.source]
+            want = state.indexer_losses[f.source] if f.name == "indexer_loss" else getattr(state, f.name)[f.source]
+            assert got.dtype == want.dtype and torch.equal(got.view(-1).view(torch.uint8),
+                                                          want.reshape(-1).view(torch.uint8)), f.name
+
+
+def test_packed_gradients_only_move_bits():
+    """The gradient of a bf16 field crosses the boundary bit for bit, through unpack and pack: -0.0, subnormals and
+    NaN payloads included, next to an unused field (zero gradient) and with an odd element count (padded slot)."""
+    fields = [Field("h", None, (3,), torch.float32, torch.float32, True),
+              Field("kv", 1, (3, 5), torch.bfloat16, torch.bfloat16, True),
+              Field("index_k", 1, (2,), torch.bfloat16, torch.bfloat16, True)]
+    payload = Payload(fields)
+    special = torch.tensor([-0.0, 0.0, 1e-40, -1e-40, float("nan"), 1.0, -2.5, 3e38], dtype=torch.bfloat16)
+    values = [torch.randn(3, requires_grad=True), special.repeat(2)[:15].view(3, 5).clone().requires_grad_(),
+              torch.ones(2, dtype=torch.bfloat16, requires_grad=True)]
+    sent = _PackFloats.apply(payload, *values)
+    assert sent.numel() == 3 + 8 + 1
+    received = sent.detach().requires_grad_()
+    h, kv, _ = _UnpackFloats.apply(payload, received)
+    grad_kv = special.flip(0).repeat(2)[:15].view(3, 5)
+    torch.autograd.backward([h, kv], [torch.ones(3), grad_kv])  # index_k unused: zero gradient
+    sent.backward(received.grad)
+    assert torch.equal(values[1].grad.view(torch.int16), grad_kv.view(torch.int16))
+    assert torch.equal(values[2].grad, torch.zeros(2, dtype=torch.bfloat16))
+    assert torch.equal(values[0].grad, torch.ones(3))
 
 
 def test_payload_schema_mismatch_is_caught(tiny):

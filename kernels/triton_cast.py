@@ -1,0 +1,49 @@
+"""Several tensors cast to one dtype in a single launch, into one flat buffer (the weights of a layer under autocast).
+
+Under bf16 autocast each fp32 master weight is cast on its own before its matmul, a launch per weight and
+forward. Here a layer's weights are cast together: each program copies one block of the concatenated output
+from whichever weight it falls in. The backward is one cast of the flat gradient back to the weights' dtype.
+"""
+from itertools import accumulate
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 4096
+
+
+@triton.jit
+def _cast_kernel(SRC, OUT, ENDS: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT[ENDS[i-1]:ENDS[i]] = SRC[i] (flat) for each source; a program handles BLOCK outputs."""
+    start = tl.program_id(0) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    for i in tl.static_range(len(SRC)):
+        lo: tl.constexpr = 0 if i == 0 else ENDS[i - 1]
+        hi: tl.constexpr = ENDS[i]
+        if (start < hi) & (start + BLOCK > lo):
+            inside = (offs >= lo) & (offs < hi)
+            tl.store(OUT + offs, tl.load(SRC[i] + (offs - lo), mask=inside).to(OUT.dtype.element_ty), mask=inside)
+
+
+class _Cast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dtype, *tensors):
+        ends = tuple(accumulate(t.numel() for t in tensors))
+        flat = torch.empty(ends[-1], dtype=dtype, device=tensors[0].device)
+        _cast_kernel[(triton.cdiv(ends[-1], BLOCK),)](tuple(t.contiguous() for t in tensors), flat, ends, BLOCK=BLOCK)
+        ctx.source_dtype, ctx.shapes = tensors[0].dtype, [t.shape for t in tensors]
+        return flat
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = grad.to(ctx.source_dtype).split([shape.numel() for shape in ctx.shapes])
+        return None, *(g.view(shape) for g, shape in zip(grads, ctx.shapes))
+
+
+def cast(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``kernels.reference.cast`` in one launch: tensors of one dtype, returned as views of one buffer."""
+    if len({t.dtype for t in tensors}) != 1:
+        raise ValueError(f"cast takes tensors of one dtype, got {sorted({str(t.dtype) for t in tensors})}")
+    flat = _Cast.apply(dtype, *tensors)
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]

@@ -1,0 +1,114 @@
+"""RMSNorm in one launch, optionally with RoPE on its output: any input dtype, fp32 accumulation, one rounding.
+
+PyTorch's fp32 RMSNorm of a bf16 activation is three launches (upcast, norm, downcast) and a RoPE after it a
+fourth (kernels/triton_rope.py); here a row is read once, normalised and scaled in fp32, its last ``rope_dim``
+features rotated pairwise by the row's rotation, and written once in the input dtype. The backward is one launch
+too: the incoming gradient is rotated back (RoPE is orthogonal), then the RMSNorm gradient; the weight gradient
+is reduced over rows from per-program partial sums (fixed order, so it is reproducible run to run).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import new_output
+
+
+@triton.jit
+def _rotate(y, ROT, rows, live, H, D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
+            BLOCK_R: tl.constexpr, CONJ: tl.constexpr):
+    """y [BLOCK_R, BLOCK_D] with pairs (2i, 2i+1) of its last ROPE features rotated by the rows' rotation
+    (row r uses rotation row r // H, stored as interleaved cos, sin), by the conjugate if CONJ."""
+    even, odd = tl.split(tl.reshape(y, [BLOCK_R, BLOCK_D // 2, 2]))
+    pair = tl.arange(0, BLOCK_D // 2)[None, :] - (D - ROPE) // 2
+    tail = live[:, None] & (pair >= 0) & (pair < ROPE // 2)
+    angle = (rows // H).to(tl.int64)[:, None] * ROPE + 2 * pair
+    cos = tl.load(ROT + angle, mask=tail, other=1.0)
+    sin = tl.load(ROT + angle + 1, mask=tail, other=0.0)
+    if CONJ:
+        sin = -sin
+    return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [BLOCK_R, BLOCK_D])
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < R
+    cols = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (cols[None, :] < D)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
+    y = x * rstd[:, None] * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    if ROPE:
+        y = _rotate(y, ROT, rows, live, H, D, BLOCK_D, ROPE, BLOCK_R, False)
+    tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=live)
+
+
+@triton.jit
+def _rms_norm_bwd(X, W, ROT, DOUT, RSTD, DX, DW_PART, R, H, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dx and this program's partial dw (row DW_PART[program]) from the saved 1/rms."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < R
+    cols = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (cols[None, :] < D)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    dy = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+    if ROPE:
+        dy = _rotate(dy, ROT, rows, live, H, D, BLOCK_D, ROPE, BLOCK_R, True)
+    rstd = tl.load(RSTD + rows, mask=live, other=0.0)
+    xhat = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    g = dy * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, 1) / D)[:, None])
+    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PART + tl.program_id(0) * D + cols, tl.sum(dy * xhat, 0), mask=cols < D)
+
+
+def _launch_shape(D: int) -> tuple[int, int, int]:
+    """(BLOCK_D, BLOCK_R, num_warps): a power-of-two row width and ~8K elements a program."""
+    block_d = triton.next_power_of_2(D)
+    return block_d, max(1, 8192 // block_d), 8 if block_d >= 2048 else 4
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, rotation, rope_dim):
+        x = x.contiguous()
+        D = x.shape[-1]
+        R, H = x.numel() // D, (x.shape[2] if x.dim() == 4 else 1)
+        block_d, block_r, warps = _launch_shape(D)
+        rot = torch.view_as_real(rotation) if rotation is not None else x  # unread without RoPE
+        out = new_output(x.shape, x.dtype, x.device)
+        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
+        _rms_norm_fwd[(triton.cdiv(R, block_r),)](x, weight, rot, out, rstd, R, H, eps, D, block_d, rope_dim,
+                                                  block_r, num_warps=warps)
+        ctx.save_for_backward(x, weight, rotation, rstd)
+        ctx.rope_dim = rope_dim
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rotation, rstd = ctx.saved_tensors
+        D = x.shape[-1]
+        R, H = x.numel() // D, (x.shape[2] if x.dim() == 4 else 1)
+        block_d, block_r, warps = _launch_shape(D)
+        programs = triton.cdiv(R, block_r)
+        dx = new_output(x.shape, x.dtype, x.device)
+        dw_part = torch.empty(programs, D, dtype=torch.float32, device=x.device)
+        rot = torch.view_as_real(rotation) if rotation is not None else x
+        _rms_norm_bwd[(programs,)](x, weight, rot, grad.contiguous(), rstd, dx, dw_part, R, H, D, block_d,
+                                   ctx.rope_dim, block_r, num_warps=warps)
+        return dx, dw_part.sum(0).to(weight.dtype), None, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: torch.Tensor | None = None,
+             rope_dim: int = 0) -> torch.Tensor:
+    """``kernels.reference.rms_norm``: x [..., D] (fp32/bf16/fp16), weight [D]; rotation [B, N, rope_dim/2]
+    complex64 for x [B, N, (H,) D] with RoPE."""
+    if x.dtype == torch.float64 or (rotation is not None and (rotation.dtype != torch.complex64 or rope_dim % 2)):
+        raise ValueError(f"Triton rms_norm takes fp32/bf16/fp16 x and a complex64 rotation of an even rope_dim; got "
+                         f"{x.dtype}, {None if rotation is None else rotation.dtype}, rope_dim={rope_dim}")
+    return _RmsNorm.apply(x, weight, eps, None if rotation is None else rotation.contiguous(),
+                          rope_dim if rotation is not None else 0)
