@@ -471,13 +471,19 @@ def indexer_stages(q, w, k, vis_lo, vis_hi, topk, bs, cand=None):
     return score, select, len(plan)
 
 
+def config_name(config) -> str:
+    return f"{config.kwargs} warps={config.num_warps} stages={config.num_stages}"
+
+
 def per_config_ms(kernel, fn) -> dict:
-    """fn's time with each of the autotuned ``kernel``'s configs forced (the autotuner's choice is in its cache)."""
+    """fn's time with each of the autotuned ``kernel``'s configs forced, and the autotuner's own choice."""
     configs, cache, times = kernel.configs, kernel.cache, {}
+    chosen = getattr(kernel, "best_config", None)
+    times["autotuned"] = config_name(chosen) if chosen is not None else None
     try:
         for config in configs:
             kernel.configs, kernel.cache = [config], {}
-            times[f"{config.kwargs} warps={config.num_warps} stages={config.num_stages}"] = ms(fn)
+            times[config_name(config)] = ms(fn)
     finally:
         kernel.configs, kernel.cache = configs, cache
     return times
@@ -577,7 +583,8 @@ def main():
     parser.add_argument("mode", choices=["check", "bench"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
-    parser.add_argument("--only", help="comma-separated sections of the mode (default: all of them)")
+    parser.add_argument("--only", default=None, help="comma-separated section names of the mode to run, in their "
+                                                    "usual order (bench_indexer needs bench_matmul's rate)")
     args = parser.parse_args()
     sections = {"check": [check_attention, check_indexer, check_indexer_ties, check_index_logits, check_rope,
                           check_norm_and_cast],
@@ -588,7 +595,7 @@ def main():
     if unknown:
         parser.error(f"--only {','.join(unknown)}: {args.mode} has the sections {', '.join(by_name)}")
     os.environ["CSA2_KERNEL_POISON"] = "1" if args.mode == "check" else "0"
-    run_steps([by_name[name] for name in chosen], args.out, args.mode)
+    run_steps([fn for fn in sections[args.mode] if fn.__name__ in chosen], args.out, args.mode)
     return 0
 
 
