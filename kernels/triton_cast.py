@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_common import new_output
+
 BLOCK = 4096
 
 
@@ -30,7 +32,7 @@ class _Cast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dtype, *tensors):
         ends = tuple(accumulate(t.numel() for t in tensors))
-        flat = torch.empty(ends[-1], dtype=dtype, device=tensors[0].device)
+        flat = new_output((ends[-1],), dtype, tensors[0].device)
         _cast_kernel[(triton.cdiv(ends[-1], BLOCK),)](tuple(t.contiguous() for t in tensors), flat, ends, BLOCK=BLOCK)
         ctx.source_dtype, ctx.shapes = tensors[0].dtype, [t.shape for t in tensors]
         return flat

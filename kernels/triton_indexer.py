@@ -264,7 +264,7 @@ def indexer_select(q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_s
         for b in range(B):
             lo, hi = vis_lo[b].contiguous(), vis_hi[b].contiguous()
             plan = chunk_plan(widths[b], topk, block_size, cand_blocks is not None)
-            pool = torch.empty(max((t1 - t0) * p.row for t0, t1, p in plan), device=q.device)
+            pool = new_output((max((t1 - t0) * p.row for t0, t1, p in plan),), torch.float32, q.device)
             for t0, t1, pyramid in plan:
                 levels = pool[:(t1 - t0) * pyramid.row].view(t1 - t0, pyramid.row)
                 cand = None if cand_blocks is None else cand_blocks[b, t0:t1].contiguous()

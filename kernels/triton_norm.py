@@ -30,13 +30,20 @@ def _rotate(y, ROT, rows, live, H, D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE:
 
 
 @triton.jit
-def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+def _row_tile(R, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """This program's BLOCK_R rows of a row-major [R, D] tensor: row ids, live rows, columns, element mask and
+    element offsets."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < R
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    return rows, live, cols, mask, rows.to(tl.int64)[:, None] * D + cols[None, :]
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    rows, live, cols, mask, offs = _row_tile(R, D, BLOCK_D, BLOCK_R)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
     y = x * rstd[:, None] * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
@@ -50,11 +57,7 @@ def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, eps, D: tl.constexpr, BLOCK_D: tl.
 def _rms_norm_bwd(X, W, ROT, DOUT, RSTD, DX, DW_PART, R, H, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
     """dx and this program's partial dw (row DW_PART[program]) from the saved 1/rms."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < R
-    cols = tl.arange(0, BLOCK_D)
-    mask = live[:, None] & (cols[None, :] < D)
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    rows, live, cols, mask, offs = _row_tile(R, D, BLOCK_D, BLOCK_R)
     dy = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
     if ROPE:
         dy = _rotate(dy, ROT, rows, live, H, D, BLOCK_D, ROPE, BLOCK_R, True)
@@ -81,7 +84,7 @@ class _RmsNorm(torch.autograd.Function):
         block_d, block_r, warps = _launch_shape(D)
         rot = torch.view_as_real(rotation) if rotation is not None else x  # unread without RoPE
         out = new_output(x.shape, x.dtype, x.device)
-        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
+        rstd = new_output((R,), torch.float32, x.device)
         _rms_norm_fwd[(triton.cdiv(R, block_r),)](x, weight, rot, out, rstd, R, H, eps, D, block_d, rope_dim,
                                                   block_r, num_warps=warps)
         ctx.save_for_backward(x, weight, rotation, rstd)
@@ -96,7 +99,7 @@ class _RmsNorm(torch.autograd.Function):
         block_d, block_r, warps = _launch_shape(D)
         programs = triton.cdiv(R, block_r)
         dx = new_output(x.shape, x.dtype, x.device)
-        dw_part = torch.empty(programs, D, dtype=torch.float32, device=x.device)
+        dw_part = new_output((programs, D), torch.float32, x.device)
         rot = torch.view_as_real(rotation) if rotation is not None else x
         _rms_norm_bwd[(programs,)](x, weight, rot, grad.contiguous(), rstd, dx, dw_part, R, H, D, block_d,
                                    ctx.rope_dim, block_r, num_warps=warps)

@@ -191,7 +191,7 @@ def select_entries(buffer, pyramid: Pyramid, vis_lo, vis_hi, k: int, out=None) -
     n, G = buffer.shape[0], pyramid.group
     K_P = triton.next_power_of_2(k)
     out = new_output((n, k), torch.long, buffer.device) if out is None else out
-    scratch = torch.empty((n, K_P), dtype=torch.long, device=buffer.device)
+    scratch = new_output((n, K_P), torch.long, buffer.device)
     _select_kernel[(n,)](buffer, vis_lo, vis_hi, scratch, out, pyramid.row, pyramid.widths[0], pyramid.top, K=k,
                          K_P=K_P, G=G, LOG_G=G.bit_length() - 1, **SELECT_LAUNCH)
     return out
