@@ -586,8 +586,8 @@ def main():
     parser.add_argument("--only", default=None, help="comma-separated section names of the mode to run, in their "
                                                     "usual order (bench_indexer needs bench_matmul's rate)")
     args = parser.parse_args()
-    sections = {"check": [check_attention, check_indexer, check_indexer_ties, check_index_logits, check_rope,
-                          check_norm_and_cast],
+    sections = {"check": [check_indexer, check_indexer_ties, check_index_logits, check_rope, check_norm_and_cast,
+                          check_attention],  # the newest kernels first: a cut run keeps their results
                 "bench": [bench_matmul, bench_attention, bench_sdpa_cudnn, bench_indexer, bench_index_logits]}
     by_name = {fn.__name__: fn for fn in sections[args.mode]}
     chosen = args.only.split(",") if args.only else list(by_name)

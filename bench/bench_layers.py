@@ -1,4 +1,5 @@
-"""One CSA2 layer of each mode, forward + backward, at V4.1-Flash width on one GPU (run by bench/gpu_kernels.sh).
+"""One CSA2 layer of each mode, forward + backward, at V4.1-Flash width on one GPU
+(``python3 bench/bench_layers.py --out FILE``).
 
 The layers are model/'s ``Attention`` with the dims of conf/model/v41_flash.yaml (dim 5,120, 64 heads x 512,
 window 128, top-512, index 32 x 128; bf16 parameters) and the plans of conf/layout/v41.yaml: window-only (layer 0),

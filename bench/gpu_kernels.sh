@@ -1,16 +1,73 @@
 #!/usr/bin/env bash
-# Triton kernels on one GPU: bf16 correctness against the fp32 reference, the kernel benchmark, then one CSA2 layer
-# of each mode. Usage (repository root): OUT=some/dir bash bench/gpu_kernels.sh
-#   -> gpu.txt, check.log/json, bench.log/json, layers.log/json. Each stage has its own timeout (seconds) so that a
-#   hang in one leaves the others' results. The first calls compile and autotune every kernel config (about 2-3 min
-#   in the check; Triton's disk cache serves the later stages), so the whole script takes about 8-10 minutes.
-set -u
-OUT=${OUT:-/tmp/csa2_kernel_bench}
+# Issue 12 in one GPU call (one H200): correctness, kernel benchmark and whole training steps at 64K, every result
+# as JSON under $OUT as soon as it exists, most important first, so a cut call still brings back the earlier ones.
+#   OUT=<dir> bash bench/gpu_kernels.sh          # from the repository root; BUDGET seconds in all (default 530)
+#   SMOKE=1 OUT=<dir> bash bench/gpu_kernels.sh  # the same sequence on the CPU: Triton interpreter, tiny shapes
+# Stages (file under $OUT -> bench/results/...):
+#   1. check.json          bench_kernels.py check: bf16 kernels vs the fp32 reference (new kernels first)
+#   2. bench.json          bench_kernels.py bench: matmul rate, indexer at 64K (full and candidate selection vs
+#                          their GEMM), index logits                                      -> kernels/bench.json
+#   3. train_step_csa2_65536.json   whole step, per-layer-mode times, Reuse-layer launches (torch profiler)
+#   4. train_step_dense_65536.json  the dense-attention model                           -> train/
+#   5. train_step_csa2_keep4_65536.json  csa2 with parallel.keep_attention_layers=$KEEP (default 4)
+#   6. bench_attention.json  bench_kernels.py bench: sparse attention and cuDNN SDPA at 64K (unchanged since v6)
+# Each stage runs under `timeout`, capped by what is left of BUDGET; stages.txt has each one's exit code and seconds.
+# The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are installed first when present.
+set -uo pipefail
+: "${OUT:?set OUT to the directory for the results}"
+cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_PRINT_AUTOTUNING=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,memory.used,temperature.gpu \
-  --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" | tee -a "$OUT/gpu.txt"
-timeout "${CHECK_TIMEOUT:-300}" python3 bench/bench_kernels.py check --out "$OUT/check.json" 2>&1 | tee "$OUT/check.log"
-timeout "${BENCH_TIMEOUT:-300}" python3 bench/bench_kernels.py bench --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-timeout "${LAYERS_TIMEOUT:-135}" python3 bench/bench_layers.py --out "$OUT/layers.json" 2>&1 | tee "$OUT/layers.log"
+SMOKE=${SMOKE:-0}
+BUDGET=${BUDGET:-530}
+KEEP=${KEEP:-4}
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} OUT
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+
+if [ "$SMOKE" = 1 ]; then  # the interpreter and the CPU take longer: limits x 10
+  SCALE=10
+  KERNELS=(--smoke)
+  TRAIN=(--device cpu model=tiny layout=v41_scaled data.seq_len=64 train.precision=fp32)
+  T=64
+else
+  SCALE=1
+  KERNELS=()
+  TRAIN=()
+  T=65536
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total,temperature.gpu \
+    --format=csv | tee "$OUT/gpu.txt"
+fi
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+
+stage() {  # name cap_seconds command...: run under the smaller of cap and the budget left; log rc and seconds
+  local name=$1 cap=$(( $2 * SCALE )); shift 2
+  local left=$(( BUDGET - SECONDS ))
+  local limit=$(( cap < left ? cap : left ))
+  if [ "$limit" -lt 20 ]; then
+    echo "$name skipped: ${left}s left of ${BUDGET}s" | tee -a "$OUT/stages.txt"
+    return
+  fi
+  echo "== $name (limit ${limit}s): $*"
+  local start=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 3 "$OUT/$name.log"
+  echo "$name rc=$rc ${limit}s-limit $(( SECONDS - start ))s" | tee -a "$OUT/stages.txt"
+}
+
+stage check 170 python3 bench/bench_kernels.py check "${KERNELS[@]}" --out "$OUT/check.json"
+stage bench 130 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench.json" \
+  --only bench_matmul,bench_indexer,bench_index_logits
+stage train_csa2 170 python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1 \
+  --out "$OUT/train_step_csa2_$T.json" "${TRAIN[@]}"
+stage train_dense 120 python3 bench/train_step.py --variant dense --steps 1 --warmup 1 --no-detail \
+  --out "$OUT/train_step_dense_$T.json" "${TRAIN[@]}"
+stage train_csa2_keep 90 python3 bench/train_step.py --variant csa2 --steps 1 --warmup 1 --no-detail \
+  --out "$OUT/train_step_csa2_keep${KEEP}_$T.json" "${TRAIN[@]}" parallel.keep_attention_layers=$KEEP
+stage bench_attention 120 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench_attention.json" \
+  --only bench_matmul,bench_attention,bench_sdpa_cudnn
+echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"

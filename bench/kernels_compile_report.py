@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 from kernels import triton_attention as attn
 from kernels import triton_dkv as dkv
 from kernels import triton_indexer as idx
+from kernels import triton_norm as nrm
 from kernels import triton_select as sel
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -115,6 +116,12 @@ def main():
     report(untuned(sel._group_max_kernel, num_warps=4), dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, row_len=i32, src=i32,
                                                              dst=i32, dst_width=i32, level=i32),
            dict(G=8, LOG_G=3, BLOCK=256))
+    norm = dict(X=bf, W=f32, ROT=f32, R=i32, H=i32)
+    for D, rope in ((768, 0), (512, 64)):  # q_norm; kv_norm + the window-KV rotation
+        block_d, block_r, warps = nrm._launch_shape(D)
+        shape = dict(D=D, BLOCK_D=block_d, ROPE=rope, BLOCK_R=block_r)
+        report(untuned(nrm._rms_norm_fwd, num_warps=warps), dict(OUT=bf, RSTD=f32, eps="fp32", **norm), shape)
+        report(untuned(nrm._rms_norm_bwd, num_warps=warps), dict(DOUT=bf, RSTD=f32, DX=bf, DW_PART=f32, **norm), shape)
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     report(idx._logits_fwd_kernel, dict(OUT=f32, **logits), dict(DI=128, NH_P=32, K=512))
     report(idx._logits_bwd_kernel, dict(DOUT=f32, DQ=bf, DW=bf, DKEY=f32, **logits), dict(DI=128, NH_P=32, K=512))
