@@ -226,7 +226,11 @@ def test_indexer_select(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep):
 # scores equal the reference's and picks must be identical, order included (best first, ties to the lower entry).
 # Many scores tie (ReLU of dots in {-8..8}, weights in {-2..2}: zeros are +0.0 and -0.0); top-k 9 of up to 40
 # entries with group 2 walks a three-level pyramid, with group 4 two levels.
-TIE_CASES = [([[7, 41, 32], [80]], 1, 3, 16, 9, 2, 5), ([[30, 50], [3, 77]], 2, 2, 16, 6, 4, 3)]
+# The kernels read fp16 inputs as the GPU reads bf16 ones (the interpreter computes bf16 wrongly); integers are exact
+# in both, so the fp16 case must pick exactly what the fp32 reference picks.
+TIE_CASES = [([[7, 41, 32], [80]], 1, 3, 16, 9, 2, 5, torch.float32),
+             ([[30, 50], [3, 77]], 2, 2, 16, 6, 4, 3, torch.float32),
+             ([[7, 41, 32], [80]], 1, 3, 16, 9, 2, 5, torch.float16)]
 
 
 def integer_inputs(B, T, S, NH, DI):
@@ -239,8 +243,8 @@ def integer_inputs(B, T, S, NH, DI):
     return q, draw(B, T, NH), k
 
 
-@pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep", TIE_CASES)
-def test_indexer_select_ties_exact(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep):
+@pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep, dtype", TIE_CASES)
+def test_indexer_select_ties_exact(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep, dtype):
     """Picks equal the reference exactly on tied scores, for every entry and block (full and candidate scoring),
     and a token's picks do not depend on the tokens after it (a prefix of the sequence selects the same)."""
     _, vis_lo, vis_hi = packed_geometry(doc_lens, m, 1)
@@ -254,6 +258,7 @@ def test_indexer_select_ties_exact(seed, monkeypatch, doc_lens, m, NH, DI, topk,
     cand = with_candidates(ref_blocks)
     ref_cand_picks, ref_cand_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs, keep)
     prefix = T - 23  # inside the last document of each row
+    q, w, k = (x.to(dtype) for x in (q, w, k))  # the kernels' inputs; the reference scored them in fp32
     for t in (T, prefix):
         picks, blocks = triton_ops.indexer_select(q[:, :t], w[:, :t], k, vis_lo[:, :t], vis_hi[:, :t], topk,
                                                   block_size=bs, keep_blocks=keep)
