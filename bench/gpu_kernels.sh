@@ -3,6 +3,7 @@
 # as JSON under $OUT as soon as it exists, most important first, so a cut call still brings back the earlier ones.
 #   OUT=<dir> bash bench/gpu_kernels.sh          # from the repository root; BUDGET seconds in all (default 530)
 #   SMOKE=1 OUT=<dir> bash bench/gpu_kernels.sh  # the same sequence on the CPU: Triton interpreter, tiny shapes
+#   ONLY="train_csa2 train_dense" OUT=<dir> bash bench/gpu_kernels.sh  # only the named stages (a rerun)
 # Stages (file under $OUT -> bench/results/...):
 #   1. check.json          bench_kernels.py check: bf16 kernels vs the fp32 reference (new kernels first)
 #   2. bench.json          bench_kernels.py bench: matmul rate, indexer at 64K (full and candidate selection vs
@@ -48,6 +49,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 stage() {  # name cap_seconds command...: run under the smaller of cap and the budget left; log rc and seconds
   local name=$1 cap=$(( $2 * SCALE )); shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   local left=$(( BUDGET - SECONDS ))
   local limit=$(( cap < left ? cap : left ))
   if [ "$limit" -lt 20 ]; then

@@ -16,16 +16,19 @@ BLOCK = 4096
 
 
 @triton.jit
-def _cast_kernel(SRC, OUT, ENDS: tl.constexpr, BLOCK: tl.constexpr):
-    """OUT[ENDS[i-1]:ENDS[i]] = SRC[i] (flat) for each source; a program handles BLOCK outputs."""
+def _cast_kernel(SRC, OUT, STARTS: tl.constexpr, ENDS: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT[STARTS[i]:ENDS[i]] = SRC[i] (flat) for each source; a program handles BLOCK outputs.
+
+    The bounds are read from the constexpr tuples where they are used: a name annotated ``tl.constexpr`` inside
+    ``static_range`` is an error in compiled Triton (it is defined once per unrolled iteration), not in the interpreter.
+    """
     start = tl.program_id(0) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     for i in tl.static_range(len(SRC)):
-        lo: tl.constexpr = 0 if i == 0 else ENDS[i - 1]
-        hi: tl.constexpr = ENDS[i]
-        if (start < hi) & (start + BLOCK > lo):
-            inside = (offs >= lo) & (offs < hi)
-            tl.store(OUT + offs, tl.load(SRC[i] + (offs - lo), mask=inside).to(OUT.dtype.element_ty), mask=inside)
+        if (start < ENDS[i]) & (start + BLOCK > STARTS[i]):
+            inside = (offs >= STARTS[i]) & (offs < ENDS[i])
+            source = tl.load(SRC[i] + (offs - STARTS[i]), mask=inside)
+            tl.store(OUT + offs, source.to(OUT.dtype.element_ty), mask=inside)
 
 
 class _Cast(torch.autograd.Function):
@@ -33,7 +36,8 @@ class _Cast(torch.autograd.Function):
     def forward(ctx, dtype, *tensors):
         ends = tuple(accumulate(t.numel() for t in tensors))
         flat = new_output((ends[-1],), dtype, tensors[0].device)
-        _cast_kernel[(triton.cdiv(ends[-1], BLOCK),)](tuple(t.contiguous() for t in tensors), flat, ends, BLOCK=BLOCK)
+        _cast_kernel[(triton.cdiv(ends[-1], BLOCK),)](tuple(t.contiguous() for t in tensors), flat, (0, *ends[:-1]),
+                                                             ends, BLOCK=BLOCK)
         ctx.source_dtype, ctx.shapes = tensors[0].dtype, [t.shape for t in tensors]
         return flat
 
