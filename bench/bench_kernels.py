@@ -596,7 +596,10 @@ def main():
         parser.error(f"--only {','.join(unknown)}: {args.mode} has the sections {', '.join(by_name)}")
     os.environ["CSA2_KERNEL_POISON"] = "1" if args.mode == "check" else "0"
     run_steps([fn for fn in sections[args.mode] if fn.__name__ in chosen], args.out, args.mode)
-    return 0
+    failed = [name for name, r in RESULTS.items() if isinstance(r, dict) and ("error" in r or r.get("pass") is False)]
+    if failed:  # the JSON keeps every section; the exit status says whether the run can be trusted
+        print(f"error: {len(failed)} section(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

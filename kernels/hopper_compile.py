@@ -1,0 +1,118 @@
+"""Every Triton kernel of the package compiled for Hopper (sm_90a) on a machine without a GPU.
+
+The CPU tests run the kernels through Triton's interpreter, which executes their arithmetic but not the compiler,
+so a kernel can pass all of them and still fail to compile on the GPU (2026-11-30: a ``tl.constexpr`` name bound
+inside ``static_range`` stopped every 64K training step). ``specs()`` gives each kernel the argument types and
+constexprs of a real launch at the ``small`` model's shapes; ``compile_for_hopper`` runs Triton's compiler with the
+ptxas shipped in the triton wheel. ``python -m kernels.hopper_compile`` compiles the first config of each and exits 1
+naming those that fail (a CPU test runs it); ``bench/kernels_compile_report.py`` compiles every autotune config and
+reads their resources. Both need ``TRITON_INTERPRET`` unset: under the interpreter a kernel is not compilable.
+"""
+import sys
+from types import SimpleNamespace
+from typing import NamedTuple
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import triton_attention as attn
+from kernels import triton_cast as cast
+from kernels import triton_dkv as dkv
+from kernels import triton_indexer as idx
+from kernels import triton_norm as nrm
+from kernels import triton_rope as rope
+from kernels import triton_select as sel
+from kernels.triton_common import INTERPRET
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+class KernelSpec(NamedTuple):
+    kernel: object  # an autotuner, or ``untuned(...)``: ``.fn`` (the @triton.jit function) and ``.configs``
+    types: dict  # runtime arguments -> Triton type strings; every other argument is a constexpr
+    constexprs: dict
+
+
+def untuned(kernel, num_warps: int, num_stages: int = 1, maxnreg: int | None = None):
+    """A plain @triton.jit kernel with the one launch config its host code uses, shaped like an autotuner."""
+    return SimpleNamespace(fn=kernel, configs=[triton.Config({}, num_warps=num_warps, num_stages=num_stages,
+                                                             maxnreg=maxnreg)])
+
+
+def compile_for_hopper(spec: KernelSpec, config: triton.Config):
+    """Compile one config; pointer and integer arguments marked 16-divisible, as the JIT marks them at the real
+    shapes (without that mark Triton vectorizes no load and pipelines nothing)."""
+    fn = spec.kernel.fn
+    signature = {name: spec.types.get(name, "constexpr") for name in fn.arg_names}
+    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec.types.items()
+               if isinstance(t, str) and t[0] in "*i"}
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages,
+                   **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
+    return triton.compile(ASTSource(fn, signature, {**spec.constexprs, **config.kwargs}, aligned), target=HOPPER,
+                          options=options)
+
+
+def specs() -> list[KernelSpec]:
+    """Each kernel at the launch shapes of the ``small`` model (H=64, d=512, top-512, window 128, 128-dim indexer)."""
+    if INTERPRET:
+        raise RuntimeError("kernels.hopper_compile needs TRITON_INTERPRET unset: interpreted kernels do not compile")
+    bf, f32, i64, i32 = "*bf16", "*fp32", "*i64", "i32"
+    shape = dict(D=512, W=128, K=512, BLOCK_H=64)
+    rows = dict(KV=bf, WIN_LO=i64, IDX=i64, comp_offset="i64", T=i32, S=i32, H=i32)
+    chunk = dict(W=128, K=512, D=512)
+    index = dict(NH=i32)
+    levels = dict(row_len=i32, level1=i32)
+    select = dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, SCRATCH=i64, OUT=i64, row_len=i32, width0=i32, top=i32)
+    norm = dict(X=bf, W=f32, ROT=f32, R=i32, H=i32)
+    logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
+    out = [
+        KernelSpec(attn._fwd_kernel, dict(Q=bf, SINK=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16",
+                                          stage_token_stride=i32, stage_head_stride=i32, scale_log2="fp32", **rows),
+                   dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
+        KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, LSE=f32, PART=bf, DS=bf, DSINK=f32,
+                                              tok0=i32, scale="fp32", **rows), shape),
+        KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, DQ=bf, tok0=i32, **rows), shape),
+        KernelSpec(dkv._window_reduce_kernel, dict(PART=bf, DKV=f32, tok0=i32, n_tok=i32, row0=i32, n_rows=i32), chunk),
+        KernelSpec(dkv._entry_reduce_kernel, dict(PART=bf, ORDER=i64, OFFSETS=i64, DKV=f32), chunk),
+        KernelSpec(idx._score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32,
+                                           **levels, **index),
+                   dict(DI=128, NH_P=32, G=8, SPLIT=idx.SCORE_SPLIT, WHILE_LOOP=False)),
+        KernelSpec(idx._cand_score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, CAND=i64, LEVELS=f32,
+                                                **levels, **index), dict(DI=128, NH_P=32, G=8, NC=2048)),
+        KernelSpec(untuned(sel._select_kernel, **sel.SELECT_LAUNCH), select, dict(K=512, K_P=512, G=8, LOG_G=3)),
+        KernelSpec(untuned(sel._group_max_kernel, num_warps=4),
+                   dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, row_len=i32, src=i32, dst=i32, dst_width=i32, level=i32),
+                   dict(G=8, LOG_G=3, BLOCK=256)),
+        KernelSpec(idx._logits_fwd_kernel, dict(OUT=f32, **logits), dict(DI=128, NH_P=32, K=512)),
+        KernelSpec(idx._logits_bwd_kernel, dict(DOUT=f32, DQ=bf, DW=bf, DKEY=f32, **logits),
+                   dict(DI=128, NH_P=32, K=512)),
+        KernelSpec(untuned(cast._cast_kernel, num_warps=4), dict(SRC=(f32, f32, f32), OUT=bf),
+                   dict(STARTS=(0, 4096, 12288), ENDS=(4096, 12288, 20480), BLOCK=cast.BLOCK)),
+    ]
+    for D, rope_dim in ((768, 0), (512, 64)):  # q_norm; kv_norm + the window-KV rotation
+        block_d, block_r, warps = nrm._launch_shape(D)
+        norm_shape = dict(D=D, BLOCK_D=block_d, ROPE=rope_dim, BLOCK_R=block_r)
+        out.append(KernelSpec(untuned(nrm._rms_norm_fwd, num_warps=warps), dict(OUT=bf, RSTD=f32, eps="fp32", **norm),
+                              norm_shape))
+        out.append(KernelSpec(untuned(nrm._rms_norm_bwd, num_warps=warps),
+                              dict(DOUT=bf, RSTD=f32, DX=bf, DW_PART=f32, **norm), norm_shape))
+    for conj in (False, True):  # forward rotation; its transpose in the backward
+        out.append(KernelSpec(rope._rope_kernel, dict(x=bf, rotation=f32, out=bf, R=i32, H=i32),
+                              dict(D=512, DIM=64, BLOCK_REST=512, CONJ=conj)))
+    return out
+
+
+def main() -> int:
+    failed = []
+    for spec in specs():
+        try:
+            compile_for_hopper(spec, spec.kernel.configs[0])
+        except Exception as e:  # noqa: BLE001 - every kernel is tried; the list of failures is the result
+            failed.append(f"{spec.kernel.fn.__name__}: {type(e).__name__}: {e}")
+    print("\n".join(failed) or f"all {len(specs())} kernel launches compile for sm_90a")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
