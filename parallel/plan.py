@@ -14,6 +14,7 @@ import torch
 
 from model.config import ModelArgs
 from model.layout import Layout
+from parallel.balance import split_stages
 from parallel.batch import BatchPlan, batch_plan
 from parallel.partition import StagePlan, layer_costs
 from parallel.payload import boundary_fields
@@ -93,8 +94,6 @@ def main(argv: list[str]) -> None:
     from model.cli import compose_checked, run_cli
     from model.layout import layout_from_config
 
-    from parallel.balance import split_stages
-
     world, overrides = _world_size(argv)
 
     def report():
@@ -103,7 +102,8 @@ def main(argv: list[str]) -> None:
         par = cfg.parallel
         batch = batch_plan(cfg, world or par.pipeline_stages)
         dtype = compute_dtype(cfg.train.get("precision", "auto"), torch.cuda.is_available())
-        split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel)
+        cuda = torch.cuda.is_available() or dtype == torch.bfloat16  # bf16 jobs are GPU jobs: count kernel workspace
+        split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, cuda=cuda)
         print(describe(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
                        par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks))
 
