@@ -3,31 +3,34 @@
     torchrun --standalone --nproc-per-node 2 bench/multigpu.py --out-dir DIR   # GPU (bench/gpu_multigpu.sh)
     python bench/multigpu.py --smoke --out-dir DIR                             # CPU: 2 gloo processes, tiny model
 
-One process per GPU runs every section in turn, so kernels compile and autotune once, at 64K first (Triton's
-autotune keys leave out the sequence length: whatever length runs first picks the configs). After each section rank
-0 rewrites ``multigpu.json``, so a run cut short keeps what it finished. Sections (``--smoke``: the same code on
-the tiny model, small shapes, fp32):
+One process per GPU runs the sections in turn, most important first, so kernels compile and autotune once, at 64K
+first (Triton's autotune keys leave out the sequence length: whatever length runs first picks the configs). After
+every step rank 0 rewrites ``multigpu.json`` (atomically), so a run cut short keeps what it finished; parts marked
+optional run only while the budget (``--budget``, rank 0's clock) keeps the reserve of the later sections.
+Sections (``--smoke``: the same code on the tiny model, small shapes, fp32):
 
 1. ``single``: 1 stage, data parallel over the GPUs, ``model=small layout=v41`` at 65,536 tokens (micro-batch 1,
-   ``parallel.recompute=layer``, bf16): a warm-up step (compilation, autotuning), then one step per count of
-   ``--dp-microbatches`` (2 4): tokens/s, peak memory. During the first, per-layer forward/backward time and memory
-   (``bench/layer_probe.py``) become ``layer_times_<model>_<T>.json``, the file ``parallel.layer_times`` reads.
+   ``parallel.recompute=layer``, bf16): a warm-up step (compilation, autotuning), then steps of M = 2 and 4 microbatches
+   per replica: tokens/s, peak memory, and the per-microbatch and fixed time (the slope and
+   intercept of the two) that the 1F1B ideal is built from. During the first, per-layer forward/backward time and
+   memory (``bench/layer_probe.py``) become ``layer_times_<model>_<T>.json``, the file ``parallel.layer_times`` reads.
 2. ``transfer``: the payload of the boundary the pipeline uses, with index K by shadow and by payload, and its
    gradient, sent alone between the two GPUs the way the engine sends it (``parallel/p2p.py``): ms and GB/s.
 3. ``pipeline``: 2 stages split on the measured times (memory-aware, ``parallel/balance.py``), ``parallel.p2p=
-   overlap``: a warm-up step, then one step per ``--microbatches`` (2 4 8, then 16 if the budget allows). Per stage:
-   the time in its passes (marks around each ForwardPass and BackwardPass), bubble = 1 - busy / pipeline time next
-   to the 1F1B ideal (P-1)/(M+P-1), the time held up in receives, the shadow index-key recompute, peak memory.
-   Then DeepSpeed's blocking transfers (``p2p=deepspeed``) at M = ``--before-microbatches``: before vs after.
-4. ``equivalence_4k``: ``small``, bf16, T = 4,096, 20 steps, 2 microbatches per step, from the same weights on the
-   same batches: 1 stage vs 2 stages. Loss and gradient norms per step, within bf16 noise (``BF16_NOISE``).
-5. ``equivalence_tiny``: ``tiny``, fp32, 2 steps of 4 microbatches: 1 stage vs 2 stages with cuts that separate
+   overlap``: a warm-up step at M = 2, then M = 8; optional: M = 4 with the overlapped transfers and with
+   DeepSpeed's blocking ones (``p2p=deepspeed``, before vs after), then M = 2 and 16. Per stage: the time in its
+   passes (marks around each ForwardPass and BackwardPass), bubble = 1 - busy / pipeline time next to the 1F1B
+   ideal (P-1)/(M+P-1), the time held up in receives, the shadow index-key recompute, peak memory.
+4. ``equivalence_tiny``: ``tiny``, fp32, 2 steps of 4 microbatches: 1 stage vs 2 stages with cuts that separate
    every edge kind (Full|Reuse, Full|Reindex with candidates, Reindex|Reuse), index K by shadow and by payload.
    First step's loss, every reduced gradient and the weights after the last step, compared tensor by tensor.
    Why the GPU need not be bitwise: each process autotunes the Triton kernels on its own, so a stage's layers
    may run another block size (another summation order) than the same layers of the 1-stage run; the section runs
    the 1-stage job with each rank's own choices, then adopts rank 0's choices everywhere (``share_autotuning``)
    and runs it twice more (run-to-run) and the 2-stage jobs, and records the choices.
+5. ``equivalence_4k`` (optional): ``small``, bf16, T = 4,096, 20 steps, 2 microbatches per step, from the same
+   weights on the same batches: 1 stage vs 2 stages. Loss and gradient norms per step, within bf16 noise
+   (``BF16_NOISE``).
 
 "1 stage" in the equivalence sections is the single-process computation: both ranks run the whole model on the
 same microbatches as data-parallel replicas, whose all-reduced mean of two equal gradients is each of them exactly.
@@ -56,28 +59,28 @@ from result_meta import result_meta  # noqa: E402
 BF16_NOISE = 2 ** -7  # relative: two bf16 roundings; a wrong shared tensor or gradient moves a loss far more
 GPU = {
     "model": ["model=small", "layout=v41"], "seq_len": 65536, "micro_batch": 1, "precision": "bf16",
-    "dp_microbatches": [2, 4], "microbatches": [2, 4, 8], "optional_microbatches": [16], "before_microbatches": 4,
+    "dp_microbatches": [2, 4], "microbatches": [8], "before_microbatches": 4, "optional_microbatches": [2, 16],
     "eq_model": ["model=small", "layout=v41"], "eq_seq_len": 4096, "eq_steps": 20, "eq_precision": "bf16",
     "tiny_seq_len": 256, "tiny_micro_batch": 2, "tiny_microbatches": 4, "tiny_steps": 2,
     "tiny_cases": [[8, "shadow"], [8, "payload"], [3, "payload"], [9, "shadow"]],
-    "reserve_s": {"equivalence_4k": 75, "equivalence_tiny": 75},
+    "reserve_s": {"equivalence_tiny": 90}, "need_s": {"equivalence_4k": 70},
 }
 SMOKE = {
     "model": ["model=tiny", "layout=v41_scaled"], "seq_len": 128, "micro_batch": 1, "precision": "fp32",
-    "dp_microbatches": [2], "microbatches": [2], "optional_microbatches": [], "before_microbatches": 2,
+    "dp_microbatches": [1, 2], "microbatches": [2], "before_microbatches": 2, "optional_microbatches": [],
     "eq_model": ["model=tiny", "layout=v41_scaled"], "eq_seq_len": 64, "eq_steps": 2, "eq_precision": "fp32",
     "tiny_seq_len": 64, "tiny_micro_batch": 2, "tiny_microbatches": 2, "tiny_steps": 2,
     "tiny_cases": [[8, "shadow"], [3, "payload"]],
-    "reserve_s": {"equivalence_4k": 0, "equivalence_tiny": 0},
+    "reserve_s": {}, "need_s": {},
 }
-SECTIONS = ("single", "transfer", "pipeline", "equivalence_4k", "equivalence_tiny")
+SECTIONS = ("single", "transfer", "pipeline", "equivalence_tiny", "equivalence_4k")  # most important first
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="CPU: spawn 2 gloo processes, tiny shapes")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results/multigpu"))
-    p.add_argument("--budget", type=float, default=480.0, help="seconds for all sections (optional parts skip)")
+    p.add_argument("--budget", type=float, default=390.0, help="seconds for all sections (optional parts skip)")
     p.add_argument("--sections", default=",".join(SECTIONS))
     return p.parse_args(argv)
 
@@ -100,11 +103,14 @@ class Run:
     def left(self) -> float:
         return self.deadline - time.perf_counter()
 
-    def affordable(self, seconds: float, after: str) -> bool:
-        """Room for an optional part of ``seconds`` that keeps the reserves of the sections after ``after``."""
-        later = SECTIONS[SECTIONS.index(after) + 1:]
+    def affordable(self, seconds: float, after: str, keep_reserve: bool = True) -> bool:
+        """Room for a part of ``seconds`` that keeps the reserves of the sections after ``after`` (optional parts);
+        rank 0's clock decides for every rank (a part that one rank skips and another runs would hang both)."""
+        later = SECTIONS[SECTIONS.index(after) + 1:] if keep_reserve else ()
         reserve = sum(self.settings["reserve_s"].get(s, 0) for s in later if s in self.opts.sections.split(","))
-        return self.left() - reserve >= seconds
+        decision = [self.left() - reserve >= seconds]
+        dist.broadcast_object_list(decision, src=0)
+        return decision[0]
 
     def gather(self, value):
         values = [None] * self.world
@@ -112,9 +118,18 @@ class Run:
         return values
 
     def save(self) -> None:
+        """Rank 0 rewrites ``multigpu.json`` (atomically: a run killed mid-write keeps the previous one)."""
         if self.rank == 0:
+            self.results["summary"] = summary(self.results)
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "multigpu.json").write_text(json.dumps(self.results, indent=1, default=str))
+            part = self.out / "multigpu.json.part"
+            part.write_text(json.dumps(self.results, indent=1, default=str))
+            os.replace(part, self.out / "multigpu.json")
+
+    def keep(self, section: str, result: dict) -> None:
+        """Record a section's results so far (a run cut short keeps every finished step)."""
+        self.results["sections"][section] = result
+        self.save()
 
     def log(self, text: str) -> None:
         if self.rank == 0:
@@ -253,6 +268,7 @@ def section_single(run: Run) -> dict:
     set_microbatches(engine, 1)
     warm = timed_step(run, engine, batches(vocab, T, B, 1, seed, run.device), log)
     run.log(f"single: warm-up step {warm['wall_s']:.1f} s")
+    result = {"warmup_s": warm["wall_s"], "steps": rows, "data_parallel": run.world}
     layer_times = None
     for i, M in enumerate(s["dp_microbatches"]):
         set_microbatches(engine, M)
@@ -270,8 +286,8 @@ def section_single(run: Run) -> dict:
         ranks = run.gather(step)
         row = pipeline_row(run, ranks, 1, M, M * B * T * run.world)
         rows.append(row)
+        run.keep("single", result)
         run.log(f"single: M={M}: {row['step_s']:.2f} s, {row['tokens_per_s']:,.0f} tokens/s")
-    result = {"warmup_s": warm["wall_s"], "steps": rows, "data_parallel": run.world}
     if len(rows) >= 2:  # step(M) = M * per_microbatch + fixed (optimizer, all-reduce)
         (m0, t0), (m1, t1) = [(r["microbatches"], r["step_s"]) for r in rows[:2]]
         result["per_microbatch_s"] = (t1 - t0) / (m1 - m0)
@@ -357,7 +373,6 @@ def section_pipeline(run: Run, single: dict | None) -> dict:
     warm = timed_step(run, engine, batches(vocab, T, B, 2, 7, run.device), log)
     result["warmup_s"] = warm["wall_s"]
     run.log(f"pipeline: cuts {plan.cuts}, warm-up step {warm['wall_s']:.1f} s")
-    per_microbatch = warm["wall_s"] / 3
 
     def one(M, p2p="overlap"):
         set_microbatches(engine, M)
@@ -372,39 +387,66 @@ def section_pipeline(run: Run, single: dict | None) -> dict:
                 + ", ".join(f"{r['bubble']:.1%}" for r in row["per_rank"]) + f" (ideal {row['bubble_ideal']:.1%})")
         return row
 
+    def affordable(M: int, runs: int = 1) -> bool:
+        """Room for ``runs`` steps of M microbatches (from the last step's time per 1F1B slot) that keeps the
+        reserve of the sections after this one."""
+        return run.affordable(runs * per_slot * (M + 1) * 1.2, "pipeline")
+
+    def add(row: dict) -> dict:
+        nonlocal per_slot
+        result["steps"].append(row)
+        per_slot = row["step_s"] / (row["microbatches"] + 1)
+        run.keep("pipeline", result)
+        return row
+
+    per_slot = warm["wall_s"] / 3
     for M in s["microbatches"]:
-        result["steps"].append(one(M))
-        per_microbatch = result["steps"][-1]["step_s"] / (M + 1)
+        add(one(M))
+    M = s["before_microbatches"]  # DeepSpeed's blocking transfers ("before") next to the overlapped ("after")
+    after = next((r for r in result["steps"] if r["microbatches"] == M), None)
+    if affordable(M, 1 if after else 2):
+        after = after or add(one(M))
+        links, engine.links = engine.links, None
+        result["before"], result["after"] = one(M, "deepspeed"), after
+        engine.links = links
+        run.keep("pipeline", result)
+    else:
+        run.results["skipped"].append(f"pipeline p2p before/after M={M}: budget")
     for M in s["optional_microbatches"]:
-        if run.affordable(per_microbatch * (M + 1) * 1.2, "pipeline"):
-            result["steps"].append(one(M))
+        if affordable(M):
+            add(one(M))
         else:
             run.results["skipped"].append(f"pipeline M={M}: budget")
-    M = s["before_microbatches"]
-    if run.affordable(per_microbatch * (M + 1) * 1.3, "pipeline"):
-        links, engine.links = engine.links, None  # DeepSpeed's blocking transfers
-        result["before"] = one(M, "deepspeed")
-        engine.links = links
-        result["after"] = next((r for r in result["steps"] if r["microbatches"] == M), None)
-    else:
-        run.results["skipped"].append(f"pipeline p2p=deepspeed M={M}: budget")
     release(engine)
     return result
 
 
-def share_autotuning(run: Run) -> dict:
-    """Rank 0's Triton autotuning choices, adopted by every rank; returns each rank's choices before."""
+def autotuners() -> dict:
+    """Every autotuned Triton kernel of the ``kernels`` package, by module and name."""
     import triton.runtime.autotuner as autotuner
 
-    tuners = {f"{module}.{name}": value for module, mod in sorted(sys.modules.items())
-              if module.startswith("kernels.") for name, value in vars(mod).items()
-              if isinstance(value, autotuner.Autotuner)}
-    mine = {name: [(key, t.configs.index(config)) for key, config in t.cache.items() if config in t.configs]
+    return {f"{module}.{name}": value for module, mod in sorted(sys.modules.items())
+            if module.startswith("kernels.") for name, value in vars(mod).items()
+            if isinstance(value, autotuner.Autotuner)}
+
+
+def autotune_choices(tuners: dict) -> dict:
+    """Each kernel's chosen config per autotune key, as an index into its config list."""
+    return {name: [(key, t.configs.index(config)) for key, config in t.cache.items() if config in t.configs]
             for name, t in tuners.items()}
-    everyone = run.gather(mine)
-    for name, entries in everyone[0].items():
+
+
+def adopt_choices(tuners: dict, choices: dict) -> None:
+    for name, entries in choices.items():
         for key, index in entries:
             tuners[name].cache[key] = tuners[name].configs[index]
+
+
+def share_autotuning(run: Run) -> dict:
+    """Rank 0's Triton autotuning choices, adopted by every rank; returns each rank's choices before."""
+    tuners = autotuners()
+    everyone = run.gather(autotune_choices(tuners))
+    adopt_choices(tuners, everyone[0])
     return {f"rank{r}": {name: {repr(key): str(tuners[name].configs[i]) for key, i in entries}
                          for name, entries in choices.items() if entries} for r, choices in enumerate(everyone)}
 
@@ -522,35 +564,53 @@ def section_equivalence_tiny(run: Run) -> dict:
 # ---------------------------------------------------------------------------------------------------- driver
 
 def summary(results: dict) -> dict:
-    """The issue's "done when" figures from the sections that ran."""
-    sections, out = results["sections"], {}
-    steps = sections.get("pipeline", {}).get("steps", [])
-    at8 = next((r for r in steps if r["microbatches"] == 8), None)
-    if at8 and "of_ideal" in at8:
-        out["two_stages_M8_of_ideal"] = at8["of_ideal"]
-        out["two_stages_M8_pipeline_of_ideal"] = at8["pipeline_of_ideal"]
-    if at8:
-        peaks = [r["peak_allocated_gib"] for r in at8["per_rank"] if "peak_allocated_gib" in r]
-        if peaks:
-            out["memory_spread"] = (max(peaks) - min(peaks)) / max(peaks)
-        transfer = sections.get("transfer", {}).get("index_k", {}).get("shadow")
-        if transfer:
-            per_microbatch = transfer["activations"]["ms"] + transfer["gradient"]["ms"]
-            out["transfer_share_M8"] = 8 * per_microbatch / 1e3 / at8["step_s"]
-        out["recv_wait_share_M8"] = max(r["recv_wait_ms"] for r in at8["per_rank"]) / 1e3 / at8["step_s"]
+    """The issue's "done when" figures at the headline microbatch count (8 on the GPUs) from the sections that ran:
+    2 stages against the 1F1B ideal from the 1-stage time, the transfers' share of the step, the spread of peak
+    memory over the stages, and the data-parallel run of the same global batch beside it."""
+    sections = results["sections"]
+    M = results["settings"]["microbatches"][0]
+    row = next((r for r in sections.get("pipeline", {}).get("steps", []) if r["microbatches"] == M), None)
+    if row is None:
+        return {}
+    out = {"microbatches": M, "tokens_per_s": row["tokens_per_s"], "bubble": [r["bubble"] for r in row["per_rank"]],
+           "bubble_ideal": row["bubble_ideal"],
+           "recv_wait_share": max(r["recv_wait_ms"] for r in row["per_rank"]) / 1e3 / row["step_s"]}
+    if "of_ideal" in row:
+        out["of_ideal"], out["pipeline_of_ideal"] = row["of_ideal"], row["pipeline_of_ideal"]
+    single = sections.get("single", {})
+    same_batch = [r for r in single.get("steps", []) if r["microbatches"] * single["data_parallel"] == M]
+    if same_batch:
+        out["data_parallel_tokens_per_s"] = same_batch[0]["tokens_per_s"]
+    peaks = [r["peak_allocated_gib"] for r in row["per_rank"] if "peak_allocated_gib" in r]
+    if peaks:
+        out["peak_allocated_gib"], out["memory_spread"] = peaks, (max(peaks) - min(peaks)) / max(peaks)
+    transfer = sections.get("transfer", {}).get("index_k", {}).get("shadow")
+    if transfer:
+        per_microbatch_ms = transfer["activations"]["ms"] + transfer["gradient"]["ms"]
+        out["transfer_share"] = M * per_microbatch_ms / 1e3 / row["step_s"]
+    pipeline = sections.get("pipeline", {})
+    if "before" in pipeline:
+        out["overlap_speedup"] = pipeline["before"]["step_s"] / pipeline["after"]["step_s"]
+    out["done"] = {"of_ideal >= 0.95": out.get("of_ideal", 0) >= 0.95,
+                   "transfer_share < 0.01": out.get("transfer_share", 1) < 0.01,
+                   "memory_spread <= 0.10": out.get("memory_spread", 1) <= 0.10}
     return out
 
 
 def worker(rank: int, opts) -> None:
+    """One process per GPU (``--smoke``: per CPU process, gloo); under ``spawn`` the process group exists already."""
     settings = SMOKE if opts.smoke else GPU
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if not opts.smoke else torch.device("cpu")
     if opts.smoke:
+        device = torch.device("cpu")
         torch.set_num_threads(1)  # two processes share the cores
     else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    if not dist.is_initialized():
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="nccl", verbose=False, timeout=timedelta(minutes=5))
+        deepspeed.init_distributed(dist_backend="gloo" if opts.smoke else "nccl", verbose=False,
+                                   timeout=timedelta(minutes=5))
     use_device_init()
     run = Run(opts, settings, device)
     if run.world != 2:
@@ -560,13 +620,15 @@ def worker(rank: int, opts) -> None:
     steps = {"single": lambda: section_single(run),
              "transfer": lambda: section_transfer(run, transfer_cut(run)),
              "pipeline": lambda: section_pipeline(run, run.results["sections"].get("single")),
-             "equivalence_4k": lambda: section_equivalence_4k(run),
-             "equivalence_tiny": lambda: section_equivalence_tiny(run)}
+             "equivalence_tiny": lambda: section_equivalence_tiny(run),
+             "equivalence_4k": lambda: section_equivalence_4k(run)}
     for name in SECTIONS:
         if name not in wanted:
             continue
-        if run.left() < 10:
+        optional = name in settings["need_s"]  # a section the budget may drop; the others run while time is left
+        if not run.affordable(settings["need_s"].get(name, 10.0), name, keep_reserve=optional):
             run.results["skipped"].append(f"{name}: budget")
+            run.save()
             continue
         started = time.perf_counter()
         try:
@@ -576,9 +638,8 @@ def worker(rank: int, opts) -> None:
             run.results["errors"][name] = f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"
             run.log(f"{name} failed: {type(err).__name__}: {err}")
             gc.collect()
-        run.results["summary"] = summary(run.results)
         run.save()
-    run.log(json.dumps(run.results.get("summary", {})))
+    run.log(json.dumps(run.results.get("summary", {})))  # rank 0 computes it
 
 
 def transfer_cut(run: Run) -> int:
@@ -594,12 +655,14 @@ def transfer_cut(run: Run) -> int:
 
 def main(argv=None) -> None:
     opts = parse(argv)
-    if opts.smoke:
+    if "RANK" in os.environ:  # torchrun (the GPU run, or --smoke through bench/gpu_multigpu.sh)
+        worker(int(os.environ["RANK"]), opts)
+    elif opts.smoke:
         from parallel.local import spawn
 
         spawn(worker, 2, opts)
     else:
-        worker(int(os.environ.get("RANK", 0)), opts)
+        raise SystemExit("bench/multigpu.py runs under torchrun --nproc-per-node 2 (or with --smoke on CPU)")
 
 
 if __name__ == "__main__":

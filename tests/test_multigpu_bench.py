@@ -35,6 +35,10 @@ def test_every_section_ran(report):
     assert results["errors"] == {} and results["skipped"] == []
     assert set(results["sections"]) == {"single", "transfer", "pipeline", "equivalence_4k", "equivalence_tiny"}
     assert results["date"] and results["command"].startswith("python")
+    summary = results["summary"]  # the issue's yardsticks at the headline microbatch count (8 on the GPUs, 2 here)
+    assert summary["microbatches"] == 2 and summary["bubble_ideal"] == pytest.approx(1 / 3)
+    assert summary["of_ideal"] > 0 and summary["transfer_share"] > 0 and summary["overlap_speedup"] > 0
+    assert summary["data_parallel_tokens_per_s"] == results["sections"]["single"]["steps"][0]["tokens_per_s"]
 
 
 def test_layer_times_file_is_what_the_balance_reads(report):
@@ -76,3 +80,26 @@ def test_equivalence_verdicts(report):
     shadow = cases["cut 8 shadow"]
     assert shadow["first_loss_rel_diff"] == 0.0 and shadow["grads_max_rel_diff"] <= 1e-6
     assert set(shadow["grads_differing"]) <= {"layers.6.attn.indexer.wk.weight", "layers.6.attn.indexer.k_norm.weight"}
+
+
+def test_autotune_choices_carry_over_between_processes():
+    """What the GPU run does to give every rank rank 0's kernels: the chosen config of each key, exported as an
+    index and adopted by another copy of the kernel (another process), is the same config there."""
+    import triton
+    import triton.language as tl
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from multigpu import adopt_choices, autotune_choices
+
+    def kernel():
+        @triton.autotune(configs=[triton.Config({"BLOCK": b}) for b in (16, 32, 64)], key=["n"])
+        @triton.jit
+        def copy(x, n, BLOCK: tl.constexpr):
+            pass
+        return copy
+    mine, theirs = kernel(), kernel()
+    mine.cache[(4096, "torch.float32")] = mine.configs[2]
+    mine.cache[(128, "torch.float32")] = mine.configs[0]
+    adopt_choices({"k": theirs}, autotune_choices({"k": mine}))
+    assert {key: theirs.configs.index(c) for key, c in theirs.cache.items()} == {(4096, "torch.float32"): 2,
+                                                                                  (128, "torch.float32"): 0}
