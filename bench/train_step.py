@@ -9,8 +9,9 @@ The engine is ``train/engine.py``'s (DeepSpeed pipeline engine, one stage, bf16 
 built from ``model.cli.compose`` with the defaults ``model=small layout=v41 data.seq_len=65536
 data.micro_batch_size=1 train.grad_accum_steps=1 parallel.recompute=layer train.precision=bf16`` (argv overrides win).
 Batches are synthetic: random byte tokens, one document per row (the kernels' cost does not depend on the tokens).
-Weights are drawn on the device (same normal(0, init_std) with the residual scaling, another random stream) to
-save the CPU draw of ~3 B values; the benchmark does not need the training run's exact initial values.
+Weights are drawn on the device (``layer_probe.device_init``: same normal(0, init_std) with the residual scaling,
+another random stream) to save the CPU draw of ~3 B values; the benchmark does not need the training run's exact
+initial values.
 
 Variants:
 - ``csa2``: the model as configured (kernels: ``model.kernel_backend``, Triton on CUDA).
@@ -39,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from layer_probe import Clock, LayerProbe, use_device_init  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 
 DEFAULTS = ["model=small", "layout=v41", "data.seq_len=65536", "data.micro_batch_size=1",
@@ -62,27 +64,10 @@ def parse():
     return p.parse_args()
 
 
-# ----------------------------------------------------------------------------------------------- model pieces
-
-def fast_init(named_parameters, args, n_layers, seed, rename=lambda name: name):
-    """model.transformer.init_parameters' distribution, drawn on the parameter's device (benchmark only)."""
-    import torch
-    from model.transformer import init_std
-    gen = None
-    for name, p in named_parameters:
-        if p.dim() < 2 or p.is_meta:
-            continue
-        if gen is None:
-            gen = torch.Generator(device=p.device).manual_seed(seed)
-        with torch.no_grad():
-            p.normal_(std=init_std(rename(name), args, n_layers), generator=gen)
-
-
 # ----------------------------------------------------------------------------------------------- one variant
 
 def run_variant(a) -> dict:
     import torch
-    import model.transformer as mt
     from model.cli import compose
     from train import distributed
     from train.engine import build_engine, resolve_device, resolve_precision, train_step
@@ -118,7 +103,7 @@ def run_variant(a) -> dict:
         res["matmul_tflops"] = 2 * 8192**3 / (statistics.median(times) / 1e3) / 1e12
         del x, y
 
-    mt.init_parameters = fast_init
+    use_device_init()
     t0 = time.perf_counter()
     engine = build_engine(cfg, precision, device)
     res["build_s"] = time.perf_counter() - t0
@@ -142,7 +127,7 @@ def run_variant(a) -> dict:
         r = train_step(engine, batch())
     if capture is not None:
         capture["restore"]()
-    hooks = None if a.no_detail or not cuda else layer_hooks(model)
+    probe = None if a.no_detail or not cuda else LayerProbe(model, Clock(cuda))
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -154,9 +139,8 @@ def run_variant(a) -> dict:
         sync(); times.append(time.perf_counter() - t)
         losses.append(r.metrics)
     step_s = statistics.median(times)
-    if hooks is not None:
-        for h in hooks["handles"]:
-            h.remove()
+    if probe is not None:
+        probe.remove()
     res.update(step_s=step_s, step_times_s=times, tokens_per_s=B * T / step_s, last_metrics=losses[-1])
     res["model_tflops"] = res["flops"]["total"] / step_s / 1e12
     if cuda:
@@ -172,7 +156,7 @@ def run_variant(a) -> dict:
     if a.out_path:
         Path(a.out_path).write_text(json.dumps(res, indent=1, default=str))
     try:
-        details(a, res, model, sync, cuda, device, precision, hooks, capture)
+        details(a, res, model, sync, cuda, device, precision, probe, capture)
     except Exception as err:  # the step results above stand without the details
         res["details_error"] = f"{type(err).__name__}: {err}"[:500]
         print("details failed:", res["details_error"], flush=True)
@@ -197,55 +181,15 @@ def capture_reuse_inputs(model):
     return cap
 
 
-def layer_hooks(model):
-    """CUDA events at each block's forward start/end and at its backward start (grad of its output ready) and
-    end (grad of its input ready); the last timed step's events are the ones kept."""
+def details(a, res, model, sync, cuda, device, precision, probe, capture):
     import torch
-    blocks = list(model.layers.values())
-    ev = {i: {} for i in range(len(blocks))}
-
-    def mark(i, key):
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        ev[i][key] = e
-
-    handles = []
-    for i, blk in enumerate(blocks):
-        def pre(mod, inputs, i=i):
-            mark(i, "f0")
-            if inputs[0].requires_grad:
-                inputs[0].register_hook(lambda grad, i=i: mark(i, "b1"))
-
-        def post(mod, inputs, out, i=i):
-            mark(i, "f1")
-            if out.requires_grad:
-                out.register_hook(lambda grad, i=i: mark(i, "b0"))
-        handles += [blk.register_forward_pre_hook(pre), blk.register_forward_hook(post)]
-    return {"events": ev, "handles": handles, "blocks": blocks}
-
-
-def details(a, res, model, sync, cuda, device, precision, hooks, capture):
-    import torch
-    from model.layout import Mode
-    if hooks is not None:
-        sync()
+    if probe is not None:
         per_mode = {}
-        for i, blk in enumerate(hooks["blocks"]):
-            plan = blk.attn.plan
-            mode = plan.mode.value + (f"_m{plan.ratio}" if plan.mode is Mode.FULL else "")
-            if plan.candidate_source is not None:
-                mode += "_cand"
-            if plan.makes_candidates:
-                mode += "_candsrc"
-            if a.variant == "dense":
-                mode = "dense"
-            e = hooks["events"][i]
-            fwd = e["f0"].elapsed_time(e["f1"])
-            bwd = e["b0"].elapsed_time(e["b1"]) if "b0" in e and "b1" in e else float("nan")
-            d = per_mode.setdefault(mode, {"layers": [], "fwd_ms": [], "bwd_ms": []})
-            d["layers"].append(i)
-            d["fwd_ms"].append(fwd)
-            d["bwd_ms"].append(bwd)
+        for row in probe.per_layer():
+            d = per_mode.setdefault("dense" if a.variant == "dense" else row["mode"],
+                                    {"layers": [], "fwd_ms": [], "bwd_ms": []})
+            for key in d:
+                d[key].append(row["layer" if key == "layers" else key])
         for d in per_mode.values():
             d["fwd_ms_mean"] = statistics.mean(d["fwd_ms"])
             d["bwd_ms_mean"] = statistics.mean(d["bwd_ms"])

@@ -10,7 +10,10 @@ switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
   indexer loss never changes how far the trunk moves (SPEC §2: the indexer learns only from its KL);
 - a non-finite loss skips the whole step on every rank (no parameter, optimizer or schedule change);
 - ZeRO stage 1 (``zero_optimization.stage=1``): each data-parallel rank of a stage steps and keeps the optimizer
-  state of its own run of the stage's rows and broadcasts them (``parallel/zero.py``: why not DeepSpeed's).
+  state of its own run of the stage's rows and broadcasts them (``parallel/zero.py``: why not DeepSpeed's);
+- with ``p2p="overlap"``, boundary transfers that overlap compute: asynchronous, batched, on process groups of
+  their own, each send right after the pass that produced it (``parallel/p2p.py``); ``"deepspeed"`` keeps
+  DeepSpeed's blocking transfers.
 Checkpoints hold the model per transformer layer and the optimizer state per parameter name (and row range), so
 they load under any split and data-parallel size.
 """
@@ -27,6 +30,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from model.config import ModelArgs
 from model.groups import GROUPS, param_group
 from model.layout import Layout
+from parallel.p2p import EagerSends, StageLinks, boundary_groups
 from parallel.partition import StagePlan
 from parallel.stage import SHADOW_PREFIX, PipelineStage, owner_name, shadow_sources
 from parallel.zero import OptimizerShards
@@ -92,9 +96,15 @@ def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.
     return parts
 
 
+P2P = ("overlap", "deepspeed")
+
+
 class CSA2PipelineEngine(PipelineEngine):
-    def __init__(self, *args, shards: OptimizerShards, max_grad_norm: float = 0.0, **kwargs):
+    def __init__(self, *args, shards: OptimizerShards, max_grad_norm: float = 0.0, p2p: str = "overlap", **kwargs):
+        if p2p not in P2P:
+            raise ValueError(f"parallel.p2p={p2p!r}: use one of {P2P}")
         super().__init__(*args, **kwargs)
+        self.links = self._link_stages() if p2p == "overlap" and self.num_stages > 1 else None
         self.shards = shards  # what this rank's optimizer steps (all of the stage without ZeRO)
         self.max_grad_norm = max_grad_norm
         self.grad_norm = self.indexer_grad_norm = None  # global norms of the last step, before clipping
@@ -102,6 +112,12 @@ class CSA2PipelineEngine(PipelineEngine):
         self.nonfinite_steps = 0  # consecutive skipped steps
         self.last_step_skipped = False
         self._shadow_links = self._link_shadows()
+
+    def _link_stages(self) -> StageLinks:
+        module: CSA2PipelineModule = self.module
+        groups = boundary_groups(module._topo)
+        return StageLinks.for_stage(groups, self.stage_id, self.grid.data_parallel_id, module._topo,
+                                    module.stage.incoming, module.stage.outgoing, self.device)
 
     def _link_shadows(self) -> list[tuple[object, int, list[torch.nn.Parameter]]]:
         """(process group, owner rank, my tensors) for every shadowed Full layer that my stage owns or mirrors.
@@ -215,18 +231,61 @@ class CSA2PipelineEngine(PipelineEngine):
         for (_, g), group_id in zip(named, group_ids.tolist()):
             g.mul_(scales[GROUPS[group_id] == "indexer"].to(g.device, g.dtype))
 
+    def _train_schedule(self):
+        inner = super()._train_schedule()
+        return inner if self.links is None else EagerSends(inner)
+
+    def _inference_schedule(self, micro_batches):
+        inner = super()._inference_schedule(micro_batches)
+        return inner if self.links is None else EagerSends(inner)
+
+    def _exec_schedule(self, pipe_schedule):
+        super()._exec_schedule(pipe_schedule)
+        if self.links is not None:
+            self.links.drain()
+
+    def _send_activations(self, buffer_id):
+        if self.links is None:
+            return PipelineEngine._exec_send_activations(self, buffer_id)
+        self.links.send_activations(self.pipe_buffers["outputs"][buffer_id])
+
+    def _recv_activations(self, buffer_id):
+        if self.links is None:
+            return PipelineEngine._exec_recv_activations(self, buffer_id)
+        received = self.links.recv_activations()
+        for tensor in received:
+            tensor.requires_grad = tensor.is_floating_point()
+        self.pipe_buffers["inputs"][buffer_id] = received
+
+    def _send_grads(self, buffer_id):
+        if self.links is None:
+            return PipelineEngine._exec_send_grads(self, buffer_id)
+        floats, _ = self.pipe_buffers["inputs"][buffer_id]
+        self.links.send_gradient(floats.grad)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _recv_grads(self, buffer_id):
+        if self.links is None:
+            return PipelineEngine._exec_recv_grads(self, buffer_id)
+        self.grad_layer = [self.links.recv_gradient()]
+
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ReduceTiedGrads: _reduce_tied_and_shadow_grads,
         schedule.OptimizerStep: _guarded_optimizer_step,
+        schedule.SendActivation: _send_activations,
+        schedule.RecvActivation: _recv_activations,
+        schedule.SendGrad: _send_grads,
+        schedule.RecvGrad: _recv_grads,
     }
 
 
 def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
-                 model_parameters: list[dict] | None = None) -> CSA2PipelineEngine:
+                 model_parameters: list[dict] | None = None, p2p: str = "overlap") -> CSA2PipelineEngine:
     """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class, only owned parameters
-    handed to the optimizer (``model_parameters``: param groups of them; default one group of all owned), and
-    ``gradient_clipping`` and ``zero_optimization.stage`` (0 or 1) done by the engine, not by DeepSpeed."""
+    handed to the optimizer (``model_parameters``: param groups of them; default one group of all owned),
+    ``gradient_clipping`` and ``zero_optimization.stage`` (0 or 1) done by the engine, not by DeepSpeed, and the
+    boundary transfers of ``p2p`` (``P2P``)."""
     config = dict(config)
     max_grad_norm = config.get("gradient_clipping", 0.0)
     config["gradient_clipping"] = 0.0  # DeepSpeed's own clipping is off (its default is not 0)
@@ -239,4 +298,5 @@ def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
     config_class = DeepSpeedConfig(config, module.mpu())
     return CSA2PipelineEngine(args=None, model=module, optimizer=None, model_parameters=groups, training_data=None,
                               lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=False, collate_fn=None,
-                              config=config, config_class=config_class, shards=shards, max_grad_norm=max_grad_norm)
+                              config=config, config_class=config_class, shards=shards, max_grad_norm=max_grad_norm,
+                              p2p=p2p)

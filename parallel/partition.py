@@ -2,7 +2,9 @@
 
 The cost of a layer is its forward FLOPs at the configured sequence length, counted per mode (projections,
 window + sparse attention, compressor and index keys for Full layers, index scoring for Full/Reindex layers,
-dense FFN); the LM head is charged to the last layer. Stages are contiguous and minimise the largest stage cost.
+dense FFN); the LM head is charged to the last layer. Measured times can stand in for it (``parallel/balance.py``).
+Stages are contiguous and minimise the largest stage cost; given a stage-memory estimate, the split with the
+smallest largest stage memory among those within a slack of that cost, under a capacity where possible.
 """
 from dataclasses import dataclass
 
@@ -50,36 +52,72 @@ def layer_costs(args: ModelArgs, layout: Layout, seq_len: int) -> list[float]:
     return costs
 
 
-def balanced_cuts(costs: list[float], n_stages: int) -> list[int]:
-    """Contiguous split of ``costs`` into ``n_stages`` non-empty parts minimising the largest part (exact DP)."""
+def balanced_cuts(costs: list[float], n_stages: int, stage_memory=None, capacity: float | None = None,
+                  slack: float = 0.0) -> list[int]:
+    """Contiguous split of ``costs`` into ``n_stages`` non-empty parts minimising the largest part (exact DP).
+
+    ``stage_memory(stage, layers)``, if given, estimates a stage's peak memory: stages above ``capacity`` are not
+    allowed (unless no split fits), and among the splits whose largest part is within ``slack`` (a fraction) of
+    the smallest possible, the one with the smallest largest stage memory is taken."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    best = [[float("inf")] * (n + 1) for _ in range(n_stages + 1)]
-    choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        for end in range(s, n + 1):
-            for start in range(s - 1, end):
-                worst = max(best[s - 1][start], prefix[end] - prefix[start])
-                if worst < best[s][end]:
-                    best[s][end], choice[s][end] = worst, start
-    cuts, end = [], n
-    for s in range(n_stages, 1, -1):
-        end = choice[s][end]
-        cuts.append(end)
-    return sorted(cuts)
+
+    def cost(start, end):
+        return prefix[end] - prefix[start]
+
+    def fits(stage, start, end):
+        return capacity is None or stage_memory(stage, range(start, end)) <= capacity
+
+    def minmax(part, allowed):
+        """The DP: stages 0..s-1 cover layers [0, end); the largest ``part`` of an ``allowed`` split."""
+        best = [[float("inf")] * (n + 1) for _ in range(n_stages + 1)]
+        choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
+        best[0][0] = 0.0
+        for s in range(1, n_stages + 1):
+            for end in range(s, n + 1):
+                for start in range(s - 1, end):
+                    if best[s - 1][start] == float("inf") or not allowed(s - 1, start, end):
+                        continue
+                    worst = max(best[s - 1][start], part(s - 1, start, end))
+                    if worst < best[s][end]:
+                        best[s][end], choice[s][end] = worst, start
+        if best[n_stages][n] == float("inf"):
+            return None
+        cuts, end = [], n
+        for s in range(n_stages, 1, -1):
+            end = choice[s][end]
+            cuts.append(end)
+        return best[n_stages][n], sorted(cuts)
+
+    def anything(stage, start, end):
+        return True
+
+    def span(stage, start, end):
+        return cost(start, end)
+
+    if stage_memory is None:
+        return minmax(span, anything)[1]
+    fastest_fitting = minmax(span, fits)
+    allowed = fits if fastest_fitting is not None else anything
+    fastest = (fastest_fitting or minmax(span, anything))[0]
+    return minmax(lambda stage, start, end: stage_memory(stage, range(start, end)),
+                  lambda stage, start, end: allowed(stage, start, end) and cost(start, end) <= fastest * (1 + slack))[1]
 
 
-def partition(args: ModelArgs, layout: Layout, seq_len: int, n_stages: int, cuts=None) -> StagePlan:
+def partition(args: ModelArgs, layout: Layout, seq_len: int, n_stages: int, cuts=None, costs=None,
+              stage_memory=None, capacity: float | None = None, slack: float = 0.0) -> StagePlan:
+    """The stages at ``cuts`` (checked), or balanced on ``costs`` (default: ``layer_costs``), see
+    ``balanced_cuts`` for the memory arguments."""
     n = layout.n_layers
     if n_stages < 1:
         raise PartitionError(f"parallel.pipeline_stages={n_stages}: need at least one stage")
     if n_stages > n:
         raise PartitionError(f"parallel.pipeline_stages={n_stages} is more stages than the model's {n} layers")
     if cuts is None:
-        cuts = balanced_cuts(layer_costs(args, layout, seq_len), n_stages)
+        costs = layer_costs(args, layout, seq_len) if costs is None else costs
+        cuts = balanced_cuts(costs, n_stages, stage_memory, capacity, slack)
     if isinstance(cuts, str) or not all(isinstance(c, int) and not isinstance(c, bool) for c in cuts):
         raise PartitionError(f"parallel.cuts={cuts!r}: give a list of layer ids where stages 2.. start, e.g. "
                              "parallel.cuts=[10,20,30], or null for the cost model")

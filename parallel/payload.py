@@ -160,6 +160,10 @@ class Payload:
         """Elements of the float tensor that field ``f`` occupies."""
         return -(-f.nbytes // self.float_dtype.itemsize)
 
+    def wire_sizes(self) -> tuple[int, int]:
+        """Elements of the float tensor (``float_dtype``) and bytes of the uint8 tensor that ``pack`` makes."""
+        return sum(self.slots(f) for f in self.float_fields), ALIGN + sum(f.padded_bytes for f in self.byte_fields)
+
     def pack(self, h: torch.Tensor, state: SharedState) -> tuple[torch.Tensor, torch.Tensor]:
         values = {f: self._value(f, h, state) for f in self.fields}
         for f in self.float_fields:
@@ -204,8 +208,7 @@ class Payload:
         """Once per run: the sender packed the schema this stage expects (same layout, split and shapes)."""
         if self._checked:
             return
-        want_floats = sum(self.slots(f) for f in self.float_fields)
-        want_bytes = ALIGN + sum(f.padded_bytes for f in self.byte_fields)
+        want_floats, want_bytes = self.wire_sizes()
         got = int(raw[:ALIGN].view(torch.int64)[0]) if raw.numel() >= ALIGN else None
         if floats.numel() != want_floats or raw.numel() != want_bytes or got != self.fingerprint:
             raise RuntimeError(

@@ -14,8 +14,9 @@ import torch
 
 from model.config import ModelArgs
 from model.layout import Layout
+from parallel.balance import split_stages
 from parallel.batch import BatchPlan, batch_plan
-from parallel.partition import StagePlan, layer_costs, partition
+from parallel.partition import StagePlan, layer_costs
 from parallel.payload import boundary_fields
 from parallel.stage import shadow_sources
 
@@ -25,9 +26,11 @@ def _mib(n: float) -> str:
 
 
 def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int, seq_len: int,
-             dtype: torch.dtype, index_k: str, batch: BatchPlan | None = None) -> str:
-    """The printout; ``dtype`` is the compute dtype (payload fields show their own wire dtype)."""
-    costs = layer_costs(args, layout, seq_len)
+             dtype: torch.dtype, index_k: str, batch: BatchPlan | None = None, costs: list[float] | None = None,
+             unit: str = "FLOPs", peaks: list[float] | None = None) -> str:
+    """The printout; ``dtype`` is the compute dtype (payload fields show their own wire dtype). ``costs``
+    (default: ``layer_costs``) in ``unit`` give each stage's share, ``peaks`` its estimated peak memory in bytes."""
+    costs = layer_costs(args, layout, seq_len) if costs is None else costs
     total = sum(costs)
     compute = "bfloat16 autocast over float32 weights" if dtype == torch.bfloat16 else str(dtype).replace("torch.", "")
     lines = [f"pipeline: {len(plan.stages)} stage(s), microbatch {micro_batch} x {seq_len} tokens, "
@@ -37,7 +40,8 @@ def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int,
     for s, layers in enumerate(plan.stages):
         modes = " ".join(f"{i}:{layout.plan[i].mode.value}" for i in layers)
         share = sum(costs[i] for i in layers) / total
-        lines.append(f"  stage {s}: layers {layers.start}-{layers.stop - 1} ({share:.0%} of FLOPs)  {modes}")
+        memory = f", est. peak {peaks[s] / 2 ** 30:,.1f} GiB" if peaks else ""
+        lines.append(f"  stage {s}: layers {layers.start}-{layers.stop - 1} ({share:.0%} of {unit}{memory})  {modes}")
         shadows = shadow_sources(layout, layers)
         if shadows and index_k == "shadow":
             lines.append(f"    shadow indexers for Full layer(s) {shadows}")
@@ -97,10 +101,11 @@ def main(argv: list[str]) -> None:
         args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
         par = cfg.parallel
         batch = batch_plan(cfg, world or par.pipeline_stages)
-        plan = partition(args, layout, cfg.data.seq_len, par.pipeline_stages, par.get("cuts"))
         dtype = compute_dtype(cfg.train.get("precision", "auto"), torch.cuda.is_available())
-        print(describe(args, layout, plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                       par.get("index_k", "shadow"), batch))
+        cuda = torch.cuda.is_available() or dtype == torch.bfloat16  # bf16 jobs are GPU jobs: count kernel workspace
+        split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, cuda=cuda)
+        print(describe(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
+                       par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks))
 
     run_cli(report)
 

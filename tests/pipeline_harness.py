@@ -28,12 +28,12 @@ def recompute_overrides(recompute: str) -> list[str]:
     return [f"parallel.recompute={mode}"] + ([f"parallel.recompute_layers={count}"] if count else [])
 
 
-def _worker(rank, world, out, cuts, index_k, recompute, precision):
+def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p):
     from model.cli import compose
     from train.engine import build_engine
 
     cfg = compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
-                   f"parallel.index_k={index_k}", *recompute_overrides(recompute),
+                   f"parallel.index_k={index_k}", f"parallel.p2p={p2p}", *recompute_overrides(recompute),
                    f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
                    f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1"])
     engine = build_engine(cfg, precision, torch.device("cpu"))
@@ -57,11 +57,13 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision):
                 "shadows": {n: p.detach().clone() for n, p in stage.shadows.named_parameters()},
                 "recomputed": [int(i) for i, block in stage.model.layers.items() if block.recompute],
                 "live_after": live_after, "peak_microbatches": stage.ledger.peak_microbatches,
-                "backward_traversals": stage.backward_traversals, "stage": engine.stage_id}, f"{out}/rank{rank}.pt")
+                "backward_traversals": stage.backward_traversals, "stage": engine.stage_id,
+                "p2p": "overlap" if engine.links is not None else "deepspeed"}, f"{out}/rank{rank}.pt")
 
 
-def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none", precision: str = "fp32"):
+def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none", p2p: str = "overlap",
+        precision: str = "fp32"):
     """Run the job in ``stages`` processes (``precision``: fp32, or bf16 autocast); returns the per-rank results."""
     os.makedirs(out, exist_ok=True)
-    spawn(_worker, stages, stages, out, cuts, index_k, recompute, precision)
+    spawn(_worker, stages, stages, out, cuts, index_k, recompute, precision, p2p)
     return [torch.load(f"{out}/rank{r}.pt", weights_only=True) for r in range(stages)]

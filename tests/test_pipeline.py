@@ -9,10 +9,10 @@ import torch
 
 from tests import pipeline_harness as harness
 
-CASES = {  # name -> (stages, cuts, index_k, recompute: none | layer | block:<leading layers per stage>)
-    "2-stage shadow": (2, [8], "shadow", "none"),
-    "2-stage payload block recompute": (2, [3], "payload", "block:2"),
-    "4-stage shadow recompute": (4, [3, 8, 9], "shadow", "layer"),
+CASES = {  # name -> (stages, cuts, index_k, recompute: none | layer | block:<leading layers per stage>, p2p)
+    "2-stage shadow": (2, [8], "shadow", "none", "overlap"),
+    "2-stage payload block recompute, DeepSpeed's transfers": (2, [3], "payload", "block:2", "deepspeed"),
+    "4-stage shadow recompute": (4, [3, 8, 9], "shadow", "layer", "overlap"),
 }
 
 
@@ -23,8 +23,7 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pipelined(request, tmp_path_factory):
-    stages, cuts, index_k, recompute = CASES[request.param]
-    return CASES[request.param], harness.run(str(tmp_path_factory.mktemp("pp")), stages, cuts, index_k, recompute)
+    return CASES[request.param], harness.run(str(tmp_path_factory.mktemp("pp")), *CASES[request.param])
 
 
 def _merged(ranks, key):
@@ -35,7 +34,7 @@ def _merged(ranks, key):
 
 
 def test_losses_equal_single_stage(reference, pipelined):
-    (_, _, index_k, _), ranks = pipelined
+    (_, _, index_k, _, _), ranks = pipelined
     assert ranks[-1]["losses"][0] == reference["losses"][0]  # the first step's forward is the same arithmetic
     assert ranks[-1]["losses"][1] == pytest.approx(reference["losses"][1], rel=1e-6)
     for name, value in reference["parts"].items():
@@ -51,7 +50,7 @@ def test_gradients_equal_single_stage(reference, pipelined):
     """Step 1's reduced gradients: bitwise, except the index-key projection of a Full layer whose keys a later
     stage recomputes (shadow indexers): its gradient is the sum of per-stage products instead of one product of
     summed key gradients, a different reduction order."""
-    (stages, cuts, index_k, _), ranks = pipelined
+    (stages, cuts, index_k, _, _), ranks = pipelined
     grads = _merged(ranks, "first_grads")
     assert grads.keys() == reference["first_grads"].keys()
     for name, want in reference["first_grads"].items():
@@ -67,7 +66,7 @@ def test_parameters_equal_single_stage(reference, pipelined):
     tensors whose step-2 inputs depend on those keys differ by rounding that AdamW's per-element normalisation
     magnifies where a gradient entry is small, so their check is the gradient one above plus this bound on all
     other indexer tensors."""
-    (stages, cuts, index_k, _), ranks = pipelined
+    (stages, cuts, index_k, _, _), ranks = pipelined
     params = _merged(ranks, "params")
     assert params.keys() == reference["params"].keys()
     for name, want in reference["params"].items():
@@ -103,7 +102,7 @@ def test_one_backward_traversal_per_microbatch(pipelined):
 
 def test_recomputed_layers(pipelined):
     """``layer`` checkpoints every layer, ``block:N`` the first N layers of every stage, ``none`` nothing."""
-    (_, _, _, recompute), ranks = pipelined
+    (_, _, _, recompute, _), ranks = pipelined
     mode, _, count = recompute.partition(":")
     for r in ranks:
         layers = sorted(set(r["recomputed"]) | {int(n.split(".")[1]) for n in r["params"] if n.startswith("layers.")})
@@ -132,3 +131,9 @@ def test_bf16_pipeline_equals_single_stage(bf16_runs, reference):
         assert got.keys() == single[key].keys()
         for name, want in single[key].items():
             assert torch.equal(got[name], want), (key, name)
+
+
+def test_transfers_take_the_configured_path(pipelined):
+    """``parallel.p2p=overlap`` runs the overlapped transfers (parallel/p2p.py), ``deepspeed`` DeepSpeed's own."""
+    (*_, p2p), ranks = pipelined
+    assert [r["p2p"] for r in ranks] == [p2p] * len(ranks)

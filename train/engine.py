@@ -6,6 +6,7 @@ Every job, a single CPU process included, runs on DeepSpeed's pipeline engine (`
 The engine itself clips gradients over all stages and skips a step whose loss is not finite, without touching
 the weights, the optimizer state or the schedule.
 """
+import logging
 import math
 import os
 from collections import OrderedDict
@@ -16,13 +17,15 @@ from omegaconf import DictConfig
 
 from model import ModelArgs, layout_from_config
 from model.transformer import ModelOutput
+from parallel.balance import split_stages
 from parallel.batch import batch_plan
-from parallel.engine import CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
-from parallel.partition import partition
+from parallel.engine import P2P, CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
 from parallel.plan import describe
 from train import distributed
 from train.loss import compute_loss
 from train.quiet import prints_to_debug
+
+log = logging.getLogger(__name__)
 
 RECOMPUTE = ("none", "layer", "block")
 INDEX_K = ("shadow", "payload")
@@ -93,6 +96,8 @@ def check_parallel(parallel: DictConfig) -> None:
         raise ValueError(f"parallel.recompute={parallel.recompute!r}: use one of {RECOMPUTE}")
     if parallel.index_k not in INDEX_K:
         raise ValueError(f"parallel.index_k={parallel.index_k!r}: use one of {INDEX_K}")
+    if parallel.p2p not in P2P:
+        raise ValueError(f"parallel.p2p={parallel.p2p!r}: use one of {P2P}")
     if parallel.zero_stage not in (0, 1):
         raise ValueError(f"parallel.zero_stage={parallel.zero_stage!r}: use 0 or 1 (DeepSpeed's pipeline engine "
                          "refuses the stages that partition gradients or weights)")
@@ -163,10 +168,16 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2P
     batch = batch_plan(cfg, distributed.world_size())
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     seq_len, micro_batch = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
-    plan = partition(args, layout, seq_len, parallel.pipeline_stages, parallel.cuts)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, capacity, cuda=device.type == "cuda")
+    plan = split.plan
     if distributed.rank() == 0:
-        print(describe(args, layout, plan, micro_batch, seq_len, dtype, parallel.index_k, batch), flush=True)
+        print(describe(args, layout, plan, micro_batch, seq_len, dtype, parallel.index_k, batch, split.costs,
+                       split.unit, split.peaks), flush=True)
+        if not split.fits:
+            log.warning("the estimated peak memory of a stage exceeds the GPU's %.0f GiB (estimates above); "
+                        "more stages, parallel.recompute=layer or a shorter data.seq_len lower it", capacity / 2 ** 30)
     loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids))
     with torch.device(device), prints_to_debug():  # DeepSpeed prints seeds, topology and stage split
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
@@ -175,7 +186,8 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2P
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.stage.model.named_parameters()), float(cfg.train.weight_decay))
     return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches), model_parameters=groups,
-                                 lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+                                 lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+                                 p2p=parallel.p2p)
 
 
 @dataclass

@@ -1,0 +1,116 @@
+"""Peak memory of a pipeline stage, estimated per layer: what the split balance and the schedule simulator use.
+
+A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
+- state, per parameter: fp32 weight and gradient (8 B) and AdamW's two fp32 moments (8 B, divided by the
+  data-parallel size under ZeRO-1);
+- casts: under bf16 autocast the bf16 copy of every weight of the stage lives until its forward ends (2 B per
+  parameter); it is gone before a backward starts (a recomputed layer casts again, inside its transient);
+- retained activations, per microbatch in flight: under 1F1B stage s holds min(M, P - s) microbatches between their
+  forward and backward, so the first stage holds the most. Per layer: its fp32 input (what a recomputed layer's
+  checkpoint keeps) plus, for a layer that is not recomputed, the tensors its backward reads (``_saved_bytes``),
+  plus the shared tensors it produces (``model/state.py``); per stage the payloads it received (the buffer and the
+  copy DeepSpeed's forward makes) and sent (kept for the backward);
+- a transient: the working set of one layer's backward (its recomputed forward's saved tensors, the kernels'
+  workspace), the largest over the stage's layers.
+
+The analytic per-layer figures are estimates; a benchmark's measured figures (``LayerTimes.retained_bytes`` and
+``backward_bytes`` per layer mode, ``parallel/balance.py``) replace them where given.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from model.config import ModelArgs
+from model.layout import Layout
+from model.transformer import Transformer
+from parallel.payload import Payload, boundary_fields
+
+GIB = 2 ** 30
+KERNEL_WORKSPACE = 4 * GIB  # the sparse-attention backward's chunk buffer (docs/KERNELS.md), on CUDA
+
+
+def layer_parameters(args: ModelArgs, layout: Layout) -> list[int]:
+    """Parameters of each layer, the embedding counted in layer 0 and the final norm and head in the last."""
+    with torch.device("meta"):
+        model = Transformer(args, layout, init=False)
+    counts = [0] * layout.n_layers
+    for name, p in model.named_parameters():
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else (0 if name.startswith("embed.") else -1)
+        counts[layer] += p.numel()
+    return counts
+
+
+def _saved_bytes(args: ModelArgs, layout: Layout, layer: int, tokens: int, itemsize: int) -> float:
+    """Tensors a layer's backward reads when it is not recomputed (inputs of its matmuls, norms and activations):
+    the normed inputs (2 x dim), the low-rank query (q_lora), q and the attention output (2 x heads x head_dim),
+    the window latent (head_dim), the grouped output's input (o_groups x o_lora) and the FFN's three hidden tensors
+    (3 x inter_dim), in the compute dtype; the indexer's query side for a selecting layer."""
+    width = (2 * args.dim + args.q_lora_rank + 2 * args.n_heads * args.head_dim + args.head_dim
+             + args.o_groups * args.o_lora_rank + 3 * args.inter_dim)
+    if layout.plan[layer].selects:
+        width += args.index_n_heads * args.index_head_dim + args.index_n_heads
+    return tokens * width * itemsize
+
+
+def _produced_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype) -> list[float]:
+    """Shared tensors each layer produces (``model/state.py``), at their model dtypes: latents and index keys in
+    the compute dtype, selections and candidate blocks int64, indexer logits and targets fp32."""
+    B, T = micro_batch, seq_len
+    blocks = min(layout.candidate_topk_blocks, -(-T // layout.candidate_block_size))
+    produced = [0.0] * layout.n_layers
+    for name, source in layout.last_use:
+        entries = B * (T // layout.compress_ratios[source])
+        produced[source] += {"kv": entries * args.head_dim * dtype.itemsize,
+                             "index_k": entries * args.index_head_dim * dtype.itemsize,
+                             "topk": B * T * args.index_topk * 8,
+                             "candidates": B * T * blocks * 8,
+                             "index_logits": B * T * args.index_topk * 4,
+                             "index_target": B * T * args.index_topk * 4}[name]
+    return produced
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Per-layer figures (bytes) from which any contiguous stage's peak follows (``stage_peak``)."""
+    state: tuple[float, ...]  # weights, gradients and optimizer state
+    casts: tuple[float, ...]  # bf16 weight copies during the forward
+    retained: tuple[float, ...]  # per microbatch in flight
+    transient: tuple[float, ...]  # while the layer's backward runs
+    boundary: tuple[float, ...]  # payload bytes of the boundary after each layer (0 after the last)
+
+    def stage_peak(self, stage: int, layers: range, n_stages: int, microbatches: int) -> float:
+        in_flight = min(microbatches, n_stages - stage)
+        payloads = (2 * self.boundary[layers.start - 1] if layers.start > 0 else 0.0) + self.boundary[layers.stop - 1]
+        return (sum(self.state[i] for i in layers) + in_flight * (sum(self.retained[i] for i in layers) + payloads)
+                + max(sum(self.casts[i] for i in layers), max(self.transient[i] for i in layers)))
+
+    def peaks(self, stages: tuple[range, ...], microbatches: int) -> list[float]:
+        return [self.stage_peak(s, layers, len(stages), microbatches) for s, layers in enumerate(stages)]
+
+
+def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype,
+             recompute_layers: int, data_parallel: int = 1, zero_stage: int = 1, cuda: bool = True,
+             index_k: str = "shadow", measured=None) -> MemoryModel:
+    """The analytic model of a job's layers. ``recompute_layers`` counts from each stage's first layer; since the
+    split is not known yet, layers are treated as recomputed when every layer is (``recompute=layer``) and as not
+    recomputed otherwise (an upper bound for ``block``). ``measured``: a ``LayerTimes`` whose per-mode bytes
+    replace the analytic retained and transient figures."""
+    params = layer_parameters(args, layout)
+    state = [n * (8 + 8 / (data_parallel if zero_stage == 1 else 1)) for n in params]
+    casts = [n * 2 if dtype == torch.bfloat16 else 0 for n in params]
+    tokens = micro_batch * seq_len
+    produced = _produced_bytes(args, layout, micro_batch, seq_len, dtype)
+    all_recomputed = recompute_layers >= layout.n_layers
+    retained, transient = [], []
+    for i in range(layout.n_layers):
+        saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize)
+        retained.append(4 * tokens * args.dim + produced[i] + (0 if all_recomputed else saved))
+        transient.append((saved if all_recomputed else 0) + (KERNEL_WORKSPACE if cuda else 0))
+    if measured is not None:
+        retained, transient = measured.memory(layout, retained, transient)
+    boundary = [0.0] * layout.n_layers
+    for i in range(layout.n_layers - 1):
+        payload = Payload(boundary_fields(args, layout, i, micro_batch, seq_len, dtype, index_k))
+        floats, raw = payload.wire_sizes()
+        boundary[i] = floats * payload.float_dtype.itemsize + raw
+    return MemoryModel(tuple(state), tuple(casts), tuple(retained), tuple(transient), tuple(boundary))

@@ -1,0 +1,181 @@
+"""A simulator of the pipeline's 1F1B schedule: step time, tokens/s, bubble and peak memory per stage.
+
+It replays, per stage, the instruction sequence the engine runs (DeepSpeed's ``TrainSchedule``, or ``EagerSends``
+of it with ``parallel.p2p=overlap``) with given durations:
+- a forward or backward pass takes its stage's time (``StageWork``: per-layer times summed over the stage);
+- overlapped transfers (``p2p="overlap"``): a send starts when its pass has ended and its link (one per boundary
+  and direction) is free, takes latency + bytes / bandwidth, and does not hold up the sender; a receive holds up
+  its stage until the data has arrived;
+- DeepSpeed's blocking transfers (``p2p="deepspeed"``): the k-th send and the k-th receive of a link meet; both
+  stages wait for the later of the two and go on when the bytes have crossed;
+- after the last pass the stages all-reduce gradients over their data-parallel replicas and meet in the global
+  gradient norm, then step the optimizer (``StageWork.optimizer_s``).
+
+``stage_work`` turns per-layer times, payload bytes and parameter counts into each stage's work on a ``Cluster``
+(link bandwidths; stages laid out in order over the nodes, data-parallel replicas within or across nodes).
+
+Assumptions (what the simulator does not model): a pass takes the same time whatever runs beside it (no slowdown
+from a transfer's kernels or from the host), every microbatch of a stage takes the same time, a link moves one
+transfer at a time at its full bandwidth, and the data-parallel all-reduce does not overlap the passes (DeepSpeed
+reduces after the last backward).
+"""
+from dataclasses import dataclass
+
+from deepspeed.runtime.pipe import schedule
+
+from parallel.p2p import EagerSends
+
+
+@dataclass(frozen=True)
+class StageWork:
+    fwd_s: float  # one microbatch's forward through the stage
+    bwd_s: float  # its backward (with recompute: the forward again)
+    send_s: float = 0.0  # activations to the next stage, per microbatch (0 for the last)
+    grad_s: float = 0.0  # their gradient back from the next stage
+    reduce_s: float = 0.0  # data-parallel gradient all-reduce after the last pass
+    optimizer_s: float = 0.0  # gradient norm, clipping and the optimizer step
+
+
+@dataclass(frozen=True)
+class Timeline:
+    step_s: float  # from the first pass to the end of the optimizer step
+    pipeline_s: float  # from the first pass to the last stage's last pass
+    busy_s: tuple[float, ...]  # per stage: time in passes
+    exposed_wait_s: tuple[float, ...]  # per stage: time held up in receives (transfers and waiting for the peer)
+
+    @property
+    def bubble(self) -> tuple[float, ...]:
+        """Per stage: 1 - busy / pipeline time, what ``bench/multigpu.py`` measures."""
+        return tuple(1 - busy / self.pipeline_s for busy in self.busy_s)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where the stages and replicas run: bandwidths in GB/s (1e9 bytes), one direction, per GPU."""
+    nodes: int = 1
+    gpus_per_node: int = 8
+    p2p_gbps: float = 300.0  # point to point within a node (NVLink)
+    internode_gbps: float = 50.0  # between nodes (one 400 Gb/s NIC per GPU)
+    allreduce_gbps: float = 300.0  # all-reduce bus bandwidth within a node
+    latency_s: float = 20e-6
+    pipeline_across_nodes: bool = False  # stages spread over the nodes (else replicas are)
+
+    def node_of(self, stage: int, stages: int) -> int:
+        return stage * self.nodes // stages if self.pipeline_across_nodes else 0
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Per-layer inputs of ``stage_work``: seconds, bytes and parameters."""
+    fwd_s: list[float]
+    bwd_s: list[float]
+    boundary_bytes: list[float]  # activations sent after each layer (0 after the last)
+    gradient_bytes: list[float]  # their gradient back
+    params: list[int]
+    optimizer_s_per_param: float = 0.0
+
+
+def stage_work(layers: Layers, stages: tuple[range, ...], data_parallel: int, cluster: Cluster) -> list[StageWork]:
+    """Each stage's work: its layers' times summed, its boundary's transfer over NVLink or between nodes, the
+    ring all-reduce of its fp32 gradients and ZeRO-1's broadcast of its updated weights over its replicas
+    (2 (D-1)/D and (D-1)/D times the bytes over the all-reduce bandwidth, or between nodes when the replicas
+    are on other nodes), and its optimizer step over its 1/D of the parameters."""
+    P = len(stages)
+    work = []
+    for s, span in enumerate(stages):
+        last = span.stop - 1
+        if s + 1 < P:
+            across = cluster.node_of(s, P) != cluster.node_of(s + 1, P)
+            gbps = cluster.internode_gbps if across else cluster.p2p_gbps
+            send = cluster.latency_s + layers.boundary_bytes[last] / (gbps * 1e9)
+            grad = cluster.latency_s + layers.gradient_bytes[last] / (gbps * 1e9)
+        else:
+            send = grad = 0.0
+        params = sum(layers.params[i] for i in span)
+        D = data_parallel
+        gbps = cluster.allreduce_gbps if cluster.pipeline_across_nodes or cluster.nodes == 1 else cluster.internode_gbps
+        reduce = (3 * (D - 1) / D) * 4 * params / (gbps * 1e9) if D > 1 else 0.0
+        work.append(StageWork(sum(layers.fwd_s[i] for i in span), sum(layers.bwd_s[i] for i in span), send, grad,
+                              reduce, layers.optimizer_s_per_param * params / D))
+    return work
+
+
+def ideal_bubble(stages: int, microbatches: int) -> float:
+    """The 1F1B bubble of balanced stages with free transfers: (P - 1) / (M + P - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def instructions(stages: int, microbatches: int, stage: int, p2p: str) -> list:
+    train = schedule.TrainSchedule(micro_batches=microbatches, stages=stages, stage_id=stage)
+    steps = EagerSends(train).steps() if p2p == "overlap" else train.steps()
+    kinds = (schedule.ForwardPass, schedule.BackwardPass, schedule.SendActivation, schedule.RecvActivation,
+             schedule.SendGrad, schedule.RecvGrad)
+    return [c for commands in steps for c in commands if isinstance(c, kinds)]
+
+
+def simulate(work: list[StageWork], microbatches: int, p2p: str = "overlap") -> Timeline:
+    P = len(work)
+    programs = [instructions(P, microbatches, s, p2p) for s in range(P)]
+    clock, busy, waited = [0.0] * P, [0.0] * P, [0.0] * P
+    position = [0] * P
+    # a channel is (boundary, direction); per channel: arrival times (overlap) or the posted sides (deepspeed)
+    arrivals: dict[tuple[int, str], list[float]] = {}
+    link_free: dict[tuple[int, str], float] = {}
+    posted: dict[tuple[int, str], dict[str, list[float]]] = {}
+    received: dict[tuple[int, str], int] = {}
+
+    def channel(command, s):
+        """(channel, transfer seconds, is a send) of a transfer instruction on stage s."""
+        if isinstance(command, schedule.SendActivation):
+            return (s, "act"), work[s].send_s, True
+        if isinstance(command, schedule.RecvActivation):
+            return (s - 1, "act"), work[s - 1].send_s, False
+        if isinstance(command, schedule.SendGrad):
+            return (s - 1, "grad"), work[s - 1].grad_s, True
+        return (s, "grad"), work[s].grad_s, False
+
+    def advance(s) -> bool:
+        command = programs[s][position[s]]
+        if isinstance(command, (schedule.ForwardPass, schedule.BackwardPass)):
+            took = work[s].fwd_s if isinstance(command, schedule.ForwardPass) else work[s].bwd_s
+            clock[s] += took
+            busy[s] += took
+            return True
+        key, seconds, sending = channel(command, s)
+        if p2p == "overlap":
+            if sending:
+                start = max(clock[s], link_free.get(key, 0.0))
+                link_free[key] = start + seconds
+                arrivals.setdefault(key, []).append(start + seconds)
+                return True
+            k = received.get(key, 0)
+            if k >= len(arrivals.get(key, [])):
+                return False
+            received[key] = k + 1
+            waited[s] += max(0.0, arrivals[key][k] - clock[s])
+            clock[s] = max(clock[s], arrivals[key][k])
+            return True
+        sides = posted.setdefault(key, {"send": [], "recv": []})
+        mine, theirs = ("send", "recv") if sending else ("recv", "send")
+        k = received.get((key, mine), 0)
+        if len(sides[mine]) <= k:
+            sides[mine].append(clock[s])
+        if len(sides[theirs]) <= k:
+            return False  # the peer has not reached its side of this transfer yet
+        done = max(sides[mine][k], sides[theirs][k]) + seconds
+        received[(key, mine)] = k + 1
+        waited[s] += done - clock[s]
+        clock[s] = done
+        return True
+
+    while any(position[s] < len(programs[s]) for s in range(P)):
+        moved = False
+        for s in range(P):
+            while position[s] < len(programs[s]) and advance(s):
+                position[s] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("schedule deadlock in the simulation (a transfer nobody sends)")
+    pipeline = max(clock)
+    after = max(clock[s] + work[s].reduce_s for s in range(P)) + max(w.optimizer_s for w in work)
+    return Timeline(after, pipeline, tuple(busy), tuple(waited))
