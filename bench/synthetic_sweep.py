@@ -6,9 +6,11 @@
 Runs ``python -m train -m layout=<layouts> data=synthetic [overrides]`` exactly as a user would (in a scratch
 directory, so Hydra's default ``multirun/<date>/<time>`` is used), then ``python -m train.report`` on the sweep,
 and writes into ``--out``: ``report.md``, ``report.json`` and ``report.png`` (the report's own files) and
-``sweep.json``: the command, wall time, machine (CPU, cores, load average before and after: the machine may be
-shared), date, git commit, each layout's synthetic accuracies, and the issue's acceptance checks (sweep within
-10 minutes; MQAR beyond the window >= 0.8 for the sharing layout and within 0.05 of chance for window-only).
+``sweep.json``: this script's command, machine and date (``result_meta``), the sweep's own command, its wall time,
+the CPU, its cores and the 1-minute load average before, during (sampled every 5 s) and after the sweep (the
+machine may be shared: a load above the core count means the sweep had less than the whole CPU), the git commit,
+each layout's synthetic accuracies, and the issue's acceptance checks (sweep within 10 minutes; MQAR beyond the
+window >= 0.8 for the sharing layout and within 0.05 of chance for window-only).
 """
 import argparse
 import datetime
@@ -21,6 +23,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from result_meta import result_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("report.md", "report.json", "report.png")
@@ -67,9 +71,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         load_before = os.getloadavg()
         start = time.perf_counter()
-        subprocess.run(command, cwd=scratch, env=env, check=True)
+        sweep, load_during = subprocess.Popen(command, cwd=scratch, env=env), []
+        while sweep.poll() is None:
+            time.sleep(5)
+            load_during.append(os.getloadavg()[0])
         wall_s = time.perf_counter() - start
         load_after = os.getloadavg()
+        if sweep.returncode:
+            raise SystemExit(f"the sweep failed (exit code {sweep.returncode}): {shown}")
         (sweep_dir,) = Path(scratch, "multirun").glob("*/*")
         subprocess.run([sys.executable, "-m", "train.report", str(sweep_dir)], cwd=scratch, env=env, check=True)
         out = Path(args.out)
@@ -78,12 +87,15 @@ def main() -> None:
             shutil.copy(sweep_dir / name, out / name)
     records = json.loads((out / "report.json").read_text())
     summary = {
-        "command": shown,
+        **result_meta(),
+        "sweep_command": shown,
         "report_command": "python -m train.report multirun/<date>/<time>",
         "wall_s": round(wall_s, 1),
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "load_average_before": load_before,
-                    "load_average_after": load_after, "python": platform.python_version()},
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": {"model": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                "load_1min_before": round(load_before[0], 2), "load_1min_after": round(load_after[0], 2),
+                "load_1min_during_mean": round(sum(load_during) / max(1, len(load_during)), 2),
+                "load_1min_during_max": round(max(load_during, default=load_before[0]), 2)},
+        "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
         "synthetic": {r["layout"]: r["synthetic"] for r in records},
         "checks": checks(records, wall_s),

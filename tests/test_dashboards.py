@@ -1,10 +1,14 @@
 """Tests of train/dashboards.py on hand-made metrics rows: the series it plots are the rows' numbers, the files
 exist exactly when there is something to draw."""
+import json
 import math
 
 import pytest
 
-from train.dashboards import (_binned, distance_accuracy, layer_series, plot_layers, plot_synthetic)
+from model import layout_from_config
+from model.cli import compose
+from train.dashboards import (_binned, distance_accuracy, draw_and_log, layer_series, log_layout_table,
+                              log_synthetic_charts, plot_layers, plot_synthetic)
 
 
 def rows_of_a_run(steps=6):
@@ -52,3 +56,32 @@ def test_pictures_are_drawn_when_there_is_something_to_draw(tmp_path):
     window_only = [{"step": 1, "loss": 1.0}, {"step": 1, "split": "eval", "lm_loss": 1.0}]
     assert not plot_layers(window_only, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
     assert not plot_synthetic(window_only, tmp_path / "none.png", 32) and not (tmp_path / "none.png").exists()
+
+
+def test_wandb_gets_the_pictures_the_layout_table_and_the_distance_charts(tmp_path):
+    """A real offline wandb run: both pictures as images, the v41_scaled plan as a Table (its rows as the preset
+    defines them: 2 window layers, the m=2 encoder, the m=1 decoder whose Reindex layer reads layer 6's
+    candidates), and one accuracy-by-distance table per synthetic task."""
+    import wandb
+
+    run = wandb.init(mode="offline", dir=tmp_path, project="dashboards-test")
+    log_layout_table(run, layout_from_config(compose(["layout=v41_scaled"]).layout))
+    rows = rows_of_a_run()
+    log_synthetic_charts(run, rows[-1])
+    drawn = draw_and_log(rows, tmp_path, 32, run)
+    run.finish()
+    (media,) = tmp_path.glob("wandb/offline-run-*/files/media")
+    assert sorted(p.name.split("_")[0] for p in (media / "images" / "dashboards").glob("*.png")) == [
+        "layers", "synthetic"]
+    assert [p.name for p in drawn] == ["layers.png", "synthetic.png"]
+    (plan,) = (media / "table" / "layout").glob("plan_*.table.json")
+    table = json.loads(plan.read_text())
+    assert table["columns"][:3] == ["layer", "ratio", "mode"]
+    assert [(layer, ratio, mode) for layer, ratio, mode, *_ in table["data"]] == [
+        (0, 0, "window"), (1, 0, "window"), (2, 2, "full"), (3, 2, "reuse"), (4, 2, "full"), (5, 2, "reuse"),
+        (6, 1, "full"), (7, 1, "reuse"), (8, 1, "reindex"), (9, 1, "reuse")]
+    assert table["data"][8][-1] == "from 6" and table["data"][6][-1] == "produces"
+    charts = {p.name.split("_by_distance")[0]: json.loads(p.read_text())
+              for p in (media / "table" / "synthetic").glob("*.table.json")}
+    assert set(charts) == {"mqar", "copy"}
+    assert charts["mqar"]["data"][:2] == [["0-31", 1.0], ["32-63", 0.9]]

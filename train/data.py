@@ -50,6 +50,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from train import sft
+from train.rows import RankRows
 from train.synthetic import SyntheticConfig, SyntheticLoader, SyntheticTasks
 from train.tokenizer import Tokenizer, load_tokenizer
 
@@ -333,7 +334,7 @@ def chunk_spans(num_positions: int, seq_len: int) -> list[tuple[int, int]]:
     return [(start, min(seq_len, num_positions - start)) for start in range(0, num_positions, seq_len)]
 
 
-class PackedLoader:
+class PackedLoader(RankRows):
     """Endless iterator over packed micro-batches of one data-parallel rank, with exact resume.
 
     `documents` is a `MapDocuments` / `StreamingDocuments` (anything with `texts(epoch, start)` and
@@ -382,21 +383,9 @@ class PackedLoader:
         self._next_doc = 0
         self._epoch_done = False
 
-    @property
-    def padding_fraction(self) -> float:
-        return self.tokens_padding / self.tokens_total if self.tokens_total else 0.0
-
-    def __iter__(self) -> PackedLoader:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        mine = []
-        for step in range(self.world_size * self.micro_batch_size):
-            row = self._take_row()
-            if step // self.micro_batch_size == self.rank:
-                mine.append(self._build_row(row))
-        return {key: torch.from_numpy(np.stack(column)) for key, column in
-                zip(("input_ids", "labels", "doc_ids"), zip(*mine))}
+    def _next_row(self, keep: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        row = self._take_row()
+        return self._build_row(row) if keep else None
 
     def state_dict(self) -> dict:
         """Position in the global stream (same on every rank) and the settings that fix the stream.

@@ -9,8 +9,10 @@ fills a row alone. Every symbol is one token of the data tokenizer (each configu
 must give one id), filler fills the room between facts, and only answers carry labels: everything else in an
 example is random by construction and would only add noise to the loss.
 
-- ``mqar``: ``k v`` pairs (distinct keys, distinct values), then each key again, ``distance`` tokens after its
-  value, followed by its value: the answer.
+- ``mqar``: ``k v`` records: each key's first record states its value, every later one asks for it at least
+  ``distance`` tokens after the value was last written, and the value is the answer. Keys are distinct; values are
+  drawn independently (a value seen in the window says nothing about another key's), so no guess that sees only
+  the window beats ``1 / len(values)`` on an answer whose source lies beyond it.
 - ``passkey``: ``# d1 .. dn`` hidden at a uniform depth in the filler and asked at the end: ``=`` followed by the
   same digits, the answers (``#`` and ``=`` are ``markers``).
 - ``copy``: blocks ``# s = s`` of random key and value symbols; the repeat is the answer.
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from train.loss import IGNORE_INDEX
+from train.rows import FIELDS, RankRows
 from train.tokenizer import Tokenizer
 
 TASKS = ("mqar", "passkey", "copy")
@@ -86,9 +89,10 @@ class SyntheticConfig:
     digits: Sequence[str] = "0123456789"  # passkey digits
     filler: Sequence[str] = " "  # drawn uniformly between facts
     markers: Sequence[str] = "#="  # the start of a fact (passkey needle, copy block) and of its repeat
-    pairs: Sequence[int] | int = (1, 8)  # mqar: key-value pairs per example
-    spacing: Sequence[int] | int = 0  # mqar: filler tokens before each pair
-    distance: Sequence[int] | int = (1, 128)  # mqar: tokens from a pair's value to its query
+    pairs: Sequence[int] | int = (4, 8)  # mqar: keys per example (distinct; their values drawn independently)
+    spacing: Sequence[int] | int = 0  # mqar: filler tokens before each record
+    distance: Sequence[int] | int = (16, 96)  # mqar: tokens from a value to the next query of its key (at least)
+    align: int = 2  # mqar: records start at multiples of this position (2: one per ratio-2 compressed entry)
     passkey_digits: int = 5  # passkey: digits of the key
     copy_length: Sequence[int] | int = (8, 48)  # copy: symbols per block
 
@@ -99,6 +103,8 @@ class SyntheticConfig:
                              f"positive sum, got {dict(self.tasks)}")
         if self.eval_examples < 0:
             raise ValueError(f"data.synthetic.eval_examples must be >= 0, got {self.eval_examples}")
+        if self.align < 1:
+            raise ValueError(f"data.synthetic.align must be >= 1, got {self.align}")
         if self.passkey_digits < 1:
             raise ValueError(f"data.synthetic.passkey_digits must be >= 1, got {self.passkey_digits}")
         for name in ("pairs", "spacing", "distance", "copy_length"):
@@ -172,7 +178,7 @@ class SyntheticTasks:
         left to right: the most overdue key is asked first, else a new key is stated, else filler waits for the
         next key to fall due."""
         n = int(rng.integers(self.pairs[0], self.pairs[1] + 1))
-        keys, values = rng.choice(self.keys, n, replace=False), rng.choice(self.values, n, replace=False)
+        keys, values = rng.choice(self.keys, n, replace=False), rng.choice(self.values, n)  # values: independent
         due = np.full(n, np.iinfo(np.int64).max)  # position from which key i may be asked
         last_value = np.zeros(n, dtype=np.int64)
         stated, position = 0, 1
@@ -181,6 +187,7 @@ class SyntheticTasks:
             asked = int(np.argmin(due))
             if stated == n:  # every key stated: filler until the next one falls due
                 position = max(position, int(due[asked]))
+            position += -position % self.config.align
             if position + 1 > self.seq_len:
                 return
             if due[asked] <= position:
@@ -216,16 +223,17 @@ class SyntheticTasks:
 
     def _check_fits(self) -> None:
         """Raise unless the longest example of every active task fits in ``seq_len`` positions."""
-        need = {"mqar": 1 + self.pairs[1] * (2 + self.spacing[1]) + 2 + 1,  # the pairs and at least one query
+        record = 2 + self.spacing[1] + self.config.align - 1  # a record, its filler and its alignment, at most
+        need = {"mqar": 1 + 2 * record + self.distance[0],  # a key stated and asked once
                 "passkey": 2 * (1 + self.config.passkey_digits) + 1,
                 "copy": 2 * self.copy_length[0] + 2 + 1}
         for task in self.tasks:
             if need[task] > self.seq_len + 1:
                 raise ValueError(f"data.seq_len={self.seq_len} is too short for the synthetic {task} task "
                                  f"({need[task] - 1} positions needed): lengthen data.seq_len or shrink the task")
-        if "mqar" in self.tasks and self.pairs[1] > min(len(self.keys), len(self.values)):
-            raise ValueError(f"data.synthetic.pairs up to {self.pairs[1]} needs as many distinct keys and values, "
-                             f"got {len(self.keys)} keys and {len(self.values)} values")
+        if "mqar" in self.tasks and self.pairs[1] > len(self.keys):
+            raise ValueError(f"data.synthetic.pairs up to {self.pairs[1]} needs as many distinct keys, "
+                             f"got {len(self.keys)}")
 
 
 class _Canvas:
@@ -288,7 +296,7 @@ def _check_disjoint(symbols: dict[str, np.ndarray]) -> None:
                                  f"{sorted(shared)}: a symbol can play one role only")
 
 
-class SyntheticLoader:
+class SyntheticLoader(RankRows):
     """Endless micro-batches of one data-parallel rank: synthetic examples, mixed with packed text rows.
 
     Row ``r`` of the global stream is synthetic with probability ``fraction`` (decided by ``(seed, r)``), and then
@@ -317,27 +325,13 @@ class SyntheticLoader:
     def tokens_padding(self) -> int:
         return self.text.tokens_padding if self.text is not None else 0
 
-    @property
-    def padding_fraction(self) -> float:
-        return self.tokens_padding / self.tokens_total if self._row else 0.0
-
-    def __iter__(self) -> SyntheticLoader:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        mine = []
-        for slot in range(self.world_size * self.micro_batch_size):
-            row = self._next_row()
-            if slot // self.micro_batch_size == self.rank:
-                mine.append(row)
-        return {key: torch.from_numpy(np.stack(column)) for key, column in
-                zip(("input_ids", "labels", "doc_ids"), zip(*mine))}
-
-    def _next_row(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _next_row(self, keep: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         row, self._row = self._row, self._row + 1
         if self.fraction < 1 and np.random.default_rng([self.tasks.seed, 3, row]).random() >= self.fraction:
-            batch = next(self.text)
-            return batch["input_ids"][0].numpy(), batch["labels"][0].numpy(), batch["doc_ids"][0].numpy()
+            batch = next(self.text)  # read on every rank: the text stream is global
+            return tuple(batch[key][0].numpy() for key in FIELDS) if keep else None
+        if not keep:
+            return None
         example = self.tasks.example(self.split, row)
         return example.input_ids, example.labels, example.doc_ids
 
