@@ -6,6 +6,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from model.config import ModelArgs
 from model.layout import Layout, layout_from_config
 from train import distributed
 from train.metrics import MetricsLogger, read_rows
-from train.report import find_runs, main, report
+from train.report import find_runs, main, newest_sweep, report
 
 V41_RATIOS = [0, 0] + [2] * 18 + [1] * 20
 SCALED_RATIOS = [0, 0, 2, 2, 2, 2, 1, 1, 1, 1]
@@ -154,6 +155,17 @@ def test_dir_without_runs_is_a_clear_error(tmp_path):
         main([str(tmp_path)])
     with pytest.raises(SystemExit, match="not a directory"):
         main([str(tmp_path / "missing")])
+
+
+def test_without_a_dir_the_newest_sweep_is_reported(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="no sweep under"):
+        main([])
+    for sweep in ("2026-11-29/23-59-59", "2026-11-30/00-00-01", "2026-11-30/00-00-00"):
+        (tmp_path / "multirun" / sweep).mkdir(parents=True)
+    assert newest_sweep() == Path("multirun/2026-11-30/00-00-01")
+    with pytest.raises(SystemExit, match="no runs under multirun/2026-11-30/00-00-01"):
+        main([])
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""``python -m train.report <sweep dir>``: which layout? The runs of a sweep, quality against cost.
+"""``python -m train.report [sweep dir]``: which layout? The runs of a sweep, quality against cost.
 
 A sweep dir is what ``python -m train -m ...`` writes (``multirun/<date>/<time>/`` with one numbered dir per job),
-or any dir with run dirs below it. Everything comes from the run dirs themselves, so no wandb account is needed:
+or any dir with run dirs below it; without one, the newest ``multirun/<date>/<time>`` under the current dir.
+Everything comes from the run dirs themselves, so no wandb account is needed:
 - quality from ``metrics.jsonl``: the last evaluation's held-out LM loss, passkey and MQAR accuracy at each
   probed length, index recall averaged over the reading layers, and with ``data=synthetic`` each trained task's
   accuracy, its accuracy beyond the sliding window and its chance level;
@@ -256,11 +257,22 @@ def _strict(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+def newest_sweep(multirun: Path = Path("multirun")) -> Path:
+    """The newest ``multirun/<date>/<time>`` (Hydra's default sweep dir, relative to where the sweep ran)."""
+    sweeps = sorted(p for p in multirun.glob("*/*") if p.is_dir())
+    if not sweeps:
+        raise SystemExit(f"error: no sweep under {multirun.resolve()} — run `python -m train -m ...` here first, or "
+                         "give the sweep dir: python -m train.report <sweep dir>")
+    return sweeps[-1]
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m train.report <sweep dir>  (e.g. multirun/<date>/<time>)")
-    table, _ = report(Path(argv[0]))
+    if len(argv) > 1:
+        raise SystemExit("usage: python -m train.report [sweep dir]  (default: the newest multirun/<date>/<time>)")
+    sweep_dir = Path(argv[0]) if argv else newest_sweep()
+    table, _ = report(sweep_dir)
     print(table)
+    print(f"written: {sweep_dir / 'report.md'}, {sweep_dir / 'report.json'}, {sweep_dir / 'report.png'}")
 
 
 if __name__ == "__main__":
