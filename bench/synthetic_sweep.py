@@ -68,6 +68,7 @@ def main() -> None:
     command = [sys.executable, "-m", "train", "-m", f"layout={args.layouts}", "data=synthetic", *overrides]
     shown = " ".join(["python", "-m", "train", "-m", f"layout={args.layouts}", "data=synthetic", *overrides])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    commit = git_commit()  # before the result files land in the tree
     with tempfile.TemporaryDirectory() as scratch:
         load_before = os.getloadavg()
         start = time.perf_counter()
@@ -96,7 +97,7 @@ def main() -> None:
                 "load_1min_during_mean": round(sum(load_during) / max(1, len(load_during)), 2),
                 "load_1min_during_max": round(max(load_during, default=load_before[0]), 2)},
         "finished_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": commit,
         "synthetic": {r["layout"]: r["synthetic"] for r in records},
         "checks": checks(records, wall_s),
     }
