@@ -1,10 +1,12 @@
 """Layout sweeps: multirun overrides resolve to the intended layouts, and ``train.report`` compares the runs of a
 real (tiny) ``python -m train -m`` sweep with numbers that are the runs' own."""
+import json
 import math
 import statistics
 import subprocess
 import sys
 import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +23,7 @@ from model.config import ModelArgs
 from model.layout import Layout, layout_from_config
 from train import distributed
 from train.metrics import MetricsLogger, read_rows
-from train.report import find_runs, main, report
+from train.report import find_runs, main, newest_sweep, report
 
 V41_RATIOS = [0, 0] + [2] * 18 + [1] * 20
 SCALED_RATIOS = [0, 0, 2, 2, 2, 2, 1, 1, 1, 1]
@@ -74,12 +76,16 @@ def test_knob_override_wins_over_the_preset():
 
 
 # A two-job sweep of the 10-layer layout that differs only in the decoder's Reindex layer; each job trains 4
-# steps on 64-token rows of a small corpus, evaluates at step 2 and at the end (with probes at 160 and 192 tokens).
+# steps on 64-token rows, half of them text of a small corpus and half synthetic tasks, evaluates at step 2 and at
+# the end (with the three synthetic tasks, and probes at 160 and 192 tokens).
 SWEEP = ["layout.decoder.reindex_every=0,2"]
-TINY = ["train.max_steps=4", "train.eval.every=2", "train.warmup_steps=2", "data.seq_len=64",
+TINY = ["train.max_steps=4", "train.eval.every=2", "train.warmup_steps=2", "data=synthetic", "data.seq_len=64",
         "data.micro_batch_size=2", f"data.path={sysconfig.get_paths()['stdlib']}/email", "data.heldout_fraction=0.2",
+        "data.synthetic_fraction=0.5", "data.synthetic.tasks={mqar: 1, passkey: 1, copy: 1}",
+        "data.synthetic.eval_examples=4", "data.synthetic.copy_length=[4,12]",
         "train.progress=false", "logger.mode=disabled", "train.eval.batches=1", "train.eval.probe_examples=2",
         "train.eval.probe_lens=[160,192]", "train.eval.mqar_pairs=2", "train.eval.mqar_queries=1"]
+SYNTHETIC_TASKS = ("mqar", "passkey", "copy")
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +109,13 @@ def test_report_numbers_are_the_runs_own(sweep):
         assert figures["probes"] == {f"{kind}@{n}": final[f"{kind}_acc/len{n}"]
                                      for kind in ("passkey", "mqar") for n in (160, 192)}
         assert final["passkey_acc"] == pytest.approx((final["passkey_acc/len160"] + final["passkey_acc/len192"]) / 2)
+        assert list(figures["synthetic"]) == list(SYNTHETIC_TASKS)
+        for task in SYNTHETIC_TASKS:  # null in the file (no answer beyond the window at 64 tokens): NaN
+            expected = {key: final[f"synthetic/{task}_{key}"] for key in ("acc", "acc_beyond_window", "chance")}
+            assert figures["synthetic"][task] == pytest.approx({k: math.nan if v is None else v
+                                                                for k, v in expected.items()}, nan_ok=True)
+        assert final["synthetic/mqar_chance"] == 1 / 16 and 0 <= final["synthetic/copy_acc"] <= 1
+        assert (root / run.name / "layers.png").is_file() and (root / run.name / "synthetic.png").is_file()
         readers = [p.layer_id for p in layout_from_config(run.cfg.layout).plan if p.index_source is not None]
         recall = [final[f"index_recall/layer{layer}"] for layer in readers]
         assert figures["index_recall"] == pytest.approx(statistics.mean(recall))
@@ -123,8 +136,12 @@ def test_report_files_name_the_runs(sweep):
     root, (table, summaries) = sweep
     assert (root / "report.md").read_text() == table
     assert (root / "report.png").stat().st_size > 10_000
+    records = json.loads((root / "report.json").read_text())
+    assert [r["run"] for r in records] == ["0", "1"]
+    assert json.dumps(records[1]["synthetic"]) == json.dumps(summaries[1]["synthetic"]).replace("NaN", "null")
     rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert "| passkey@160 | passkey@192 | mqar@160 | mqar@192 |" in rows[0]
+    assert "| passkey@160 | passkey@192 | mqar@160 | mqar@192 | mqar acc | mqar beyond window | mqar chance |" \
+        " passkey acc | passkey beyond window | passkey chance | copy acc |" in rows[0]
     for job, (row, figures) in enumerate(zip(rows[1:], summaries)):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[:4] == [str(job), "v41_scaled", f"`layout.decoder.reindex_every={2 * job}`", "4"]
@@ -138,6 +155,17 @@ def test_dir_without_runs_is_a_clear_error(tmp_path):
         main([str(tmp_path)])
     with pytest.raises(SystemExit, match="not a directory"):
         main([str(tmp_path / "missing")])
+
+
+def test_without_a_dir_the_newest_sweep_is_reported(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="no sweep under"):
+        main([])
+    for sweep in ("2026-11-29/23-59-59", "2026-11-30/00-00-01", "2026-11-30/00-00-00"):
+        (tmp_path / "multirun" / sweep).mkdir(parents=True)
+    assert newest_sweep() == Path("multirun/2026-11-30/00-00-01")
+    with pytest.raises(SystemExit, match="no runs under multirun/2026-11-30/00-00-01"):
+        main([])
 
 
 @pytest.fixture

@@ -50,6 +50,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from train import sft
+from train.rows import RankRows
+from train.synthetic import SyntheticConfig, SyntheticLoader, SyntheticTasks
 from train.tokenizer import Tokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
@@ -85,6 +87,8 @@ class DataConfig:
     heldout_fraction: float = 0.05  # documents whose key hashes below this are held out
     pack_buffer: int = 256  # rows' worth of tokens packed together; larger: less padding, more memory
     pack_carry: int = 64  # least-full rows of a buffer held back and refilled by the next buffer
+    synthetic_fraction: float = 0.0  # share of rows that are synthetic retrieval tasks (train/synthetic.py)
+    synthetic: dict | None = None  # the tasks (train.synthetic.SyntheticConfig); None: its defaults
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -330,7 +334,7 @@ def chunk_spans(num_positions: int, seq_len: int) -> list[tuple[int, int]]:
     return [(start, min(seq_len, num_positions - start)) for start in range(0, num_positions, seq_len)]
 
 
-class PackedLoader:
+class PackedLoader(RankRows):
     """Endless iterator over packed micro-batches of one data-parallel rank, with exact resume.
 
     `documents` is a `MapDocuments` / `StreamingDocuments` (anything with `texts(epoch, start)` and
@@ -379,21 +383,9 @@ class PackedLoader:
         self._next_doc = 0
         self._epoch_done = False
 
-    @property
-    def padding_fraction(self) -> float:
-        return self.tokens_padding / self.tokens_total if self.tokens_total else 0.0
-
-    def __iter__(self) -> PackedLoader:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        mine = []
-        for step in range(self.world_size * self.micro_batch_size):
-            row = self._take_row()
-            if step // self.micro_batch_size == self.rank:
-                mine.append(self._build_row(row))
-        return {key: torch.from_numpy(np.stack(column)) for key, column in
-                zip(("input_ids", "labels", "doc_ids"), zip(*mine))}
+    def _next_row(self, keep: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        row = self._take_row()
+        return self._build_row(row) if keep else None
 
     def state_dict(self) -> dict:
         """Position in the global stream (same on every rank) and the settings that fix the stream.
@@ -498,21 +490,47 @@ class PackedLoader:
 
 
 def build_loader(cfg, *, rank: int = 0, world_size: int = 1, heldout: bool = False,
-                 vocab_size: int | None = None, documents=None) -> PackedLoader:
+                 vocab_size: int | None = None, documents=None) -> PackedLoader | SyntheticLoader:
     """The loader of `cfg` (the `data` config group: a DictConfig, a mapping or a DataConfig).
 
     `heldout=True` gives the held-out documents (for evaluation: build a fresh loader per evaluation to see
     the same batches each time). `vocab_size` is the model's, if it should bound the token ids. `documents`:
-    the `build_documents(cfg, heldout)` already made (a job builds them before its engine, to fail early).
+    the `build_documents(cfg, heldout)` already made (a job builds them before its engine, to fail early). With
+    `synthetic_fraction` > 0 rows are synthetic tasks mixed with packed text rows (`train.synthetic`); at 1 the
+    text source is not read at all.
     """
     config = data_config(cfg)
     tokenizer = load_tokenizer(config.tokenizer, config.bos_token, config.eos_token, config.pad_token)
+    tasks = synthetic_tasks(config, tokenizer)
+    if tasks is None:
+        return _packed_loader(config, tokenizer, heldout, rank, world_size, vocab_size, documents)
+    text = None if config.synthetic_fraction == 1 else _packed_loader(config, tokenizer, heldout, 0, 1, vocab_size,
+                                                                      documents, micro_batch_size=1)
+    return SyntheticLoader(tasks, text, fraction=config.synthetic_fraction,
+                           micro_batch_size=config.micro_batch_size, split="heldout" if heldout else "train",
+                           rank=rank, world_size=world_size)
+
+
+def synthetic_tasks(config: DataConfig, tokenizer: Tokenizer | None = None) -> SyntheticTasks | None:
+    """The synthetic tasks of `config` (None when `synthetic_fraction` is 0), seeded by `shuffle_seed`."""
+    if not 0 <= config.synthetic_fraction <= 1:
+        raise ValueError(f"data.synthetic_fraction={config.synthetic_fraction} — set a share in [0, 1]")
+    if config.synthetic_fraction == 0:
+        return None
+    tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.bos_token, config.eos_token, config.pad_token)
+    return SyntheticTasks(SyntheticConfig.from_mapping(config.synthetic or {}), tokenizer, config.seq_len,
+                          config.shuffle_seed)
+
+
+def _packed_loader(config: DataConfig, tokenizer: Tokenizer, heldout: bool, rank: int, world_size: int,
+                   vocab_size: int | None, documents=None, micro_batch_size: int | None = None) -> PackedLoader:
     documents = build_documents(config, heldout) if documents is None else documents
     encode = sft.ChatEncoder(tokenizer, config.seq_len + 1) if documents.format == "chat" else None
     return PackedLoader(documents, tokenizer, seq_len=config.seq_len,
-                        micro_batch_size=config.micro_batch_size, shuffle_seed=config.shuffle_seed,
-                        pack_buffer=config.pack_buffer, pack_carry=config.pack_carry, rank=rank,
-                        world_size=world_size, vocab_size=vocab_size, encode=encode)
+                        micro_batch_size=micro_batch_size or config.micro_batch_size,
+                        shuffle_seed=config.shuffle_seed, pack_buffer=config.pack_buffer,
+                        pack_carry=config.pack_carry, rank=rank, world_size=world_size, vocab_size=vocab_size,
+                        encode=encode)
 
 
 def data_config(cfg) -> DataConfig:

@@ -1,8 +1,9 @@
-"""Evaluation: the training objective on held-out documents, and the long-context retrieval probes.
+"""Evaluation: the training objective on held-out documents, the synthetic tasks' accuracies, and the
+long-context retrieval probes.
 
 The loss is ``train/loss.py``'s, so held-out and training numbers mean the same thing. A fresh held-out loader
-per evaluation gives the same batches every time (comparable across steps), and neither part touches the
-training stream or the RNGs (an evaluation never changes what a resumed run sees).
+per evaluation gives the same batches every time (comparable across steps), and no part touches the training
+stream or the RNGs (an evaluation never changes what a resumed run sees).
 """
 import logging
 import math
@@ -12,9 +13,10 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from train import distributed
-from train.data import build_loader
+from train.data import build_loader, data_config, synthetic_tasks
 from train.loss import compute_loss, mean_metrics
 from train.probes import mqar_probes, passkey_probes, probe_accuracy
+from train.synthetic import add_hits, count_keys, synthetic_metrics
 from train.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ def build_probes(cfg: DictConfig, stages: int) -> dict[tuple[str, int], list]:
 
 
 class Evaluator:
-    """The evaluation of one run: held-out loss parts, index recall, and the probes.
+    """The evaluation of one run: held-out loss parts, index recall, the synthetic tasks, and the probes.
 
     Built before training, so that an empty held-out set or a probe that does not fit fails before any step.
     Every evaluation rewinds the held-out loader to its start: the same batches each time. With one pipeline
@@ -77,10 +79,15 @@ class Evaluator:
                                    heldout=True, vocab_size=cfg.model.vocab_size, documents=documents)
         self.loader_start = self.loader.state_dict()
         self.probes = build_probes(cfg, engine.num_stages) if probes is None else probes
+        tasks = synthetic_tasks(data_config(cfg.data))
+        self.synthetic = {task: tasks.task_examples(task, tasks.config.eval_examples) for task in tasks.tasks} \
+            if tasks is not None and tasks.config.eval_examples else {}
+        self.chance = {task: tasks.chance(task) for task in self.synthetic}
         self.pad_id = data_tokenizer(cfg.data).pad_id
 
     def __call__(self, probes: bool) -> dict[str, float]:
-        """Held-out numbers, and with ``probes`` the probe accuracies; the model runs in eval mode."""
+        """Held-out numbers and the synthetic tasks' accuracies, and with ``probes`` the probe accuracies; the
+        model runs in eval mode."""
         module = self.engine.module
         was_training = module.training
         module.eval()
@@ -89,6 +96,8 @@ class Evaluator:
                 row, logits_of = self.pipeline_heldout(), self.pipeline_logits
             else:
                 row, logits_of = self.heldout(module.stage.whole_model), self.whole_model_logits
+            if self.synthetic:
+                row.update(self.synthetic_accuracy(logits_of))
             if probes and self.probes:
                 row.update(self.probe_accuracy(logits_of))
             return row
@@ -148,28 +157,43 @@ class Evaluator:
             row[key] = sum(counted) / len(counted) if counted else math.nan
         return distributed.mean_over_ranks(row)
 
+    def scored(self, samples: list, logits_of):
+        """``(logits [T,V], sample)`` for this replica's share of ``samples``.
+
+        The data-parallel replicas split the samples; each runs its share in full micro-batches (the last one
+        filled up with samples it does not yield), the same number on every replica, because a pipelined
+        evaluation is collective. ``logits_of(input_ids, doc_ids)`` returns None where no logits are (pipeline
+        stages before the last), which then yield nothing."""
+        batch_size = self.cfg.data.micro_batch_size
+        replica, replicas = self.engine.grid.data_parallel_id, self.engine.dp_world_size
+        mine = samples[replica::replicas]
+        for start in range(0, -(-len(samples) // replicas), batch_size):
+            chunk = mine[start:start + batch_size]
+            full = chunk + [samples[0]] * (batch_size - len(chunk))
+            logits = logits_of(torch.stack([torch.as_tensor(s.input_ids) for s in full]),
+                               torch.stack([torch.as_tensor(s.doc_ids) for s in full]))
+            if logits is not None:
+                yield from zip(logits, chunk)
+
+    @torch.no_grad()
+    def synthetic_accuracy(self, logits_of) -> dict[str, float]:
+        """``synthetic/<task>_acc`` and its parts by distance (``train.synthetic.synthetic_metrics``), over the
+        held-out examples of every synthetic task, summed over the replicas that scored them."""
+        window = self.cfg.model.window_size
+        counts = count_keys(self.synthetic, window)
+        for examples in self.synthetic.values():
+            for logits, example in self.scored(examples, logits_of):
+                add_hits(counts, logits, example, window)
+        return synthetic_metrics(distributed.sum_over_ranks(counts), self.chance, window)
+
     @torch.no_grad()
     def probe_accuracy(self, logits_of) -> dict[str, float]:
         """``passkey_acc/len{L}`` and ``mqar_acc/len{L}``, the share of answer tokens predicted right at each
-        probe length, and ``passkey_acc`` / ``mqar_acc``, their mean over the lengths.
-
-        The data-parallel replicas split the samples; each scores its share in full micro-batches (the last one
-        filled up with samples it does not count), the same number on every replica, because a pipelined
-        evaluation is collective. ``logits_of(input_ids, doc_ids)`` returns None where no logits are (pipeline
-        stages before the last), which then count nothing."""
-        batch_size = self.cfg.data.micro_batch_size
-        replica, replicas = self.engine.grid.data_parallel_id, self.engine.dp_world_size
-        sums = {}
-        for (kind, length), samples in self.probes.items():
-            mine = samples[replica::replicas]
-            correct = 0.0
-            for start in range(0, -(-len(samples) // replicas), batch_size):
-                chunk = mine[start:start + batch_size]
-                full = chunk + [samples[0]] * (batch_size - len(chunk))
-                logits = logits_of(torch.stack([s.input_ids for s in full]), torch.stack([s.doc_ids for s in full]))
-                if logits is not None:
-                    correct += sum(probe_accuracy(row, sample) for row, sample in zip(logits, chunk))
-            sums[f"{kind}_acc/len{length}"] = correct
+        probe length, and ``passkey_acc`` / ``mqar_acc``, their mean over the lengths (replicas split the samples:
+        ``scored``)."""
+        sums = {f"{kind}_acc/len{length}": sum(probe_accuracy(logits, sample)
+                                               for logits, sample in self.scored(samples, logits_of))
+                for (kind, length), samples in self.probes.items()}
         scores = {k: v / self.cfg.train.eval.probe_examples for k, v in distributed.sum_over_ranks(sums).items()}
         for kind in ("passkey", "mqar"):
             per_length = [v for k, v in scores.items() if k.startswith(f"{kind}_acc/")]

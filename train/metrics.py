@@ -1,9 +1,10 @@
-"""Where the numbers go: ``metrics.jsonl`` (the record scripts read), wandb, and a loss-curve PNG.
+"""Where the numbers go: ``metrics.jsonl`` (the record scripts read), wandb, and PNGs.
 
 Only rank 0 writes. ``metrics.jsonl`` holds one JSON object per logged training step and one per evaluation
 (``"split": "eval"``); a resumed run first drops the rows past its checkpoint, so the file reads as one run.
 A non-finite number (the loss of a skipped step) is written as ``null``, so that the file stays strict JSON.
-The PNG is drawn from that file, for people without a wandb account.
+The PNGs are drawn from that file, for people without a wandb account: ``loss_curve.png`` here, the per-layer and
+synthetic-task dashboards in ``train/dashboards.py`` (also logged to wandb, with the layout as a Table).
 
 What the layout costs (``model.accounting`` at ``data.seq_len``) and the tokens of one optimizer step are logged
 once per run: in the first training row of the file, and in the wandb config next to the resolved config and the
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from model import ModelArgs, layout_from_config
 from model.accounting import account
+from train import dashboards
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
@@ -38,6 +40,7 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.plot_path = run_dir / PLOT_FILE
+        self.window = int(cfg.model.window_size)
         self.wandb_run = None
         self.once = {}
         if not enabled:
@@ -48,6 +51,8 @@ class MetricsLogger:
         self.once = constants if start_step == 0 else {}  # a resumed run kept its first row
         if cfg.logger.mode != "disabled":
             self.wandb_run = _start_wandb(cfg, run_dir, constants, run_id)
+            if start_step == 0 and self.wandb_run is not None:
+                dashboards.log_layout_table(self.wandb_run, layout_from_config(cfg.layout))
 
     @property
     def run_id(self) -> str | None:
@@ -60,8 +65,11 @@ class MetricsLogger:
         self.once = {}
 
     def log_eval(self, row: dict) -> None:
-        """An evaluation row; marked ``"split": "eval"`` in the file and logged under ``eval/`` in wandb."""
+        """An evaluation row; marked ``"split": "eval"`` in the file and logged under ``eval/`` in wandb (with its
+        synthetic accuracies by distance as charts)."""
         self._write({**row, "split": "eval"}, prefix="eval")
+        if self.enabled and self.wandb_run is not None:
+            dashboards.log_synthetic_charts(self.wandb_run, row)
 
     def _write(self, row: dict, prefix: str, file_only: dict | None = None) -> None:
         """``row`` to the file and to wandb; ``file_only`` to the file alone (wandb has it in its config)."""
@@ -85,6 +93,7 @@ class MetricsLogger:
         rows = read_rows(self.path)
         plot_losses(rows, self.plot_path)
         plot_health(rows, self.path.parent / HEALTH_PLOT_FILE)
+        dashboards.draw_and_log(rows, self.path.parent, self.window, self.wandb_run)
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None

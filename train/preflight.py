@@ -17,7 +17,7 @@ from model import ModelArgs, layout_from_config
 from parallel.batch import BatchPlan, batch_plan
 from parallel.partition import partition
 from train import checkpoint, init_from, sft
-from train.data import build_documents, data_config
+from train.data import build_documents, data_config, synthetic_tasks
 from train.engine import check_parallel, resolve_device, resolve_precision
 from train.evaluate import build_probes, data_tokenizer
 
@@ -31,7 +31,7 @@ class Checked:
     device: torch.device
     precision: str  # bf16 | fp32
     batch: BatchPlan
-    train_documents: object  # train.data.MapDocuments | StreamingDocuments
+    train_documents: object  # train.data.MapDocuments | StreamingDocuments; None: data.synthetic_fraction=1
     heldout_documents: object
     probes: dict
     resume: checkpoint.CheckpointRef | None
@@ -49,6 +49,7 @@ def check_config(cfg: DictConfig) -> None:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer ({cfg.data.tokenizer or 'byte-level'}) has {tokenizer.vocab_size} tokens but "
                          f"model.vocab_size={cfg.model.vocab_size} — set model.vocab_size>={tokenizer.vocab_size}")
+    synthetic_tasks(data_config(cfg.data), tokenizer)  # data=synthetic: its symbols, and that every task fits
     train = cfg.train
     for key in ("max_steps", "log_every", "max_bad_steps", "eval.batches"):
         value = OmegaConf.select(train, key)
@@ -82,8 +83,10 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     partition(args, layout, int(cfg.data.seq_len), batch.stages, cfg.parallel.cuts)
     probes = build_probes(cfg, batch.stages)
     data = data_config(cfg.data)
-    train_documents, heldout_documents = build_documents(data), build_documents(data, heldout=True)
-    if train_documents.format == "chat":
+    reads_text = data.synthetic_fraction < 1  # all-synthetic rows never read the text source
+    train_documents = build_documents(data) if reads_text else None
+    heldout_documents = build_documents(data, heldout=True) if reads_text else None
+    if train_documents is not None and train_documents.format == "chat":
         sft.check_template(data_tokenizer(cfg.data))
     ref = checkpoint.find(cfg.train.resume, checkpoint_dir(cfg, run_dir))
     saved = checkpoint.check_compatible(ref, cfg) if ref else {}

@@ -1,15 +1,19 @@
-"""``python -m train.report <sweep dir>``: which layout? The runs of a sweep, quality against cost.
+"""``python -m train.report [sweep dir]``: which layout? The runs of a sweep, quality against cost.
 
 A sweep dir is what ``python -m train -m ...`` writes (``multirun/<date>/<time>/`` with one numbered dir per job),
-or any dir with run dirs below it. Everything comes from the run dirs themselves, so no wandb account is needed:
+or any dir with run dirs below it; without one, the newest ``multirun/<date>/<time>`` under the current dir.
+Everything comes from the run dirs themselves, so no wandb account is needed:
 - quality from ``metrics.jsonl``: the last evaluation's held-out LM loss, passkey and MQAR accuracy at each
-  probed length, and index recall averaged over the reading layers;
+  probed length, index recall averaged over the reading layers, and with ``data=synthetic`` each trained task's
+  accuracy, its accuracy beyond the sliding window and its chance level;
 - cost from the resolved ``config.yaml``: KV bytes and indexer FLOPs per token (``model.accounting``, at the
   run's ``data.seq_len``), and the median step time and tokens/s of its training steps;
 - names from ``.hydra/overrides.yaml``: the layout and the overrides that differ between runs (those common to
   all runs are printed once).
-Writes ``<sweep dir>/report.md`` (the table, also printed) and ``<sweep dir>/report.png``.
+Writes ``<sweep dir>/report.md`` (the table, also printed), ``<sweep dir>/report.json`` (each run's figures) and
+``<sweep dir>/report.png``.
 """
+import json
 import math
 import re
 import statistics
@@ -27,6 +31,7 @@ from train.metrics import METRICS_FILE, read_rows
 CONFIG_FILE = "config.yaml"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 _PROBE_KEY = re.compile(r"(passkey|mqar)_acc/len(\d+)")
+_SYNTHETIC_KEY = re.compile(r"synthetic/(\w+)_(acc|acc_beyond_window|chance)")
 
 
 @dataclass
@@ -73,6 +78,16 @@ def probe_scores(row: dict) -> dict[str, float]:
     return scores
 
 
+def synthetic_scores(row: dict) -> dict[str, dict[str, float]]:
+    """``{task: {"acc", "acc_beyond_window", "chance"}}`` from the ``synthetic/<task>_*`` keys of an eval row."""
+    scores: dict[str, dict[str, float]] = {}
+    for key, value in row.items():
+        match = _SYNTHETIC_KEY.fullmatch(key)
+        if match:
+            scores.setdefault(match.group(1), {})[match.group(2)] = math.nan if value is None else value
+    return scores
+
+
 def _mean(values) -> float:
     values = [v for v in values if v is not None and not math.isnan(v)]
     return sum(values) / len(values) if values else math.nan
@@ -91,6 +106,7 @@ def summarize(run: Run) -> dict:
         "steps": train_rows[-1]["step"] if train_rows else 0,
         "eval_lm_loss": final.get("lm_loss", math.nan),
         "probes": probe_scores(final),
+        "synthetic": synthetic_scores(final),
         "index_recall": _mean(v for k, v in final.items() if k.startswith("index_recall/")),
         "seq_len": int(cfg.data.seq_len),
         "kv_bytes_per_token": figures["kv_bytes_per_token"],
@@ -124,29 +140,45 @@ def probe_columns(summaries: list[dict]) -> list[str]:
     return sorted(keys, key=lambda k: (k.split("@")[0] != "passkey", int(k.split("@")[1])))
 
 
+SYNTHETIC_COLUMNS = (("acc", "acc"), ("acc_beyond_window", "beyond window"), ("chance", "chance"))
+
+
+def synthetic_tasks(summaries: list[dict]) -> list[str]:
+    """The synthetic tasks any run evaluated, in ``train.synthetic.TASKS`` order."""
+    from train.synthetic import TASKS
+
+    present = {task for s in summaries for task in s["synthetic"]}
+    return [task for task in TASKS if task in present] + sorted(present - set(TASKS))
+
+
 def markdown(runs: list[Run], summaries: list[dict]) -> str:
     labels, common = run_labels(runs)
     probes = probe_columns(summaries)
-    head = ["run", "layout", "overrides", "steps", "eval LM loss", *probes, "index recall", "KV B/token",
+    tasks = synthetic_tasks(summaries)
+    head = ["run", "layout", "overrides", "steps", "eval LM loss", *probes,
+            *(f"{task} {title}" for task in tasks for _, title in SYNTHETIC_COLUMNS), "index recall", "KV B/token",
             "indexer MFLOP/token", "seq_len", "params M", "step s", "tokens/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run, label, s in zip(runs, labels, summaries):
         cells = [run.name, s["layout"], f"`{label}`" if label else "", str(s["steps"]),
                  _fmt(s["eval_lm_loss"], 4), *(_fmt(s["probes"].get(p), 3) for p in probes),
+                 *(_fmt(s["synthetic"].get(task, {}).get(key), 3) for task in tasks for key, _ in SYNTHETIC_COLUMNS),
                  _fmt(s["index_recall"], 3), _fmt(s["kv_bytes_per_token"], 1),
                  _fmt(s["indexer_flops_per_token"] / 1e6, 3), str(s["seq_len"]), _fmt(s["params"] / 1e6, 2),
                  _fmt(s["step_time_s"], 3), _fmt(s["tokens_per_s"], 0)]
         lines.append("| " + " | ".join(cells) + " |")
-    notes = ["", "Quality from each run's last evaluation (index recall: mean over reading layers); KV bytes and "
-             "indexer FLOPs per token from the accounting at the run's seq_len; step time and tokens/s: median over "
-             "training steps."]
+    notes = ["", "Quality from each run's last evaluation (index recall: mean over reading layers; synthetic tasks: "
+             "share of answer tokens right, over all answers and over those whose source lies beyond the sliding "
+             "window, and the chance level of uniform guessing); KV bytes and indexer FLOPs per token from the "
+             "accounting at the run's seq_len; step time and tokens/s: median over training steps."]
     if common:
         notes.append("Common overrides: `" + " ".join(common) + "`")
     return "\n".join(lines + notes) + "\n"
 
 
 def plot(runs: list[Run], summaries: list[dict], path: Path) -> None:
-    """Quality (rows) against cost (columns), one colour per run."""
+    """Quality (rows) against cost (columns), one colour per run; with synthetic tasks, a last row of their
+    accuracy per run (all answers, and those beyond the window) against chance."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,7 +189,9 @@ def plot(runs: list[Run], summaries: list[dict], path: Path) -> None:
                  ("index_recall", "index recall (mean)")]
     costs = [("kv_bytes_per_token", "KV bytes / token"), ("indexer_mflops", "indexer MFLOP / token"),
              ("step_time_s", "step time (s)")]
-    fig, axes = plt.subplots(len(qualities), len(costs), figsize=(13, 10), squeeze=False)
+    tasks = synthetic_tasks(summaries)[:len(costs)]
+    fig, axes = plt.subplots(len(qualities) + bool(tasks), len(costs), figsize=(13, 10 + 3.3 * bool(tasks)),
+                             squeeze=False)
     for run, label, s in zip(runs, labels, summaries):
         point = {**s, "retrieval": _mean(s["probes"].values()), "indexer_mflops": s["indexer_flops_per_token"] / 1e6}
         name = f"{run.name}: {s['layout']} {label}".rstrip()
@@ -172,6 +206,11 @@ def plot(runs: list[Run], summaries: list[dict], path: Path) -> None:
         for (_, c_label), ax in zip(costs, row):
             ax.set(xlabel=c_label, ylabel=q_label)
             ax.grid(alpha=0.3)
+    if tasks:
+        for ax, task in zip(axes[-1], tasks):
+            _synthetic_bars(ax, task, runs, summaries)
+        for ax in axes[-1][len(tasks):]:
+            ax.axis("off")
     handles, names = axes[0][0].get_legend_handles_labels()
     columns = max(1, min(3, len(names), 150 // max(len(n) for n in names)))  # long override lists: fewer columns
     fig.legend(handles, names, loc="lower center", ncol=columns, fontsize=8)
@@ -180,21 +219,60 @@ def plot(runs: list[Run], summaries: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _synthetic_bars(ax, task: str, runs: list[Run], summaries: list[dict]) -> None:
+    """Per run: the task's accuracy over all answers and beyond the window, with its chance level dashed."""
+    width = 0.38
+    for i, s in enumerate(summaries):
+        scores = s["synthetic"].get(task, {})
+        for offset, key, color in ((-width / 2, "acc", "tab:blue"), (width / 2, "acc_beyond_window", "tab:orange")):
+            value = scores.get(key, math.nan)
+            ax.bar(i + offset, 0 if math.isnan(value) else value, width, color=color,
+                   label={"acc": "all answers", "acc_beyond_window": "beyond the window"}[key] if i == 0 else None)
+        chance = scores.get("chance", math.nan)
+        ax.hlines(chance, i - width, i + width, colors="k", linestyles="--", label="chance" if i == 0 else None)
+    ax.set_xticks(range(len(runs)), [f"{run.name}: {s['layout']}" for run, s in zip(runs, summaries)],
+                  rotation=20, ha="right", fontsize=8)
+    ax.set(ylim=(0, 1.02), ylabel="accuracy", title=f"synthetic {task}")
+    ax.legend(fontsize=7, loc="upper right")
+
+
 def report(sweep_dir: Path) -> tuple[str, list[dict]]:
     """Write ``report.md`` and ``report.png`` into ``sweep_dir``; return the table and each run's figures."""
     runs = find_runs(sweep_dir)
     summaries = [summarize(run) for run in runs]
     table = markdown(runs, summaries)
     (sweep_dir / "report.md").write_text(table)
+    records = [{"run": run.name, "overrides": run.overrides, **s} for run, s in zip(runs, summaries)]
+    (sweep_dir / "report.json").write_text(json.dumps(_strict(records), indent=1) + "\n")
     plot(runs, summaries, sweep_dir / "report.png")
     return table, summaries
 
 
+def _strict(value):
+    """``value`` with NaN and infinities as None, so that the JSON is strict."""
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def newest_sweep(multirun: Path = Path("multirun")) -> Path:
+    """The newest ``multirun/<date>/<time>`` (Hydra's default sweep dir, relative to where the sweep ran)."""
+    sweeps = sorted(p for p in multirun.glob("*/*") if p.is_dir())
+    if not sweeps:
+        raise SystemExit(f"error: no sweep under {multirun.resolve()} — run `python -m train -m ...` here first, or "
+                         "give the sweep dir: python -m train.report <sweep dir>")
+    return sweeps[-1]
+
+
 def main(argv: list[str]) -> None:
-    if len(argv) != 1:
-        raise SystemExit("usage: python -m train.report <sweep dir>  (e.g. multirun/<date>/<time>)")
-    table, _ = report(Path(argv[0]))
+    if len(argv) > 1:
+        raise SystemExit("usage: python -m train.report [sweep dir]  (default: the newest multirun/<date>/<time>)")
+    sweep_dir = Path(argv[0]) if argv else newest_sweep()
+    table, _ = report(sweep_dir)
     print(table)
+    print(f"written: {sweep_dir / 'report.md'}, {sweep_dir / 'report.json'}, {sweep_dir / 'report.png'}")
 
 
 if __name__ == "__main__":
