@@ -9,7 +9,10 @@ time on CPU, and per-layer time and memory probes of a training step.
   ``time.perf_counter`` on CPU.
 - ``LayerProbe``: marks at each block's forward start and end and at its backward start (its output's gradient
   ready) and end (its input's gradient ready), the latest microbatch's kept; on CUDA also the bytes allocated across
-  the forward (what the block keeps until its backward) and the peak above the start of its backward.
+  the forward (what the block keeps until its backward) and the peak above the start of its backward. A block's
+  input gradient is the output gradient of the block before it, whose backward-start hook runs first (it was
+  registered first) and resets the peak counter: the peak is therefore folded into every block whose backward is
+  still open before each reset, not read after it.
 """
 import statistics
 import time
@@ -72,6 +75,7 @@ class LayerProbe:
         self.clock, self.memory = clock, memory and clock.cuda
         self.blocks = list(model.layers.values())
         self.marks = [{} for _ in self.blocks]
+        self.open_backwards: set[int] = set()
         self.handles = []
         for i, block in enumerate(self.blocks):
             self._probe(i, block, block)
@@ -98,15 +102,25 @@ class LayerProbe:
         if out.requires_grad:
             out.register_hook(lambda grad: self._backward_start(i))
 
+    def _fold_peak(self) -> None:
+        """Carry the peak since the last reset into every block whose backward is running."""
+        peak = torch.cuda.max_memory_allocated()
+        for j in self.open_backwards:
+            self.marks[j]["b_peak"] = max(self.marks[j]["b_peak"], peak)
+
     def _backward_start(self, i):
         self._mark(i, "b0")
         if self.memory:
+            self._fold_peak()
             torch.cuda.reset_peak_memory_stats()
+            self.marks[i]["b_peak"] = self.marks[i]["b0_bytes"]
+            self.open_backwards.add(i)
 
     def _backward_end(self, i):
         self._mark(i, "b1")
         if self.memory:
-            self.marks[i]["b_peak"] = torch.cuda.max_memory_allocated()
+            self._fold_peak()
+            self.open_backwards.discard(i)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -21,6 +21,7 @@ Sections (``--smoke``: the same code on the tiny model, small shapes, fp32):
    DeepSpeed's blocking ones (``p2p=deepspeed``, before vs after), then M = 2 and 16. Per stage: the time in its
    passes (marks around each ForwardPass and BackwardPass), bubble = 1 - busy / pipeline time next to the 1F1B
    ideal (P-1)/(M+P-1), the time held up in receives, the shadow index-key recompute, peak memory.
+   ``--keep-attention 0,2``: the stages keep that many attention outputs each (``parallel.keep_attention_layers``).
 4. ``equivalence_tiny``: ``tiny``, fp32, 2 steps of 4 microbatches: 1 stage vs 2 stages with cuts that separate
    every edge kind (Full|Reuse, Full|Reindex with candidates, Reindex|Reuse), index K by shadow and by payload.
    First step's loss, every reduced gradient and the weights after the last step, compared tensor by tensor.
@@ -82,6 +83,8 @@ def parse(argv=None):
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results/multigpu"))
     p.add_argument("--budget", type=float, default=390.0, help="seconds for all sections (optional parts skip)")
     p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--keep-attention", metavar="K0,K1",
+                   help="the pipeline section's parallel.keep_attention_layers, one count per stage (e.g. 0,2)")
     return p.parse_args(argv)
 
 
@@ -363,12 +366,15 @@ def layer_times(single: dict | None) -> dict:
 def section_pipeline(run: Run, single: dict | None) -> dict:
     """2 stages at 64K on the measured split: per microbatch count, throughput, bubble, waits, memory."""
     s = run.settings
-    cfg = job(s["model"], s["seq_len"], s["micro_batch"], 2, 8, s["precision"], layer_times(single))
+    keep = [int(k) for k in run.opts.keep_attention.split(",")] if run.opts.keep_attention else [0, 0]
+    extra = {**layer_times(single), "parallel.keep_attention_layers": f"[{keep[0]},{keep[1]}]"}
+    cfg = job(s["model"], s["seq_len"], s["micro_batch"], 2, 8, s["precision"], extra)
     engine = build(run, cfg)
     plan = engine.module.plan
     log = instrument(engine, run.clock)
     vocab, T, B = cfg.model.vocab_size, s["seq_len"], s["micro_batch"]
-    result = {"cuts": plan.cuts, "balanced_on": "measured ms" if single else "FLOPs", "p2p": "overlap", "steps": []}
+    result = {"cuts": plan.cuts, "balanced_on": "measured ms" if single else "FLOPs", "p2p": "overlap",
+              "keep_attention_layers": keep, "steps": []}
     set_microbatches(engine, 2)
     warm = timed_step(run, engine, batches(vocab, T, B, 2, 7, run.device), log)
     result["warmup_s"] = warm["wall_s"]

@@ -37,6 +37,7 @@ tokens/s per GPU, the bubble per stage and the estimated peak memory per stage (
 mode for ``small`` when calibrated). Assumptions of the simulator: ``parallel/simulate.py``.
 """
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -243,6 +244,34 @@ def bench_prediction(layers: Layers, cluster: Cluster) -> dict:
             "one_stage_steps_s": dp, "two_stages": rows}
 
 
+KEEP_STEPS = ROOT / "bench/results/train/train_step_csa2_65536.json", \
+    ROOT / "bench/results/train/train_step_csa2_keep4_65536.json"
+
+
+def keep_prediction(measured: dict, layers: Layers, cluster: Cluster, max_keep: int = 4) -> dict:
+    """A prediction, not a measurement: the run's 2-stage step at M = 8 with its last stage keeping the attention
+    outputs of its first k layers (``parallel.keep_attention_layers=[0,k]``), k = 0 .. ``max_keep``. The last stage
+    holds one microbatch, the first two: the spare memory of the last buys its attention forwards. Per kept layer,
+    from the committed one-GPU steps with and without ``keep_attention_layers=4`` (``KEEP_STEPS``): the backward
+    saves (step - step_keep4) / 4 and the peak grows by (peak_keep4 - peak) / 4. Peaks are the run's measured ones
+    plus that growth (the memory model's absolute level is not calibrated, its per-layer increments are); times
+    are simulated at the run's cut with the kept layers' backward shortened."""
+    base, keep4 = (json.loads(path.read_text()) for path in KEEP_STEPS)
+    saving_s, growth_gib = (base["step_s"] - keep4["step_s"]) / 4, (keep4["peak_alloc_gib"] - base["peak_alloc_gib"]) / 4
+    run = next(s for s in measured["sections"]["pipeline"]["steps"] if s["stages"] == 2 and s["microbatches"] == 8)
+    cut, peaks = measured["sections"]["pipeline"]["cuts"][0], [r["peak_allocated_gib"] for r in run["per_rank"]]
+    rows = []
+    for k in range(max_keep + 1):
+        bwd = [b - saving_s if cut <= i < cut + k else b for i, b in enumerate(layers.bwd_s)]
+        row = project("small", dataclasses.replace(layers, bwd_s=bwd), 2, 1, 8, two_gpus(cluster), cuts=[cut])
+        keep_peaks = [peaks[0], peaks[1] + k * growth_gib]
+        rows.append({"keep_attention_layers": [0, k], "step_s": row["step_s"], "tokens_per_s": row["tokens_per_s"],
+                     "peak_gib": keep_peaks, "memory_spread": (max(keep_peaks) - min(keep_peaks)) / max(keep_peaks)})
+    return {"prediction": True, "cuts": [cut], "microbatches": 8, "saving_s_per_kept_layer": saving_s,
+            "peak_gib_per_kept_layer": growth_gib, "from": [str(p.relative_to(ROOT)) for p in KEEP_STEPS],
+            "measured_step_s": run["step_s"], "rows": rows}
+
+
 def issue_check(layers: Layers, cluster: Cluster) -> dict:
     """The simulation of the two-GPU runs quoted in issue 16 (not in a committed file)."""
     two = two_gpus(cluster)
@@ -306,7 +335,9 @@ def write_docs(path: Path, result: dict) -> None:
         error = result["calibration_error"]
         parts += [f"Calibration ({result['measured']}; the 1-stage steps are fitted, the 2-stage ones are the check: "
                   f"largest step-time error {error['max_abs_step_error']:.1%}, bubble "
-                  f"{error['max_abs_bubble_error']:.1%} points):", "", calibration_markdown(result["measured_check"]),
+                  f"{error['max_abs_bubble_error']:.1%} points"
+                  + (f", peak memory {error['max_abs_peak_error']:.0%}" if error["max_abs_peak_error"] is not None
+                     else "") + "):", "", calibration_markdown(result["measured_check"]),
                   ""]
     parts += ["Projection (8 GPUs per node, M microbatches per pipeline, the split the engine would choose):", "",
               markdown(result["rows"]), DOCS_END]
@@ -362,6 +393,8 @@ def main(argv=None) -> None:
             else str(measured_path)
         result["measured_check"] = check_against(measured, layers["small"], cluster, times)
         result["calibration_error"] = calibration_error(result["measured_check"])
+        if "pipeline" in measured["sections"]:
+            result["keep_attention_prediction"] = keep_prediction(measured, layers["small"], cluster)
     out = Path(opts.out) if opts.out else results / "projection.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -372,6 +405,8 @@ def main(argv=None) -> None:
     if result.get("measured_check"):
         print(calibration_markdown(result["measured_check"]))
         print(json.dumps(result["calibration_error"], indent=1))
+    if result.get("keep_attention_prediction"):
+        print(json.dumps(result["keep_attention_prediction"], indent=1))
 
 
 if __name__ == "__main__":

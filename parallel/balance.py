@@ -19,7 +19,7 @@ import torch
 
 from model.config import ModelArgs
 from model.layout import Layout, LayerPlan, Mode
-from parallel.memory import estimate
+from parallel.memory import estimate, kept_per_stage
 from parallel.partition import StagePlan, layer_costs, partition
 
 TIME_SLACK = 0.01
@@ -94,14 +94,23 @@ class LayerTimes:
         costs[-1] += self.head_ms
         return costs
 
+    def backward_peaks_valid(self) -> bool:
+        """False for a file whose backward figures are not peaks: a peak above the start of a backward is never
+        negative, but the layer probe before its fix (``bench/layer_probe.py``, files up to 2026-11-30) read every
+        layer's peak after the next layer's backward had reset the counter, i.e. the net change (minus what the
+        layer retained), and only the first layer's true peak; per-mode means of those mix the two."""
+        return all(t.backward_bytes is None or t.backward_bytes >= 0 for t in self.modes.values())
+
     def memory(self, layout: Layout, retained: list[float], transient: list[float]):
-        """The analytic per-layer memory with each measured figure in place of its estimate."""
+        """The analytic per-layer memory with each measured figure in place of its estimate (the backward
+        figures only when they are peaks)."""
         retained, transient = list(retained), list(transient)
+        peaks_valid = self.backward_peaks_valid()
         for i, p in enumerate(layout.plan):
             times = self.modes.get(mode_key(p))
             if times is not None and times.retained_bytes is not None:
                 retained[i] = times.retained_bytes
-            if times is not None and times.backward_bytes is not None:
+            if times is not None and times.backward_bytes is not None and peaks_valid:
                 transient[i] = times.backward_bytes
         return retained, transient
 
@@ -132,11 +141,13 @@ def split_stages(cfg, dtype: torch.dtype, microbatches: int, data_parallel: int,
     memory = estimate(args, layout, micro_batch, seq_len, dtype, recompute, data_parallel, par.zero_stage, cuda,
                       par.index_k, measured=times)
 
+    keep = kept_per_stage(par.get("keep_attention_layers", 0), stages)
+
     def stage_peak(stage: int, layers: range) -> float:
-        return memory.stage_peak(stage, layers, stages, microbatches)
+        return memory.stage_peak(stage, layers, stages, microbatches, keep[stage])
 
     plan = partition(args, layout, seq_len, stages, par.get("cuts"), costs=costs, stage_memory=stage_peak,
                      capacity=capacity, slack=TIME_SLACK)
-    peaks = memory.peaks(plan.stages, microbatches)
+    peaks = memory.peaks(plan.stages, microbatches, keep)
     return Split(plan, costs, "measured ms" if times else "FLOPs", peaks,
                  capacity is None or max(peaks) <= capacity)

@@ -42,10 +42,13 @@ class CSA2PipelineModule(PipelineModule):
 
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn,
                  micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int,
-                 recompute_layers: int, keep_attention_layers: int = 0):
+                 recompute_layers: int, keep_attention_layers: tuple[int, ...] | None = None):
+        """``keep_attention_layers``: per stage, how many of its leading recomputed layers keep their attention
+        outputs (none when not given)."""
         os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
+        keep = keep_attention_layers or (0,) * len(plan.stages)
         specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
-                           recompute_layers, keep_attention_layers) for s in range(len(plan.stages))]
+                           recompute_layers, keep[s]) for s in range(len(plan.stages))]
         super().__init__(layers=specs, num_stages=len(plan.stages), loss_fn=loss_fn, partition_method="uniform")
         self.layout, self.plan, self.index_k = layout, plan, index_k
 

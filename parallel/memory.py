@@ -10,12 +10,15 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
   checkpoint keeps) plus, for a layer that is not recomputed, the tensors its backward reads (``_saved_bytes``),
   plus the shared tensors it produces (``model/state.py``); per stage the payloads it received (the buffer and the
   copy DeepSpeed's forward makes) and sent (kept for the backward);
+- kept attention: a recomputed layer that keeps its sparse-attention outputs (``parallel.keep_attention_layers``,
+  the first k of a stage) holds them per microbatch in flight as well;
 - a transient: the working set of one layer's backward (its recomputed forward's saved tensors, the kernels'
   workspace), the largest over the stage's layers.
 
 The analytic per-layer figures are estimates; a benchmark's measured figures (``LayerTimes.retained_bytes`` and
 ``backward_bytes`` per layer mode, ``parallel/balance.py``) replace them where given.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,15 +80,24 @@ class MemoryModel:
     retained: tuple[float, ...]  # per microbatch in flight
     transient: tuple[float, ...]  # while the layer's backward runs
     boundary: tuple[float, ...]  # payload bytes of the boundary after each layer (0 after the last)
+    kept: tuple[float, ...]  # attention outputs a layer keeps per microbatch when it keeps them (0: not recomputed)
 
-    def stage_peak(self, stage: int, layers: range, n_stages: int, microbatches: int) -> float:
+    def stage_peak(self, stage: int, layers: range, n_stages: int, microbatches: int, keep: int = 0) -> float:
+        """``keep``: how many of the stage's leading layers keep their attention outputs."""
         in_flight = min(microbatches, n_stages - stage)
         payloads = (2 * self.boundary[layers.start - 1] if layers.start > 0 else 0.0) + self.boundary[layers.stop - 1]
-        return (sum(self.state[i] for i in layers) + in_flight * (sum(self.retained[i] for i in layers) + payloads)
+        retained = sum(self.retained[i] for i in layers) + sum(self.kept[i] for i in layers[:keep])
+        return (sum(self.state[i] for i in layers) + in_flight * (retained + payloads)
                 + max(sum(self.casts[i] for i in layers), max(self.transient[i] for i in layers)))
 
-    def peaks(self, stages: tuple[range, ...], microbatches: int) -> list[float]:
-        return [self.stage_peak(s, layers, len(stages), microbatches) for s, layers in enumerate(stages)]
+    def peaks(self, stages: tuple[range, ...], microbatches: int, keep: tuple[int, ...] | None = None) -> list[float]:
+        keep = keep or (0,) * len(stages)
+        return [self.stage_peak(s, layers, len(stages), microbatches, keep[s]) for s, layers in enumerate(stages)]
+
+
+def kept_per_stage(keep, n_stages: int) -> tuple[int, ...]:
+    """``parallel.keep_attention_layers`` per stage: one integer for every stage, or a list with one per stage."""
+    return tuple(int(k) for k in keep) if isinstance(keep, Sequence) else (int(keep),) * n_stages
 
 
 def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype,
@@ -113,4 +125,8 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
         payload = Payload(boundary_fields(args, layout, i, micro_batch, seq_len, dtype, index_k))
         floats, raw = payload.wire_sizes()
         boundary[i] = floats * payload.float_dtype.itemsize + raw
-    return MemoryModel(tuple(state), tuple(casts), tuple(retained), tuple(transient), tuple(boundary))
+    # out in the compute dtype, LSE and selected mass in fp32, per head; under recompute=block the not-recomputed
+    # bound above already counts the output among the saved tensors
+    kept = tokens * args.n_heads * (args.head_dim * dtype.itemsize + 2 * 4) if all_recomputed else 0
+    return MemoryModel(tuple(state), tuple(casts), tuple(retained), tuple(transient), tuple(boundary),
+                       (kept,) * layout.n_layers)

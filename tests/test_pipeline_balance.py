@@ -1,5 +1,6 @@
 """Stage balance on measured layer times, memory-aware (parallel/balance.py, parallel/partition.py), and the
 per-stage memory model (parallel/memory.py)."""
+import dataclasses
 import itertools
 import json
 import random
@@ -138,3 +139,37 @@ def test_memory_estimate_of_the_measured_64k_step(small):
     memory = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers, data_parallel=1)
     estimate_gib = memory.peaks((range(layout.n_layers),), 1)[0] / 2 ** 30
     assert estimate_gib == pytest.approx(measured["peak_alloc_gib"], rel=0.10)
+
+
+def test_backward_figures_that_are_not_peaks_are_left_out(small):
+    """The committed two-GPU layer-times file was written by the probe before its fix: most of its backward figures
+    are negative (net changes, not peaks), so the analytic transients stay; retained bytes still replace theirs.
+    With peaks (all >= 0) the measured transient of each mode is used."""
+    args, layout = small
+    times = LayerTimes.load(str(ROOT / "bench/results/multigpu/layer_times_small_65536.json"))
+    analytic = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers)
+    measured = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers, measured=times)
+    assert not times.backward_peaks_valid()
+    assert measured.transient == analytic.transient
+    assert measured.retained[3] == times.modes["reuse"].retained_bytes != analytic.retained[3]
+    peaks = dataclasses.replace(times, modes={k: dataclasses.replace(v, backward_bytes=abs(v.backward_bytes))
+                                              for k, v in times.modes.items()})
+    fixed = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers, measured=peaks)
+    assert peaks.backward_peaks_valid()
+    assert fixed.transient[3] == abs(times.modes["reuse"].backward_bytes)
+
+
+def test_kept_attention_counts_per_stage_and_microbatch_in_flight(small, tmp_path):
+    """parallel.keep_attention_layers=[0,2] at cut 21, M = 8: stage 1 (one microbatch in flight) grows by two
+    attention outputs (64K x 64 heads x (512 bf16 + LSE and mass in fp32) = 4.03 GiB each), stage 0 not at all;
+    an integer 2 keeps on both, and stage 0 (two in flight) grows by four."""
+    kept_bytes = 65536 * 64 * (512 * 2 + 8)
+    base = split_stages(job(tmp_path, "parallel.cuts=[21]"), torch.bfloat16, 8, 1)
+    last = split_stages(job(tmp_path, "parallel.cuts=[21]", "parallel.keep_attention_layers=[0,2]"),
+                        torch.bfloat16, 8, 1)
+    every = split_stages(job(tmp_path, "parallel.cuts=[21]", "parallel.keep_attention_layers=2"),
+                         torch.bfloat16, 8, 1)
+    assert last.peaks[0] == base.peaks[0]
+    assert last.peaks[1] - base.peaks[1] == pytest.approx(2 * kept_bytes)
+    assert every.peaks[0] - base.peaks[0] == pytest.approx(4 * kept_bytes)
+    assert every.peaks[1] == pytest.approx(last.peaks[1])

@@ -91,3 +91,23 @@ def test_docs_block_is_replaced_in_place(tmp_path, run):
     doc.write_text("no markers\n")
     with pytest.raises(SystemExit, match="needs one"):
         pp.write_docs(doc, result)
+
+
+def test_keep_prediction_adds_measured_growth_to_the_last_stage_only(run):
+    """keep_attention_layers=[0,k] on the synthetic run: stage 0's peak stays, stage 1's grows by k x the growth per
+    kept layer of the committed one-GPU steps (15.4 GiB over 4 layers), and each kept layer shortens the step (its
+    backward no longer re-runs attention), by at most its saving per microbatch."""
+    measured, times = run
+    for s in measured["sections"]["pipeline"]["steps"]:
+        s["stages"] = 2
+    layers, _ = pp.calibrate(measured, times, TFLOPS)
+    out = pp.keep_prediction(measured, layers, pp.Cluster(), max_keep=2)
+    peaks = measured["sections"]["pipeline"]["steps"][0]["per_rank"]
+    growth = out["peak_gib_per_kept_layer"]
+    assert growth == pytest.approx((100.4073600769043 - 85.00105667114258) / 4)
+    assert out["prediction"] and [r["keep_attention_layers"] for r in out["rows"]] == [[0, 0], [0, 1], [0, 2]]
+    for k, row in enumerate(out["rows"]):
+        assert row["peak_gib"] == pytest.approx([peaks[0]["peak_allocated_gib"],
+                                                 peaks[1]["peak_allocated_gib"] + k * growth])
+    steps = [r["step_s"] for r in out["rows"]]
+    assert steps[0] > steps[1] > steps[2] >= steps[0] - 2 * 8 * out["saving_s_per_kept_layer"]

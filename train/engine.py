@@ -13,13 +13,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from model import ModelArgs, layout_from_config
 from model.transformer import ModelOutput
 from parallel.balance import split_stages
 from parallel.batch import batch_plan
 from parallel.engine import P2P, CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
+from parallel.memory import kept_per_stage
 from parallel.plan import describe
 from train import distributed
 from train.loss import compute_loss
@@ -106,9 +107,14 @@ def check_parallel(parallel: DictConfig) -> None:
         raise ValueError(f"parallel.recompute=block needs parallel.recompute_layers >= 1 (the leading layers of "
                          f"each stage to recompute), got {count!r}")
     keep = parallel.get("keep_attention_layers", 0)
-    if not isinstance(keep, int) or keep < 0:
-        raise ValueError(f"parallel.keep_attention_layers={keep!r}: use an integer >= 0")
-    if keep and parallel.recompute == "none":
+    counts = list(keep) if isinstance(keep, ListConfig) else [keep]
+    if not all(isinstance(k, int) and k >= 0 for k in counts):
+        raise ValueError(f"parallel.keep_attention_layers={keep!r}: use an integer >= 0 (every stage) or a list "
+                         "of them, one per stage")
+    if isinstance(keep, ListConfig) and len(counts) != parallel.pipeline_stages:
+        raise ValueError(f"parallel.keep_attention_layers={list(keep)} has {len(counts)} entries for "
+                         f"parallel.pipeline_stages={parallel.pipeline_stages}: give one per stage")
+    if any(counts) and parallel.recompute == "none":
         raise ValueError(f"parallel.keep_attention_layers={keep} keeps the attention outputs of recomputed layers, "
                          "but parallel.recompute=none recomputes none")
 
@@ -122,12 +128,14 @@ def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
     return {"none": 0, "layer": n_layers, "block": parallel.get("recompute_layers")}[parallel.recompute]
 
 
-def kept_attention_layers_per_stage(parallel: DictConfig) -> int:
-    """How many of the leading recomputed layers of every stage keep their sparse-attention outputs (out, LSE,
+def kept_attention_layers_per_stage(parallel: DictConfig) -> tuple[int, ...]:
+    """How many of the leading recomputed layers of each stage keep their sparse-attention outputs (out, LSE,
     selected mass) so that their backward does not re-run attention: a selective checkpoint
     (``kernels.keep_attention_policy``). Each kept layer holds its attention output until its backward (bf16
-    B x T x 64 x 512: 4.3 GB per layer at T = 65,536), so this trades memory for the attention forward's time."""
-    return parallel.get("keep_attention_layers", 0)
+    B x T x 64 x 512: 4.3 GB per layer at T = 65,536) for every microbatch in flight, so this trades memory for
+    the attention forward's time. One integer applies to every stage; a list gives each stage its own count, so
+    that the later stages, which hold fewer microbatches under 1F1B, spend their spare memory on speed."""
+    return kept_per_stage(parallel.get("keep_attention_layers", 0), parallel.pipeline_stages)
 
 
 def param_groups(parameters: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
