@@ -1,5 +1,5 @@
 """Semantic properties of the real model, checked through its public outputs (and a hook on ``model.embed`` /
-``model.layers[i].attn.wo_b`` to get gradients with respect to a layer's input or output):
+``model.layers[i].attn`` to get gradients with respect to a layer's input or output):
 causality, prefix consistency (no entry of an incomplete group is read), the exact token-dependency pattern of
 compressed attention, document isolation in packed rows, gradient paths of shared KV, and the separation of
 the indexer loss from the trunk.
@@ -165,9 +165,10 @@ def test_reader_loss_reaches_full_compressor(m, reader):
     grads = torch.autograd.grad(loss, list(comp.values()))
     for n, g in zip(comp, grads):
         assert g.abs().max() > 1e-8, f"{n} gets no gradient from the {reader} layer reading its KV"
-    # a loss on layer 1's attention output (its output projection wo_b) alone also reaches it
+    # a loss on layer 1's attention output (after its output projection) alone also reaches it
     captured = {}
-    hook = model.get_submodule("layers.1.attn.wo_b").register_forward_hook(lambda mod, inp, out: captured.setdefault("o", out))
+    attn = model.get_submodule("layers.1.attn")
+    hook = attn.register_forward_hook(lambda mod, inp, out: captured.update(o=out[0]))  # out: (output, produced)
     model(ids)
     hook.remove()
     grads = torch.autograd.grad(captured["o"].pow(2).sum(), list(comp.values()))
