@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("multigpu")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # without this process's own launcher variables (an in-process engine test sets them): the benchmark would
+    # take itself for a torchrun worker and rendezvous on the port this process's store still holds
+    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars}, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, str(ROOT / "bench/multigpu.py"), "--smoke", "--out-dir", str(out),
                            "--budget", "3600"], env=env, capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
