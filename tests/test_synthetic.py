@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from train.data import DataConfig, build_loader, synthetic_tasks
-from train.loss import IGNORE_INDEX
+from train.loss import IGNORE_INDEX, lm_loss
 from train.synthetic import (TASKS, SyntheticConfig, SyntheticLoader, SyntheticTasks, add_hits, count_keys,
                              distance_bucket, synthetic_metrics)
 from train.tokenizer import ByteTokenizer
@@ -175,6 +175,41 @@ def test_loader_rows_are_the_examples_and_resume_exactly():
         assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="data state was saved for stream"):
         build_loader(synthetic_data(seq_len=96)).load_state_dict(state)
+
+
+def mqar_answer_positions(input_ids: list[int], keys: str) -> set[int]:
+    """Independent of the generator: read the row as text; a key seen before is a question whose answer (the
+    next token) is trained."""
+    row, seen, asked = [text([token]) for token in input_ids], set(), set()
+    for position, symbol in enumerate(row):
+        if symbol in keys:
+            if symbol in seen:
+                asked.add(position)
+            seen.add(symbol)
+    return asked
+
+
+@pytest.mark.parametrize("loss", ["answers", "all"])
+def test_training_loss_counts_the_answers_or_every_token(loss):
+    keys = "abcdefghijklmnop"
+    data = synthetic_data(seq_len=96, micro_batch_size=4, synthetic={"tasks": {"mqar": 1.0}, "loss": loss})
+    batch = next(build_loader(data))
+    logits = torch.randn(*batch["labels"].shape, 259)
+    summed, counted = 0.0, 0
+    for ids, labels, row_logits in zip(batch["input_ids"].tolist(), batch["labels"], logits):
+        trained = set(range(len(ids))) if loss == "all" else mqar_answer_positions(ids, keys)
+        assert set(torch.nonzero(labels != IGNORE_INDEX).flatten().tolist()) == trained
+        positions = sorted(trained)
+        assert all(labels[p] == ids[p + 1] for p in positions if p + 1 < len(ids))  # the next token
+        summed += sum(-torch.log_softmax(row_logits[p], -1)[labels[p]].item() for p in positions)
+        counted += len(positions)
+    mean, tokens = lm_loss(logits, batch["labels"])
+    assert tokens == counted and mean.item() == pytest.approx(summed / counted, rel=1e-5)
+
+
+def test_unknown_loss_is_an_error():
+    with pytest.raises(ValueError, match="data.synthetic.loss"):
+        SyntheticConfig(loss="values")
 
 
 def test_ranks_split_the_global_stream():

@@ -6,8 +6,10 @@ whose source lies beyond the sliding window can only come through the compressed
 
 An example is one document of exactly ``seq_len`` positions (``seq_len + 1`` tokens: BOS, the task, filler), so it
 fills a row alone. Every symbol is one token of the data tokenizer (each configured string is encoded alone and
-must give one id), filler fills the room between facts, and only answers carry labels: everything else in an
-example is random by construction and would only add noise to the loss.
+must give one id), and filler fills the room between facts. By default (``data.synthetic.loss=answers``) only
+answers carry labels: everything else in an example is random by construction; ``all`` trains every next token
+(the keys' and fillers' predictions keep token identity in the residual stream, measured in
+``bench/results/synthetic_sweep/explore_mqar_defaults.json``).
 
 - ``mqar``: ``k v`` records: each key's first record states its value, every later one asks for it at least
   ``distance`` tokens after the value was last written, and the value is the answer. Keys are distinct; values are
@@ -39,6 +41,7 @@ from train.rows import FIELDS, RankRows
 from train.tokenizer import Tokenizer
 
 TASKS = ("mqar", "passkey", "copy")
+LOSSES = ("answers", "all")  # data.synthetic.loss: the tokens whose prediction the training loss counts
 SPLITS = ("train", "heldout", "eval")  # each draws from its own random stream
 
 
@@ -64,6 +67,10 @@ class Example:
         labels[self.answer_positions] = self.tokens[self.answer_positions + 1]
         return labels
 
+    def training_labels(self, loss: str) -> np.ndarray:
+        """What the training loss counts: ``answers`` (``labels``) or ``all`` (every next token)."""
+        return self.labels if loss == "answers" else self.tokens[1:].copy()
+
     @property
     def doc_ids(self) -> np.ndarray:
         """All 0: an example is one document."""
@@ -83,7 +90,7 @@ class SyntheticConfig:
     """``data.synthetic`` (conf/data/synthetic.yaml); unknown keys are rejected to catch typos."""
 
     tasks: Mapping[str, float] = dataclasses.field(default_factory=lambda: {"mqar": 1.0})  # task -> share of rows
-    eval_examples: int = 64  # held-out examples per task scored at every evaluation
+    eval_examples: int = 256  # held-out examples per task scored at every evaluation
     keys: Sequence[str] = "abcdefghijklmnop"  # symbols (one token each): MQAR keys, copy symbols
     values: Sequence[str] = "ABCDEFGHIJKLMNOP"  # MQAR values, copy symbols
     digits: Sequence[str] = "0123456789"  # passkey digits
@@ -95,12 +102,15 @@ class SyntheticConfig:
     align: int = 2  # mqar: records start at multiples of this position (2: one per ratio-2 compressed entry)
     passkey_digits: int = 5  # passkey: digits of the key
     copy_length: Sequence[int] | int = (8, 48)  # copy: symbols per block
+    loss: str = "answers"  # the training loss counts: answers | all (every next token)
 
     def __post_init__(self):
         unknown = sorted(set(self.tasks) - set(TASKS))
         if unknown or not self.tasks or min(self.tasks.values()) < 0 or sum(self.tasks.values()) <= 0:
             raise ValueError(f"data.synthetic.tasks must map some of {TASKS} to non-negative shares with a "
                              f"positive sum, got {dict(self.tasks)}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"data.synthetic.loss must be one of {LOSSES}, got {self.loss!r}")
         if self.eval_examples < 0:
             raise ValueError(f"data.synthetic.eval_examples must be >= 0, got {self.eval_examples}")
         if self.align < 1:
@@ -333,7 +343,7 @@ class SyntheticLoader(RankRows):
         if not keep:
             return None
         example = self.tasks.example(self.split, row)
-        return example.input_ids, example.labels, example.doc_ids
+        return example.input_ids, example.training_labels(self.tasks.config.loss), example.doc_ids
 
     def state_dict(self) -> dict:
         return {"row": self._row, "text": self.text.state_dict() if self.text is not None else None,
