@@ -93,6 +93,7 @@ def main() -> None:
         "report_command": "python -m train.report multirun/<date>/<time>",
         "wall_s": round(wall_s, 1),
         "cpu": {"model": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),  # 1 on a shared box: 2 threads on a busy core stall
                 "load_1min_before": round(load_before[0], 2), "load_1min_after": round(load_after[0], 2),
                 "load_1min_during_mean": round(sum(load_during) / max(1, len(load_during)), 2),
                 "load_1min_during_max": round(max(load_during, default=load_before[0]), 2)},
