@@ -4,9 +4,8 @@ Triton's own ptxas (shipped in the triton wheel) assembles the PTX, so shared me
 whether the loads became cp.async copies and the dots wgmma can be read here, before spending device time
 (docs/KERNELS.md, "Method"). Its nvdisasm shows the machine code: the wgmma shapes (``HGMMA.64xNx16``: a small N
 is bound by shared-memory reads, not the tensor cores) and how many spill instructions sit inside a loop (a spill
-outside the loops costs once per program). Pointer and integer arguments are marked 16-divisible, as the JIT marks
-them at the real shapes: without that mark Triton vectorizes no load and pipelines nothing, and the report would
-mislead. Usage: python bench/kernels_compile_report.py [--json FILE] (the lines also as JSON, with command,
+outside the loops costs once per program). The kernels, their launch shapes and the compile itself come from
+``kernels.hopper_compile`` (which the CPU tests run too). Usage: python bench/kernels_compile_report.py [--json FILE] (the lines also as JSON, with command,
 machine and date)
 """
 import argparse

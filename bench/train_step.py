@@ -29,7 +29,6 @@ FLOPs are model FLOPs of one step, computed work only (``model/flops.py``, which
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
