@@ -272,6 +272,26 @@ def keep_prediction(measured: dict, layers: Layers, cluster: Cluster, max_keep: 
             "measured_step_s": run["step_s"], "rows": rows}
 
 
+def keep_outcome(prediction: dict, results: Path) -> list[dict]:
+    """The prediction against the runs that tried it: each ``multigpu_keep_<k0>_<k1>.json`` in ``results``
+    (``bench/multigpu.py --keep-attention k0,k1``) beside the predicted row of the same setting. The run repeats the
+    1-stage section, so its step is compared as measured; the predicted step is the simulator's at the old run's
+    calibration."""
+    outcomes = []
+    for path in sorted(results.glob("multigpu_keep_*.json")):
+        run = json.loads(path.read_text())
+        section = run["sections"]["pipeline"]
+        step = next(s for s in section["steps"] if s["stages"] == 2 and s["microbatches"] == prediction["microbatches"])
+        row = next((r for r in prediction["rows"] if r["keep_attention_layers"] == section["keep_attention_layers"]),
+                   None)
+        peaks = [r["peak_allocated_gib"] for r in step["per_rank"]]
+        outcomes.append({"file": path.name, "keep_attention_layers": section["keep_attention_layers"],
+                         "cuts": section["cuts"], "step_s": step["step_s"], "of_ideal": step["of_ideal"],
+                         "peak_gib": peaks, "memory_spread": (max(peaks) - min(peaks)) / max(peaks),
+                         "predicted": row and {k: row[k] for k in ("step_s", "peak_gib", "memory_spread")}})
+    return outcomes
+
+
 def issue_check(layers: Layers, cluster: Cluster) -> dict:
     """The simulation of the two-GPU runs quoted in issue 16 (not in a committed file)."""
     two = two_gpus(cluster)
@@ -394,7 +414,8 @@ def main(argv=None) -> None:
         result["measured_check"] = check_against(measured, layers["small"], cluster, times)
         result["calibration_error"] = calibration_error(result["measured_check"])
         if "pipeline" in measured["sections"]:
-            result["keep_attention_prediction"] = keep_prediction(measured, layers["small"], cluster)
+            result["keep_attention_prediction"] = prediction = keep_prediction(measured, layers["small"], cluster)
+            prediction["outcomes"] = keep_outcome(prediction, results)
     out = Path(opts.out) if opts.out else results / "projection.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
