@@ -4,6 +4,7 @@
 ``index_logits``, ``rope``, ``rms_norm`` and ``cast`` (signatures in docs/DESIGN.md). ``auto`` picks Triton on CUDA devices, the
 reference elsewhere.
 """
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -12,17 +13,25 @@ from torch.utils.checkpoint import CheckpointPolicy
 from kernels import reference
 
 BACKENDS = ("auto", "torch", "triton")
-# The Triton sparse attention is this torch custom op (kernels/triton_attention.py): a dispatcher-visible op, so a
-# selective checkpoint can keep its outputs.
+# The Triton sparse attention and indexer selection are torch custom ops (kernels/triton_attention.py,
+# kernels/triton_ops.py): dispatcher-visible, so a selective checkpoint can keep their outputs.
 SPARSE_ATTENTION_OP = "csa2::sparse_attention"
+INDEXER_SELECT_OP = "csa2::indexer_select"
 
 
-def keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective-checkpoint policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the sparse
-    attention op's outputs (out, LSE, selected mass) are saved by the forward, everything else is recomputed, so
-    the backward of a checkpointed layer does not re-run attention. The PyTorch reference path has no such op
-    and is recomputed whole: same gradients, no saving."""
-    return CheckpointPolicy.MUST_SAVE if op.name() == SPARSE_ATTENTION_OP else CheckpointPolicy.PREFER_RECOMPUTE
+def checkpoint_policy(keep_attention: bool):
+    """Selective-checkpoint policy of a recomputed layer (``torch.utils.checkpoint.create_selective_checkpoint_
+    contexts``). The indexer's selection is always saved: its outputs are integers (T x k int64: 0.27 GB at 64K
+    for k = 512) and re-running it costs the whole scoring pass (about half a Full layer's forward at 64K); the recomputed layer reads the same picks, so gradients do not change. With
+    ``keep_attention`` the sparse attention's outputs (out, LSE, selected mass) are saved too, so the backward does
+    not re-run attention (4.3 GB per layer at 64K). The rest is recomputed. The PyTorch reference path has neither
+    op and is recomputed whole: same gradients, no saving."""
+    saved = {INDEXER_SELECT_OP, SPARSE_ATTENTION_OP} if keep_attention else {INDEXER_SELECT_OP}
+    return partial(_policy, frozenset(saved))
+
+
+def _policy(saved: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op.name() in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def ops(backend: str, device: torch.device) -> ModuleType:

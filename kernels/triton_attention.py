@@ -29,7 +29,7 @@ Backward, per chunk of tokens (docs/KERNELS.md, v6):
 
 The op is the torch custom op ``csa2::sparse_attention`` (outputs out, lse, mass; backward
 ``csa2::sparse_attention_backward``), so activation checkpointing can keep its outputs instead of re-running it
-(``kernels.keep_attention_policy``, used by ``parallel.keep_attention_layers``).
+(``kernels.checkpoint_policy``, used by ``parallel.keep_attention_layers``).
 """
 from typing import Optional
 

@@ -114,9 +114,9 @@ class LaunchCounter:
 
 
 def test_selective_checkpoint_keeps_attention(seed, monkeypatch):
-    """Under a non-reentrant checkpoint with ``kernels.keep_attention_policy`` the sparse-attention op's outputs
-    are saved: the forward kernel runs once (a plain checkpoint runs it again in the backward), and every
-    gradient is bitwise the one without checkpointing."""
+    """Under a non-reentrant checkpoint with ``kernels.checkpoint_policy(keep_attention=True)`` the sparse-attention
+    op's outputs are saved: the forward kernel runs once (a plain checkpoint runs it again in the backward), and
+    every gradient is bitwise the one without checkpointing."""
     win_lo, vis_lo, vis_hi = packed_geometry([[9, 8]], 1, 4)
     H, D, W, K = 4, 16, 4, 6
     leaves = [torch.randn(1, 17, H, D, requires_grad=True), torch.randn(1, 17, D, requires_grad=True),
@@ -131,13 +131,58 @@ def test_selective_checkpoint_keeps_attention(seed, monkeypatch):
     monkeypatch.setattr(triton_attention, "_fwd_kernel", counter)
     want = torch.autograd.grad(layer(*leaves), leaves)
     runs = {}
-    for name, context in (("keep", partial(create_selective_checkpoint_contexts, kernels.keep_attention_policy)),
+    for name, context in (("keep", partial(create_selective_checkpoint_contexts, kernels.checkpoint_policy(True))),
                           ("recompute", noop_context_fn)):
         counter.launches = 0
         grads = torch.autograd.grad(checkpoint(layer, *leaves, use_reentrant=False, context_fn=context), leaves)
         runs[name] = counter.launches, grads
     assert runs["keep"][0] == 1 and runs["recompute"][0] == 2, seed
     for launches, grads in runs.values():
+        assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
+
+
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_selective_checkpoint_saves_the_selection(seed, monkeypatch, keep_attention):
+    """A recomputed layer's checkpoint (``kernels.checkpoint_policy``) saves the indexer's selection: the selection
+    runs once (a plain checkpoint runs it again in the backward), the candidate blocks come back as ``None`` or
+    as picked, and the gradients through the picks (index logits, attention) are bitwise those without
+    checkpointing. Catches a policy that leaves the selection op out, or an op wrapper that loses an output."""
+    win_lo, vis_lo, vis_hi = packed_geometry([[9, 8]], 1, 4)
+    B, T = vis_lo.shape
+    NH, DI, H, D, W, K = 2, 16, 4, 16, 4, 6
+    q_index, w, k = torch.randn(B, T, NH, DI), torch.randn(B, T, NH), torch.randn(B, T, DI)
+    leaves = [q_index.requires_grad_(), w.requires_grad_(), k.requires_grad_(),
+              torch.randn(B, T, H, D, requires_grad=True), torch.randn(B, T, D, requires_grad=True),
+              torch.randn(B, T, D, requires_grad=True), torch.randn(H, requires_grad=True)]
+    selections = []
+
+    def layer(q_index, w, k, q, kv_window, kv_comp, sink):
+        topk_idx, blocks = triton_ops.indexer_select(q_index, w, k, vis_lo, vis_hi, K, block_size=2, keep_blocks=2)
+        no_blocks = triton_ops.indexer_select(q_index, w, k, vis_lo, vis_hi, K, block_size=2)[1]
+        assert no_blocks is None and blocks.shape == (B, T, 2)
+        selections.append(topk_idx)
+        logits = triton_ops.index_logits(q_index, w, k, topk_idx)
+        out, mass = triton_ops.sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, D ** -0.5, W)
+        return (out ** 2).sum() + mass.sum() + logits.masked_fill(topk_idx < 0, 0).sum()
+
+    select, calls = triton_indexer.indexer_select, {"n": 0}
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return select(*args, **kwargs)
+
+    monkeypatch.setattr(triton_indexer, "indexer_select", counted)
+    want = torch.autograd.grad(layer(*leaves), leaves)
+    runs = {}
+    for name, context in (("save", partial(create_selective_checkpoint_contexts,
+                                            kernels.checkpoint_policy(keep_attention))),
+                          ("recompute", noop_context_fn)):
+        calls["n"], selections[:] = 0, []
+        grads = torch.autograd.grad(checkpoint(layer, *leaves, use_reentrant=False, context_fn=context), leaves)
+        runs[name] = calls["n"], grads
+        assert all(torch.equal(s, selections[0]) for s in selections), seed
+    assert runs["save"][0] == 2 and runs["recompute"][0] == 4, seed  # two selections per layer call
+    for _, grads in runs.values():
         assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
 
 

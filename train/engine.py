@@ -131,7 +131,7 @@ def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
 def kept_attention_layers_per_stage(parallel: DictConfig) -> tuple[int, ...]:
     """How many of the leading recomputed layers of each stage keep their sparse-attention outputs (out, LSE,
     selected mass) so that their backward does not re-run attention: a selective checkpoint
-    (``kernels.keep_attention_policy``). Each kept layer holds its attention output until its backward (bf16
+    (``kernels.checkpoint_policy``). Each kept layer holds its attention output until its backward (bf16
     B x T x 64 x 512: 4.3 GB per layer at T = 65,536) for every microbatch in flight, so this trades memory for
     the attention forward's time. One integer applies to every stage; a list gives each stage its own count, so
     that the later stages, which hold fewer microbatches under 1F1B, spend their spare memory on speed."""
