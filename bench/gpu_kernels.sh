@@ -12,6 +12,8 @@
 #   4. train_step_dense_65536.json  the dense-attention model                           -> train/
 #   5. train_step_csa2_keep4_65536.json  csa2 with parallel.keep_attention_layers=$KEEP (default 4)
 #   6. bench_attention.json  bench_kernels.py bench: sparse attention and cuDNN SDPA at 64K (unchanged since v6)
+#   7. ncu_attention.json    bench/ncu_attention.py: Nsight Compute metrics of the attention kernels (why they take
+#                            what they take); ncu_attention_details.csv, the .ncu-rep report
 # Each stage runs under `timeout`, capped by what is left of BUDGET; stages.txt has each one's exit code and seconds.
 # Expected on an H200 (estimates, not yet timed together): check ~2 min (it compiles and autotunes every kernel),
 # bench ~1.5, CSA2 step ~2, dense ~1.5, kept attention ~1; the attention bench gets what is left, if anything.
@@ -75,4 +77,5 @@ stage train_csa2_keep 80 python3 bench/train_step.py --variant csa2 --steps 1 --
   --out "$OUT/train_step_csa2_keep${KEEP}_$T.json" "${TRAIN[@]}" parallel.keep_attention_layers=$KEEP
 stage bench_attention 120 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench_attention.json" \
   --only bench_matmul,bench_attention,bench_sdpa_cudnn
+stage ncu_attention 150 python3 bench/ncu_attention.py "${KERNELS[@]}" --out "$OUT"
 echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"

@@ -180,6 +180,29 @@ def capture_reuse_inputs(model):
     return cap
 
 
+def is_copy(name: str) -> bool:
+    return "memcpy" in name.lower() or "memset" in name.lower()
+
+
+def copy_origins(prof) -> list[str]:
+    """Each memcpy/memset on the device with the chain of host ops that issued it (innermost first), so that a
+    copy the dispatcher does not see (inside a library or a Triton launch) can be traced to its caller."""
+    origins = []
+    try:
+        events = prof.events()
+    except RuntimeError as err:  # the counts above do not depend on this
+        return [f"not traced: {err!r}"]
+    for event in events:
+        for kernel in getattr(event, "kernels", []):
+            if is_copy(kernel.name):
+                chain, parent = [event.name], event.cpu_parent
+                while parent is not None and len(chain) < 6:
+                    chain.append(parent.name)
+                    parent = parent.cpu_parent
+                origins.append(f"{kernel.name[:40]} <- " + " <- ".join(chain))
+    return origins
+
+
 def details(a, res, model, sync, cuda, device, precision, probe, capture):
     import torch
     if probe is not None:
@@ -208,13 +231,13 @@ def details(a, res, model, sync, cuda, device, precision, probe, capture):
             for what, fn in (("attention", lambda: blk.attn(xn, geometry, reads)),
                              ("block", lambda: blk._compute(x, geometry, reads, False))):
                 fn(); sync()  # warm
-                with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
                     fn(); sync()
                 if cuda:
                     evs = [e for e in prof.events() if e.device_type.name == "CUDA"]
-                    kernels = [e.name for e in evs if not any(s in e.name.lower() for s in ("memcpy", "memset"))]
+                    kernels = [e.name for e in evs if not is_copy(e.name)]
                     counts[what] = {"kernels": len(kernels), "memcpy_memset": len(evs) - len(kernels),
-                                    "names": sorted({n[:80] for n in kernels})}
+                                    "names": sorted({n[:80] for n in kernels}), "copies": copy_origins(prof)}
                 else:
                     counts[what] = {"cpu_ops": len(prof.events())}
         res["reuse_layer"] = capture["layer"]

@@ -1,0 +1,135 @@
+"""Where the sparse-attention kernels lose time: Nsight Compute metrics of one forward and one backward (issue 12).
+
+    python bench/ncu_attention.py --out DIR [--tokens 16384]   # on the GPU: runs itself under ncu, writes DIR/ncu_attention.json
+    python bench/ncu_attention.py --out DIR --smoke            # CPU: the same driver through the interpreter, no ncu
+
+The timing benchmark (``bench_kernels.py bench``) says how long each kernel takes; this says why: for each of the
+forward, dKV-partials and dq kernels, the tensor-pipe and memory-pipe utilisation (% of peak), DRAM and L2
+throughput, registers and occupancy, spilled bytes, and the warps' stall reasons, from one launch at the V4.1
+shape (H = 64, D = 512, W = 128, K = 512). Every kernel's work per token is the same at any length, so a shorter
+sequence than 64K (16K by default) profiles the same loop in less replay time. Autotuning runs first, outside the
+profiled range (``cudaProfilerStart``), so the profiled launches use the configs a training step would.
+"""
+import argparse
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+KERNELS = ("_fwd_kernel", "_bwd_dkv_kernel", "_bwd_dq_kernel")
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats",
+            "WarpStateStats")
+# The metrics kept in the JSON, by the names ncu's details page prints (section, metric name).
+KEPT = {"Duration", "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput", "L2 Cache Throughput",
+        "L1/TEX Cache Throughput", "Registers Per Thread", "Achieved Occupancy", "Theoretical Occupancy",
+        "Dynamic Shared Memory Per Block", "Static Shared Memory Per Block", "Block Size", "Grid Size",
+        "Executed Ipc Active", "Issue Slots Busy", "Warp Cycles Per Issued Instruction", "Local Memory Spilling Requests",
+        "Max Bandwidth", "Mem Busy", "L1/TEX Hit Rate", "L2 Hit Rate", "Mem Pipes Busy", "SM Busy"}
+
+
+def drive(tokens: int, smoke: bool) -> None:
+    """One forward and one backward of the sparse attention after warm-up (autotuning), the profiled range around
+    the second pair only."""
+    import torch
+
+    from kernels import triton_ops
+    from kernels.triton_testing import packed_geometry, random_topk
+
+    dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    T, H, D, W, K = (64, 4, 32, 8, 16) if smoke else (tokens, 64, 512, 128, 512)
+    win_lo, vis_lo, vis_hi = packed_geometry([[T]], 1, W, dev)
+    q = torch.randn(1, T, H, D, device=dev, dtype=dtype, requires_grad=True)
+    kv_window = torch.randn(1, T, D, device=dev, dtype=dtype, requires_grad=True)
+    kv_comp = torch.randn(1, T, D, device=dev, dtype=dtype, requires_grad=True)
+    sink = torch.randn(H, device=dev, requires_grad=True)
+    topk = random_topk(vis_lo, vis_hi, K)
+    args = (q, kv_window, win_lo, kv_comp, topk, sink, D ** -0.5, W)
+
+    def once():
+        out, _ = triton_ops.sparse_attention(*args)
+        torch.autograd.grad(out, [q, kv_window, kv_comp, sink], torch.ones_like(out))
+
+    once()  # compiles and autotunes every kernel
+    if not smoke:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+    once()
+    if not smoke:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+
+
+def parse_details(text: str) -> dict:
+    """ncu's ``--page details --csv`` rows -> {kernel: {metric: (value, unit)}} for the KEPT metrics and every
+    stall reason (WarpStateStats' "Stall ..." rows, in cycles per issued instruction)."""
+    rows = csv.DictReader(io.StringIO(text[text.index('"ID"'):]))
+    found = {}
+    for row in rows:
+        kernel = next((k for k in KERNELS if k in row["Kernel Name"]), None)
+        name = row["Metric Name"]
+        if kernel and (name in KEPT or name.startswith("Stall") or "Spill" in name):
+            value = row["Metric Value"].replace(",", "")
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+            found.setdefault(kernel, {})[name] = [value, row["Metric Unit"]]
+    return found
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--drive", action="store_true", help="(internal) the profiled process")
+    opts = p.parse_args()
+    if opts.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if opts.drive or opts.smoke:
+        drive(opts.tokens, opts.smoke)
+        if not opts.smoke:
+            return 0
+    from result_meta import result_meta
+
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {**result_meta(), "tokens": opts.tokens, "shape": "H 64, D 512, W 128, K 512", "sections": SECTIONS}
+    if not opts.smoke:
+        report = out / "ncu_attention"
+        # The first launch of each kernel (the backward runs dKV and dq once per chunk of tokens); clocks as the
+        # GPU runs them (ncu's default locks them to base clock).
+        ncu = ["ncu", "--profile-from-start", "off", "--kernel-name", "regex:" + "|".join(KERNELS),
+               "--launch-count", str(len(KERNELS)), "--clock-control", "none", "--force-overwrite", "--export",
+               str(report), *[a for s in SECTIONS for a in ("--section", s)]]
+        driver = [sys.executable, __file__, "--drive", "--out", str(out), "--tokens", str(opts.tokens)]
+        run = subprocess.run(ncu + driver, capture_output=True, text=True)
+        (out / "ncu_attention.log").write_text(run.stdout + run.stderr)
+        if run.returncode != 0:
+            print(run.stdout[-3000:], run.stderr[-3000:])
+            return run.returncode
+        details = subprocess.run(["ncu", "--import", str(report) + ".ncu-rep", "--page", "details", "--csv"],
+                                 capture_output=True, text=True, check=True).stdout
+        (out / "ncu_attention_details.csv").write_text(details)
+        result["ncu_command"] = " ".join(ncu)
+        try:
+            result["kernels"] = parse_details(details)
+        except (ValueError, KeyError) as err:  # the CSV is kept either way: parse it again offline
+            result["parse_error"] = repr(err)
+    (out / "ncu_attention.json").write_text(json.dumps(result, indent=1))
+    for kernel, metrics in result.get("kernels", {}).items():
+        print(kernel)
+        for name, (value, unit) in metrics.items():
+            print(f"  {name:48s} {value} {unit}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
