@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 KERNELS = ("_fwd_kernel", "_bwd_dkv_kernel", "_bwd_dq_kernel")
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats",
             "WarpStateStats")
+# Why warps wait: cycles per issued instruction spent in each stall reason (the section alone prints only the sum).
+STALLS = r"smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 # The metrics kept in the JSON, by the names ncu's details page prints (section, metric name).
 KEPT = {"Duration", "Compute (SM) Throughput", "Memory Throughput", "DRAM Throughput", "L2 Cache Throughput",
         "L1/TEX Cache Throughput", "Registers Per Thread", "Achieved Occupancy", "Theoretical Occupancy",
@@ -68,13 +70,15 @@ def drive(tokens: int, smoke: bool) -> None:
 
 def parse_details(text: str) -> dict:
     """ncu's ``--page details --csv`` rows -> {kernel: {metric: (value, unit)}} for the KEPT metrics and every
-    stall reason (WarpStateStats' "Stall ..." rows, in cycles per issued instruction)."""
+    stall reason ("stall <reason>", in cycles per issued instruction)."""
     rows = csv.DictReader(io.StringIO(text[text.index('"ID"'):]))
     found = {}
     for row in rows:
         kernel = next((k for k in KERNELS if k in row["Kernel Name"]), None)
         name = row["Metric Name"]
-        if kernel and (name in KEPT or name.startswith("Stall") or "Spill" in name):
+        if name.startswith("smsp__average_warps_issue_stalled_"):
+            name = "stall " + name.removeprefix("smsp__average_warps_issue_stalled_").split("_per_issue")[0]
+        if kernel and (name in KEPT or name.startswith("stall ") or "Spill" in name):
             value = row["Metric Value"].replace(",", "")
             try:
                 value = float(value)
@@ -108,7 +112,7 @@ def main() -> int:
         # GPU runs them (ncu's default locks them to base clock).
         ncu = ["ncu", "--profile-from-start", "off", "--kernel-name", "regex:" + "|".join(KERNELS),
                "--launch-count", str(len(KERNELS)), "--clock-control", "none", "--force-overwrite", "--export",
-               str(report), *[a for s in SECTIONS for a in ("--section", s)]]
+               str(report), *[a for s in SECTIONS for a in ("--section", s)], "--metrics", "regex:" + STALLS]
         driver = [sys.executable, __file__, "--drive", "--out", str(out), "--tokens", str(opts.tokens)]
         run = subprocess.run(ncu + driver, capture_output=True, text=True)
         (out / "ncu_attention.log").write_text(run.stdout + run.stderr)
