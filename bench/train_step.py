@@ -227,8 +227,14 @@ def details(a, res, model, sync, cuda, device, precision, probe, capture):
         counts = {}
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             xn = blk.attn_norm(x)
-            for what, fn in (("attention", lambda: blk.attn(xn, geometry, reads)),
-                             ("block", lambda: blk._compute(x, geometry, reads, False))):
+            # The same attention forward with cuBLAS (not cuBLASLt) GEMMs: whether the memsets are the library's.
+            blas = [("attention_cublas", "cublas")] if cuda else []
+            for what, fn, library in (("attention", lambda: blk.attn(xn, geometry, reads), None),
+                                      ("block", lambda: blk._compute(x, geometry, reads, False), None),
+                                      *[(w, lambda: blk.attn(xn, geometry, reads), lib) for w, lib in blas]):
+                default_library = torch.backends.cuda.preferred_blas_library() if cuda else None
+                if library:
+                    torch.backends.cuda.preferred_blas_library(library)
                 fn(); sync()  # warm
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
                     fn(); sync()
@@ -239,6 +245,8 @@ def details(a, res, model, sync, cuda, device, precision, probe, capture):
                                     "names": sorted({n[:80] for n in kernels}), "copies": copy_origins(prof)}
                 else:
                     counts[what] = {"cpu_ops": len(prof.events())}
+                if library:
+                    torch.backends.cuda.preferred_blas_library(default_library)
         res["reuse_layer"] = capture["layer"]
         res["reuse_launches"] = counts
         print(json.dumps({"reuse_layer": capture["layer"], **{k: {kk: vv for kk, vv in v.items() if kk != "names"}
