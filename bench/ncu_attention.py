@@ -41,18 +41,12 @@ def drive(tokens: int, smoke: bool) -> None:
     the second pair only."""
     import torch
 
+    from bench_kernels import attention_problem  # its device and dtype follow --smoke as this script's do
     from kernels import triton_ops
-    from kernels.triton_testing import packed_geometry, random_topk
 
-    dev, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     T, H, D, W, K = (64, 4, 32, 8, 16) if smoke else (tokens, 64, 512, 128, 512)
-    win_lo, vis_lo, vis_hi = packed_geometry([[T]], 1, W, dev)
-    q = torch.randn(1, T, H, D, device=dev, dtype=dtype, requires_grad=True)
-    kv_window = torch.randn(1, T, D, device=dev, dtype=dtype, requires_grad=True)
-    kv_comp = torch.randn(1, T, D, device=dev, dtype=dtype, requires_grad=True)
-    sink = torch.randn(H, device=dev, requires_grad=True)
-    topk = random_topk(vis_lo, vis_hi, K)
-    args = (q, kv_window, win_lo, kv_comp, topk, sink, D ** -0.5, W)
+    args = attention_problem(T, H, D, W, K)
+    q, kv_window, kv_comp, sink = args[0], args[1], args[3], args[5]
 
     def once():
         out, _ = triton_ops.sparse_attention(*args)
