@@ -80,7 +80,7 @@ def specs() -> list[KernelSpec]:
                    dict(DI=128, NH_P=32, G=8, SPLIT=idx.SCORE_SPLIT, WHILE_LOOP=False)),
         KernelSpec(idx._cand_score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, CAND=i64, LEVELS=f32,
                                                 **levels, **index), dict(DI=128, NH_P=32, G=8, NC=2048)),
-        KernelSpec(untuned(sel._select_kernel, **sel.SELECT_LAUNCH), select, dict(K=512, K_P=512, G=8, LOG_G=3)),
+        KernelSpec(sel._select_kernel, select, dict(K=512, K_P=512, G=8, LOG_G=3)),
         KernelSpec(untuned(sel._group_max_kernel, num_warps=4),
                    dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, row_len=i32, src=i32, dst=i32, dst_width=i32, level=i32),
                    dict(G=8, LOG_G=3, BLOCK=256)),

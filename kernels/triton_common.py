@@ -19,12 +19,12 @@ POISON_ENV = "CSA2_KERNEL_POISON"
 def configs(hopper: list[dict], interpret: dict) -> list[triton.Config]:
     """Autotune configs: the Hopper list on a GPU, the single interpreter config under TRITON_INTERPRET.
 
-    Each dict holds the kernel's block-size constexprs plus ``num_warps`` and ``num_stages``.
+    Each dict holds the kernel's block-size constexprs plus ``num_warps``, ``num_stages`` and optionally ``maxnreg``.
     """
     chosen = [interpret] if INTERPRET else hopper
-    launch = ("num_warps", "num_stages")
+    launch = ("num_warps", "num_stages", "maxnreg")
     return [triton.Config({k: v for k, v in c.items() if k not in launch}, num_warps=c["num_warps"],
-                          num_stages=c["num_stages"]) for c in chosen]
+                          num_stages=c["num_stages"], maxnreg=c.get("maxnreg")) for c in chosen]
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:

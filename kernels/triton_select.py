@@ -18,16 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import INTERPRET, new_output
+from kernels.triton_common import configs, new_output
 
 NEG_INF = float("-inf")
 KERNEL_NEG_INF = tl.constexpr(NEG_INF)
 EMPTY_KEY = tl.constexpr(-(2 ** 63))  # sorts after every packed (score, column) key
 _INT64_MIN = -(2 ** 63)
 _LOW32 = (1 << 32) - 1
-# Selection is a chain of block-wide reductions (latency-bound): two CTAs of 8 warps per SM overlap two rows, which
-# needs <= 128 registers a thread (the compile report shows a few dozen bytes of spills at that cap).
-SELECT_LAUNCH = {} if INTERPRET else dict(num_warps=8, maxnreg=128)
+# Selection is a chain of block-wide reductions (latency-bound), one program per row: the launch shapes trade rows
+# in flight per SM (registers: the G * K_P candidates live in registers) against threads per row. 8 warps capped at
+# 128 registers run two rows per SM (v7's fixed choice); the autotuner times them on the first chunk.
+_SELECT_CONFIGS = configs(
+    hopper=[dict(num_warps=8, num_stages=1, maxnreg=128), dict(num_warps=4, num_stages=1, maxnreg=128),
+            dict(num_warps=4, num_stages=1), dict(num_warps=16, num_stages=1, maxnreg=64)],
+    interpret=dict(num_warps=4, num_stages=1))
 
 
 class Pyramid:
@@ -80,42 +84,71 @@ def _level_offset(width0, level, LOG_G: tl.constexpr):
 
 
 @triton.jit
-def _add3(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, a1 + b1, a2 + b2
+def _count_max_min(a_count, a_max, a_min, b_count, b_max, b_min):
+    return a_count + b_count, tl.maximum(a_max, b_max), tl.minimum(a_min, b_min)
 
 
 @triton.jit
-def _kth_largest(value, valid, K, BITS: tl.constexpr):
-    """Largest v with at least K valid values >= v (the K-th largest valid value) for unsigned values < 2**BITS
-    (BITS even), two bits per round: the three counts of a round share one reduction."""
-    kth = tl.zeros([], value.dtype)
-    step = tl.full([], 1 << (BITS - 2), value.dtype)
-    for _ in range(BITS // 2):
-        t1 = kth | step
-        t2 = kth | (step * 2)
-        t3 = kth | (step * 3)
-        c1, c2, c3 = tl.reduce(((valid & (value >= t1)).to(tl.int32), (valid & (value >= t2)).to(tl.int32),
-                                (valid & (value >= t3)).to(tl.int32)), 0, _add3)
-        kth = tl.where(c3 >= K, t3, tl.where(c2 >= K, t2, tl.where(c1 >= K, t1, kth)))
-        step = step >> 2
-    return kth
+def _first_reached(a_bin, a_reached, a_count, b_bin, b_reached, b_count):
+    """Of two (bin, values reached, values in the bin): the lower bin."""
+    b_wins = b_bin < a_bin
+    return tl.where(b_wins, b_bin, a_bin), tl.where(b_wins, b_reached, a_reached), tl.where(b_wins, b_count, a_count)
 
 
 @triton.jit
-def _best(key, col, K: tl.constexpr):
-    """Mask of the K best usable entries (key > 0; by key, then lower ``col``); all usable ones if at most K."""
+def _kth_largest(value, valid, K, lo, hi):
+    """Largest v with at least K valid values >= v (the K-th largest valid value) of uint32 ``value``, given bounds
+    lo <= v <= hi: at least K valid values are >= lo and none is above hi. Also returns how many valid values are
+    above v and how many equal it.
+
+    v shares the bits of lo and hi above their highest differing bit, so only the bits below it are searched, four
+    per round (radix 16, at least one round): a histogram of the next digit among the values that match the prefix
+    found so far, then the largest digit whose count of values at or above it (plus those above the prefix) reaches
+    K. Bins hold 15 - digit, so that count is a forward cumsum (a reverse one costs two lane reversals in Triton).
+    """
+    diff = lo ^ hi
+    unknown = 32  # low bits of v not yet known, a multiple of 4
+    while (unknown > 4) & ((diff >> (unknown - 4)) == 0):
+        unknown -= 4
+    kth = ((lo.to(tl.int64) >> unknown) << unknown).to(tl.uint32)
+    above = tl.zeros([], tl.int32)  # valid values above every value with kth's known bits (none above hi)
+    equal = tl.zeros([], tl.int32)
+    one = tl.full([], 1, tl.int64)
+    bins = tl.arange(0, 16)
+    while unknown > 0:
+        shift = unknown - 4
+        match = valid & ((value ^ kth) <= ((one << unknown) - 1).to(tl.uint32))
+        count = tl.histogram(15 - ((value >> shift) & 15).to(tl.int32), 16, mask=match)
+        reached = above + tl.cumsum(count, 0)  # valid values >= kth with digit 15 - bin
+        pick, reached, equal = tl.reduce((tl.where(reached >= K, bins, 16), reached, count), 0, _first_reached)
+        above = reached - equal
+        kth = kth | ((15 - pick).to(tl.uint32) << shift)
+        unknown = shift
+    return kth, above, equal
+
+
+@triton.jit
+def _best(key, col, width, K: tl.constexpr, bound):
+    """Mask of the K best usable entries (key > 0; by key, then lower ``col`` < ``width``), all usable ones if at
+    most K, and the K-th best key (1, the least usable key, if all were kept): a lower bound of the K-th best key
+    among the children of the kept entries, since each kept entry's value is one of its children's.
+
+    ``bound``: a key that at least K usable entries reach, or 1."""
     valid = key > 0
+    count, top, least = tl.reduce((valid.to(tl.int32), key, tl.where(valid, key, 0xFFFFFFFF)), 0, _count_max_min)
     chosen = valid
-    if tl.sum(valid.to(tl.int32), 0) > K:
-        kth = _kth_largest(key, valid, K, 32)
-        above = valid & (key > kth)
+    kth = tl.full([], 1, tl.uint32)
+    if count > K:
+        kth, above, equal = _kth_largest(key, valid, K, tl.maximum(bound, least), top)
+        need = K - above
         tied = valid & (key == kth)
-        need = K - tl.sum(above.to(tl.int32), 0)
-        if tl.sum(tied.to(tl.int32), 0) > need:  # keep the `need` lowest columns of the tie
-            flipped = (2147483647 - col).to(tl.uint32)  # lower column = larger value
-            tied = tied & (flipped >= _kth_largest(flipped, tied, need, 32))
-        chosen = above | tied
-    return chosen
+        if equal > need:  # keep the `need` lowest columns of the tie: the largest values of flipped
+            flipped = (2147483647 - col).to(tl.uint32)  # columns are in [0, width)
+            low = (2147483647 - tl.maximum(width - 1, 0)).to(tl.uint32)
+            last, _, _ = _kth_largest(flipped, tied, need, low, tl.full([], 2147483647, tl.uint32))
+            tied = tied & (flipped >= last)
+        chosen = (valid & (key > kth)) | tied
+    return chosen, kth
 
 
 @triton.jit
@@ -129,6 +162,7 @@ def _compact(chosen, values, SCRATCH, K_P: tl.constexpr, other):
     return tl.load(SCRATCH + offs, mask=offs < tl.sum(chosen.to(tl.int32), 0), other=other)
 
 
+@triton.autotune(configs=_SELECT_CONFIGS, key=["K", "G"])
 @triton.jit
 def _select_kernel(LEVELS, VIS_LO, VIS_HI, SCRATCH, OUT, row_len, width0, top, K: tl.constexpr,
                    K_P: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr):
@@ -143,15 +177,18 @@ def _select_kernel(LEVELS, VIS_LO, VIS_HI, SCRATCH, OUT, row_len, width0, top, K
     row = LEVELS + r * row_len
     scratch = SCRATCH + r * K_P
     picked = tl.arange(0, K_P).to(tl.int64)
+    bound = tl.full([], 1, tl.uint32)
     level = top + 1
     while level > 0:
         level -= 1
         child = picked[:, None] * G + tl.arange(0, G)[None, :]
         col = tl.reshape(child, [CAND]).to(tl.int32)
-        usable = tl.reshape(child >= 0, [CAND]) & (col < _level_width(width, level, LOG_G))
+        level_width = _level_width(width, level, LOG_G)
+        usable = tl.reshape(child >= 0, [CAND]) & (col < level_width)
         key = _order_key(tl.load(row + _level_offset(width0, level, LOG_G) + col, mask=usable,
                                  other=KERNEL_NEG_INF))
-        picked = _compact(_best(key, col, K), col, scratch, K_P, -1)
+        chosen, bound = _best(key, col, level_width, K, bound)
+        picked = _compact(chosen, col, scratch, K_P, -1)
     key = _order_key(tl.load(row + picked, mask=picked >= 0, other=KERNEL_NEG_INF))
     packed = tl.where(picked >= 0, ((key.to(tl.int64) - 2147483648) << 32) | (((1 << 32) - 1) - picked), EMPTY_KEY)
     packed = tl.sort(packed, descending=True)
@@ -193,7 +230,7 @@ def select_entries(buffer, pyramid: Pyramid, vis_lo, vis_hi, k: int, out=None) -
     out = new_output((n, k), torch.long, buffer.device) if out is None else out
     scratch = new_output((n, K_P), torch.long, buffer.device)
     _select_kernel[(n,)](buffer, vis_lo, vis_hi, scratch, out, pyramid.row, pyramid.widths[0], pyramid.top, K=k,
-                         K_P=K_P, G=G, LOG_G=G.bit_length() - 1, **SELECT_LAUNCH)
+                         K_P=K_P, G=G, LOG_G=G.bit_length() - 1)
     return out
 
 

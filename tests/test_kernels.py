@@ -317,6 +317,50 @@ def test_indexer_select_ties_exact(seed, monkeypatch, doc_lens, m, NH, DI, topk,
             assert torch.equal(blocks, ref_cand_blocks[:, :t]), (t, dense, seed)
 
 
+def hard_score_rows(n, width):
+    """Score rows whose K-th best value is hard for a search that starts from the pyramid's bounds (the K-th best
+    parent maximum below, the row maximum above), a third of the rows of each kind: plateaus of three values (many
+    children equal the lower bound, long ties), values at and just below powers of two (the K-th best differs from
+    both bounds in the exponent's bits), and signed values with both zeros."""
+    kind = torch.arange(n)[:, None] % 3
+    plateau = torch.randint(0, 3, (n, width)).float()
+    power = 2.0 ** torch.randint(-2, 3, (n, width)).float() * torch.where(torch.rand(n, width) < 0.5, 1.0, 1 - 2 ** -20)
+    signed = torch.randint(-3, 4, (n, width)).float() * torch.rand(n, width).round(decimals=1)
+    signed = torch.where(signed == 0, torch.where(torch.rand(n, width) < 0.5, 0.0, -0.0), signed)
+    return torch.where(kind == 0, plateau, torch.where(kind == 1, power, signed))
+
+
+@pytest.mark.parametrize("k, group, width", [(6, 2, 100), (5, 4, 150), (16, 2, 80)])
+def test_select_entries_exact(seed, k, group, width):
+    """The pyramid top-k alone on crafted rows (levels 0 and 1 written here, higher ones by build_upper_levels):
+    picks equal a stable sort's, best first, ties to the lower column, -1 past the finite entries, through three
+    or four levels. Rows are narrower than the chunk (entries past a row's width are NaN and must not be read),
+    have invisible (-inf) entries, and some have fewer than k finite entries."""
+    from kernels.triton_select import Pyramid, build_upper_levels, select_entries
+    n = 48
+    scores = hard_score_rows(n, width)
+    widths = torch.randint(0, width + 1, (n,))
+    widths[:3] = torch.tensor([width, k - 1, 0])
+    cols = torch.arange(width)
+    scores = scores.masked_fill(torch.rand(n, width) < 0.2, NEG_INF)
+    visible = scores.masked_fill(cols >= widths[:, None], NEG_INF)
+    vis_lo = torch.randint(0, 5, (n,))
+    vis_hi = vis_lo + widths
+    pyramid = Pyramid(width, group, group * triton.next_power_of_2(k))
+    assert pyramid.top >= 2, "the case should walk at least three levels"
+    buffer = torch.full((n, pyramid.row), float("nan"))
+    pyramid.level(buffer, 0)[:] = torch.where(cols < widths[:, None], scores, float("nan"))
+    blocks = pyramid.widths[1]
+    padded = torch.nn.functional.pad(visible, (0, blocks * group - width), value=NEG_INF)
+    pyramid.level(buffer, 1)[:] = padded.view(n, blocks, group).amax(-1)
+    build_upper_levels(buffer, pyramid, vis_lo, vis_hi)
+    picks = select_entries(buffer, pyramid, vis_lo, vis_hi, k)
+
+    values, order = visible.sort(dim=-1, descending=True, stable=True)
+    want = torch.where(values[:, :k] > NEG_INF, vis_lo[:, None] + order[:, :k], -1)
+    assert torch.equal(picks, want), (seed, (picks != want).any(-1).nonzero().flatten().tolist())
+
+
 @pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep", INDEX_CASES)
 def test_index_logits(seed, doc_lens, m, NH, DI, topk, bs, keep):
     _, vis_lo, vis_hi = packed_geometry(doc_lens, m, 1)
