@@ -324,7 +324,7 @@ def hard_score_rows(n, width):
     both bounds in the exponent's bits), and signed values with both zeros."""
     kind = torch.arange(n)[:, None] % 3
     plateau = torch.randint(0, 3, (n, width)).float()
-    power = 2.0 ** torch.randint(-2, 3, (n, width)).float() * torch.where(torch.rand(n, width) < 0.5, 1.0, 1 - 2 ** -20)
+    power = 2.0 ** torch.randint(-2, 3, (n, width)).float() * torch.where(torch.rand(n, width) < 0.5, 1.0, 1 - 2 ** -24)
     signed = torch.randint(-3, 4, (n, width)).float() * torch.rand(n, width).round(decimals=1)
     signed = torch.where(signed == 0, torch.where(torch.rand(n, width) < 0.5, 0.0, -0.0), signed)
     return torch.where(kind == 0, plateau, torch.where(kind == 1, power, signed))
