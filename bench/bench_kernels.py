@@ -80,6 +80,17 @@ def overridden(module, name: str, value):
         setattr(module, name, saved)
 
 
+def each_config(kernel):
+    """Yield each of the autotuned ``kernel``'s configs with the kernel forced to it (no autotuning), then restore."""
+    configs, cache = kernel.configs, kernel.cache
+    try:
+        for config in configs:
+            kernel.configs, kernel.cache = [config], {}
+            yield config
+    finally:
+        kernel.configs, kernel.cache = configs, cache
+
+
 def rel_err(got, want) -> float:
     if not torch.isfinite(got).all():
         return float("nan")
@@ -196,8 +207,9 @@ def check_indexer():
 @section
 def check_indexer_ties():
     """Integer-valued bf16 inputs (exact in bf16 and in any fp32 summation order, with many tied scores): picks must
-    equal the reference bit for bit, order and ties included (the autotuned GPU configs, not the interpreter's), and
-    a prefix of the sequence must select what the whole sequence selects for its tokens."""
+    equal the reference bit for bit, order and ties included (the autotuned GPU configs, not the interpreter's, and
+    then each selection and scoring config forced), and a prefix of the sequence must select what the whole
+    sequence selects for its tokens."""
     _, vis_lo, vis_hi = packed_geometry(INDEXER_DOCS, 1, 1, DEV)
     T, NH, DI, topk, bs, keep = n(4096, 64), n(32, 2), n(128, 16), n(512, 8), 8, n(128, 3)
     q = torch.randint(-2, 3, (1, T, NH, DI), device=DEV).float()
@@ -218,6 +230,13 @@ def check_indexer_ties():
                 with overridden(triton_indexer, "DENSE_CANDIDATES", dense):
                     cand, _ = triton_ops.indexer_select(qt, wt, k.to(BF16), lo, hi, topk, ref_blocks[:, :t], bs)
                 res[f"T{t}"][f"cand_{path}_equal"] = torch.equal(cand, ref_cand[:, :t])
+        # every launch shape of the selection kernel (the autotuner runs one of them), and of the scoring kernel
+        res["configs"] = {}
+        qt, wt = q.to(BF16), w.to(BF16)
+        for kernel in (triton_select._select_kernel, triton_indexer._score_kernel):
+            for config in each_config(kernel):
+                picks, _ = triton_ops.indexer_select(qt, wt, k.to(BF16), vis_lo, vis_hi, topk)
+                res["configs"][f"{kernel.fn.__name__} {config_name(config)}"] = torch.equal(picks, ref_picks)
     RESULTS["indexer_ties_exact"] = {**res, "pass": all(v for r in res.values() for v in r.values())}
 
 
@@ -327,9 +346,14 @@ ATTENTION_KERNELS = {"_fwd_kernel": "fwd", "_bwd_dkv_kernel": "bwd_dkv", "_bwd_d
 ATTENTION_AUTOTUNED = ("_fwd_kernel", "_bwd_dkv_kernel", "_bwd_dq_kernel")
 
 
-def device_ms_by_stage(fn, reps: int) -> dict:
-    """Device time of fn per call by stage (torch.profiler, summed over kernels, divided by reps); the wall time
-    of one call under --smoke (no device kernels to attribute)."""
+# The Triton kernels of one indexer_select call, by stage; "other" is torch work (fills, the -inf masks).
+INDEXER_KERNELS = {"_score_kernel": "score", "_cand_score_kernel": "cand_score", "_group_max_kernel": "group_max",
+                   "_select_kernel": "select"}
+
+
+def device_ms_by_stage(fn, reps: int, kernels: dict = ATTENTION_KERNELS) -> dict:
+    """Device time of fn per call by stage (torch.profiler, summed over ``kernels``' name -> stage, the rest as
+    "other", divided by reps); the wall time of one call under --smoke (no device kernels to attribute)."""
     if SMOKE:
         return {"wall_ms": ms(fn)}
     from torch.profiler import ProfilerActivity, profile
@@ -339,7 +363,7 @@ def device_ms_by_stage(fn, reps: int) -> dict:
         torch.cuda.synchronize()
     stages = {}
     for event in prof.key_averages():
-        stage = next((s for k, s in ATTENTION_KERNELS.items() if k in event.key), "other")
+        stage = next((s for k, s in kernels.items() if k in event.key), "other")
         stages[stage] = stages.get(stage, 0.0) + event.self_device_time_total / 1e3 / reps
     return stages
 
@@ -472,20 +496,21 @@ def indexer_stages(q, w, k, vis_lo, vis_hi, topk, bs, cand=None):
 
 
 def config_name(config) -> str:
-    return f"{config.kwargs} warps={config.num_warps} stages={config.num_stages}"
+    return f"{config.kwargs} warps={config.num_warps} stages={config.num_stages}" + (
+        f" maxnreg={config.maxnreg}" if config.maxnreg else "")
+
+
+def autotuned_by_key(kernel) -> dict:
+    """The autotuner's chosen config for each key it has tuned (e.g. each width class of the scoring kernel)."""
+    return {str(key): config_name(config) for key, config in getattr(kernel, "cache", {}).items()}
 
 
 def per_config_ms(kernel, fn) -> dict:
     """fn's time with each of the autotuned ``kernel``'s configs forced, and the autotuner's own choice."""
-    configs, cache, times = kernel.configs, kernel.cache, {}
     chosen = getattr(kernel, "best_config", None)
-    times["autotuned"] = config_name(chosen) if chosen is not None else None
-    try:
-        for config in configs:
-            kernel.configs, kernel.cache = [config], {}
-            times[config_name(config)] = ms(fn)
-    finally:
-        kernel.configs, kernel.cache = configs, cache
+    times = {"autotuned": config_name(chosen) if chosen is not None else None}
+    for config in each_config(kernel):
+        times[config_name(config)] = ms(fn)
     return times
 
 
@@ -494,7 +519,8 @@ def bench_indexer():
     """Selection at T = 65,536 (m = 1, one document, 32 x 128 index heads, top-512, blocks of 8) against its scoring
     GEMM at the matmul rate measured in this run: full causal (goal <= 2x), with candidate blocks (keep 2,048; goal
     <= 2x its GEMM; also each candidate scoring path alone, to place DENSE_CANDIDATES), the scoring and selection
-    stages apart, each scoring config forced, and the torch baseline."""
+    stages apart (and each call's device time by kernel: the rest is host work with the GPU idle), each scoring and
+    selection config forced, the configs the autotuner kept, and the torch baseline."""
     T, NH, DI, topk, bs, keep = n(65536, 128), n(32, 2), n(128, 16), n(512, 8), 8, n(2048, 4)
     q, w, k, vis_lo, vis_hi = indexer_problem(T, NH, DI)
     rate = RESULTS["matmul_8192_bf16"]["tflops"]
@@ -503,11 +529,15 @@ def bench_indexer():
     res = {"gemm_ms_full": full_flops / rate / 1e9, "gemm_ms_cand": cand_flops / rate / 1e9}
     res["select_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk))
     res["select_vs_gemm"] = res["select_ms"] / res["gemm_ms_full"]
+    select_full = functools.partial(triton_ops.indexer_select, q, w, k, vis_lo, vis_hi, topk)
+    res["select_device_ms_by_kernel"] = device_ms_by_stage(select_full, 3, INDEXER_KERNELS)
     res["select_blocks_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs,
                                                                    keep_blocks=keep))
     _, cand = triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
     res["cand_select_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs))
     res["cand_select_vs_gemm"] = res["cand_select_ms"] / res["gemm_ms_cand"]
+    select_cand = functools.partial(triton_ops.indexer_select, q, w, k, vis_lo, vis_hi, topk, cand, bs)
+    res["cand_select_device_ms_by_kernel"] = device_ms_by_stage(select_cand, 3, INDEXER_KERNELS)
     res["cand_dense_switch"] = triton_indexer.DENSE_CANDIDATES
     for path, dense in (("gathered", 0.0), ("dense", float("inf"))):  # each candidate scoring path alone
         with overridden(triton_indexer, "DENSE_CANDIDATES", dense):
@@ -521,6 +551,10 @@ def bench_indexer():
             res[f"{name}_score_tflops"] = flops / res[f"{name}_score_ms"] / 1e9
             res[f"{name}_pyramid_select_ms"] = ms(select)
             res[f"{name}_score_ms_by_config"] = per_config_ms(kernel, score)
+            res[f"{name}_score_autotuned"] = autotuned_by_key(kernel)
+            if name == "full":  # selection does not depend on how the rows were scored
+                res["pyramid_select_ms_by_config"] = per_config_ms(triton_select._select_kernel, select)
+                res["select_autotuned"] = autotuned_by_key(triton_select._select_kernel)
         del score, select
         if not SMOKE:
             torch.cuda.empty_cache()

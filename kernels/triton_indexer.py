@@ -35,7 +35,9 @@ DENSE_CANDIDATES = 2.0
 
 # M = BLOCK_S entries (one or two wgmma M=64 per warpgroup), N = BLOCK_T * 32 heads; keys are L2-resident. Configs
 # with <= 114 KB of shared memory and <= 64K registers per two CTAs run two per SM (one's epilogue hides behind the
-# other's MMA); BLOCK_T = 8 halves the key traffic from L2 against BLOCK_T = 4.
+# other's MMA); BLOCK_T = 8 halves the key traffic from L2 against BLOCK_T = 4. The best one depends on the row
+# width (v7 at 64K: tuned on the first, narrow chunk, the autotuner kept BLOCK_S 64 at 46.5 ms for all chunks where
+# BLOCK_S 128 with 8 warps took 41.6), so the autotune key holds the chunk's width class (``_width_class``).
 _SCORE_CONFIGS = configs(
     hopper=[dict(BLOCK_T=8, BLOCK_S=64, num_warps=4, num_stages=2), dict(BLOCK_T=4, BLOCK_S=64, num_warps=4, num_stages=4),
             dict(BLOCK_T=8, BLOCK_S=128, num_warps=8, num_stages=3), dict(BLOCK_T=4, BLOCK_S=128, num_warps=8, num_stages=3)],
@@ -84,9 +86,9 @@ def _score_tile(q, w, KEY, doc_lo, c0, sweep, width, active, rows, level1, DI: t
     tl.store(rows[None, :] + level1 + block[:, None], blocks, mask=active[None, :] & (block[:, None] * G < width[None, :]))
 
 
-@triton.autotune(configs=_SCORE_CONFIGS, key=["NH", "DI", "G"])
+@triton.autotune(configs=_SCORE_CONFIGS, key=["NH", "DI", "G", "width_class"])
 @triton.jit
-def _score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, NH, DI: tl.constexpr,
+def _score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, width_class, NH, DI: tl.constexpr,
                   NH_P: tl.constexpr, G: tl.constexpr, SPLIT: tl.constexpr, WHILE_LOOP: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     """Scores of BLOCK_T queries over their visible entries in columns [SPLIT * program_id(1), + SPLIT), at
@@ -95,9 +97,9 @@ def _score_kernel(Q, WGT, KEY, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level
 
     Columns, not entries, are tiled, so blocks of G columns fall inside a tile for every query. Queries of
     different documents (a program straddling a document start) see different entries at the same column:
-    they are swept one document after the other. WHILE_LOOP (set under the interpreter only): Triton 3.6's
-    interpreter cannot take a ``range`` bound from a runtime value under NumPy 2, while a ``for`` loop is what
-    the GPU compiler pipelines.
+    they are swept one document after the other. ``width_class`` is read by the autotuner only. WHILE_LOOP (set
+    under the interpreter only): Triton 3.6's interpreter cannot take a ``range`` bound from a runtime value
+    under NumPy 2, while a ``for`` loop is what the GPU compiler pipelines.
     """
     tl.static_assert((BLOCK_S % G == 0) & (SPLIT % BLOCK_S == 0))
     first = tl.program_id(0) * BLOCK_T
@@ -204,6 +206,11 @@ def _heads_p(n_heads: int) -> int:
     return max(16, triton.next_power_of_2(n_heads))
 
 
+def _width_class(width: int) -> int:
+    """Autotune bucket of a chunk's row width: widths within a factor of two tune together (4 classes at 64K)."""
+    return max(width, 1).bit_length()
+
+
 def _chunks(width: np.ndarray, group: int, budget: int):
     """(start, end) of consecutive query rows whose pyramid rows fit ``budget`` bytes together (at least one row).
 
@@ -237,8 +244,8 @@ def score_chunk(levels, pyramid: Pyramid, q, w, k, lo, hi, cand):
     args = dict(NH=NH, DI=DI, NH_P=_heads_p(NH), G=pyramid.group)
     if cand is None or pyramid.widths[0] <= DENSE_CANDIDATES * cand.shape[1] * pyramid.group:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), triton.cdiv(pyramid.widths[0], SCORE_SPLIT))  # noqa: E731
-        _score_kernel[grid](q, w, k, lo, hi, levels, n, pyramid.row, pyramid.offsets[1], SPLIT=SCORE_SPLIT,
-                            WHILE_LOOP=INTERPRET, **args)
+        _score_kernel[grid](q, w, k, lo, hi, levels, n, pyramid.row, pyramid.offsets[1],
+                            _width_class(pyramid.widths[0]), SPLIT=SCORE_SPLIT, WHILE_LOOP=INTERPRET, **args)
         if cand is not None:
             _keep_candidate_blocks(pyramid.level(levels, 1), cand)
     else:
