@@ -8,10 +8,13 @@ above it. So ``_select_kernel`` picks the k best entries of the top level (at mo
 down at a time, the k best among the G * k children of the previous pick, and finally orders its k columns.
 Work per row: G * k loads per level, independent of the row's width.
 
-Each pick is exact, ties included: a bit-by-bit search for the k-th largest order key (32 counts), then, only
-when several entries share that key, a search for the largest column to keep among them (lower column first,
-as ``kernels.reference``'s stable sort), so a token's selection does not depend on how many columns its chunk
-has. Entries that are -inf (invisible, not a candidate) never count; fewer than k finite entries give -1 slots.
+Each pick is exact, ties included: a radix-16 search for the k-th largest order key, then, only when several
+entries share that key, a search for the largest column to keep among them (lower column first, as
+``kernels.reference``'s stable sort), so a token's selection does not depend on how many columns its chunk has.
+The key search starts from what the level above knows: each kept group's maximum is one of its children, so the
+k-th best kept maximum is a lower bound of the k-th best child, and the best one the children's maximum; only the
+bits below the highest bit where the two differ are searched (~6 rounds of 4 bits on random scores instead of 8).
+Entries that are -inf (invisible, not a candidate) never count; fewer than k finite entries give -1 slots.
 """
 import numpy as np
 import torch
@@ -130,8 +133,8 @@ def _kth_largest(value, valid, K, lo, hi):
 @triton.jit
 def _best(key, col, width, K: tl.constexpr, bound):
     """Mask of the K best usable entries (key > 0; by key, then lower ``col`` < ``width``), all usable ones if at
-    most K, and the K-th best key (1, the least usable key, if all were kept): a lower bound of the K-th best key
-    among the children of the kept entries, since each kept entry's value is one of its children's.
+    most K, how many it keeps, and the K-th best key (1, the least usable key, if all were kept): a lower bound of
+    the K-th best key among the children of the kept entries, since each kept entry's value is one of its children's.
 
     ``bound``: a key that at least K usable entries reach, or 1."""
     valid = key > 0
@@ -148,18 +151,19 @@ def _best(key, col, width, K: tl.constexpr, bound):
             last, _, _ = _kth_largest(flipped, tied, need, low, tl.full([], 2147483647, tl.uint32))
             tied = tied & (flipped >= last)
         chosen = (valid & (key > kth)) | tied
-    return chosen, kth
+    return chosen, tl.minimum(count, K), kth
 
 
 @triton.jit
-def _compact(chosen, values, SCRATCH, K_P: tl.constexpr, other):
-    """The chosen ``values`` (at most K_P) as a [K_P] tensor, ``other`` after them, through a scratch row."""
+def _compact(chosen, n_chosen, values, SCRATCH, K_P: tl.constexpr, other):
+    """The ``n_chosen`` chosen ``values`` (at most K_P) as a [K_P] tensor, ``other`` after them, through a scratch
+    row."""
     slot = tl.cumsum(chosen.to(tl.int32), 0) - 1
     tl.debug_barrier()  # earlier readers of the scratch row are done
     tl.store(SCRATCH + slot, values.to(tl.int64), mask=chosen)
     tl.debug_barrier()
     offs = tl.arange(0, K_P)
-    return tl.load(SCRATCH + offs, mask=offs < tl.sum(chosen.to(tl.int32), 0), other=other)
+    return tl.load(SCRATCH + offs, mask=offs < n_chosen, other=other)
 
 
 @triton.autotune(configs=_SELECT_CONFIGS, key=["K", "G"])
@@ -187,8 +191,8 @@ def _select_kernel(LEVELS, VIS_LO, VIS_HI, SCRATCH, OUT, row_len, width0, top, K
         usable = tl.reshape(child >= 0, [CAND]) & (col < level_width)
         key = _order_key(tl.load(row + _level_offset(width0, level, LOG_G) + col, mask=usable,
                                  other=KERNEL_NEG_INF))
-        chosen, bound = _best(key, col, level_width, K, bound)
-        picked = _compact(chosen, col, scratch, K_P, -1)
+        chosen, n_chosen, bound = _best(key, col, level_width, K, bound)
+        picked = _compact(chosen, n_chosen, col, scratch, K_P, -1)
     key = _order_key(tl.load(row + picked, mask=picked >= 0, other=KERNEL_NEG_INF))
     packed = tl.where(picked >= 0, ((key.to(tl.int64) - 2147483648) << 32) | (((1 << 32) - 1) - picked), EMPTY_KEY)
     packed = tl.sort(packed, descending=True)
