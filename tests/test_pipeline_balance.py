@@ -142,21 +142,22 @@ def test_memory_estimate_of_the_measured_64k_step(small):
 
 
 def test_backward_figures_that_are_not_peaks_are_left_out(small):
-    """The committed two-GPU layer-times file was written by the probe before its fix: most of its backward figures
-    are negative (net changes, not peaks), so the analytic transients stay; retained bytes still replace theirs.
-    With peaks (all >= 0) the measured transient of each mode is used."""
+    """The committed two-GPU layer-times file holds true backward peaks (the fixed probe): each mode's measured
+    transient replaces the analytic one, as do its retained bytes. A file from the probe before its fix had net
+    changes instead (most negative): then the analytic transients stay."""
     args, layout = small
     times = LayerTimes.load(str(ROOT / "bench/results/multigpu/layer_times_small_65536.json"))
     analytic = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers)
     measured = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers, measured=times)
-    assert not times.backward_peaks_valid()
-    assert measured.transient == analytic.transient
+    assert times.backward_peaks_valid()
+    assert measured.transient[3] == times.modes["reuse"].backward_bytes != analytic.transient[3]
     assert measured.retained[3] == times.modes["reuse"].retained_bytes != analytic.retained[3]
-    peaks = dataclasses.replace(times, modes={k: dataclasses.replace(v, backward_bytes=abs(v.backward_bytes))
-                                              for k, v in times.modes.items()})
-    fixed = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers, measured=peaks)
-    assert peaks.backward_peaks_valid()
-    assert fixed.transient[3] == abs(times.modes["reuse"].backward_bytes)
+    net = dataclasses.replace(times, modes={k: dataclasses.replace(v, backward_bytes=-v.retained_bytes)
+                                            for k, v in times.modes.items()})
+    unfixed = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers, measured=net)
+    assert not net.backward_peaks_valid()
+    assert unfixed.transient == analytic.transient
+    assert unfixed.retained[3] == times.modes["reuse"].retained_bytes
 
 
 def test_kept_attention_counts_per_stage_and_microbatch_in_flight(small, tmp_path):
