@@ -160,11 +160,36 @@ class Attention(nn.Module):
         return selection
 
     def _project_out(self, out: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
-        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b.
-
-        Computed transposed, ``low^T[g] = wo_a[g] @ out[:, g]^T`` [G, R, B*T], so that both matmuls read their
-        operands in place (strided views a GEMM takes as they are) and nothing is copied into another layout."""
+        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b."""
         B, T = out.shape[:2]
-        G, R = self.args.o_groups, self.args.o_lora_rank
-        low_t = torch.matmul(wo_a.view(G, R, -1), out.reshape(B * T, G, -1).permute(1, 2, 0))
-        return F.linear(low_t.reshape(G * R, B * T).t(), wo_b).view(B, T, -1)
+        low_t = GroupedLowRank.apply(out.reshape(B * T, self.args.o_groups, -1), wo_a, self.args.o_lora_rank)
+        return F.linear(low_t.reshape(-1, B * T).t(), wo_b).view(B, T, -1)
+
+
+class GroupedLowRank(torch.autograd.Function):
+    """``low^T[g] = wo_a[g] @ x[:, g]^T`` [G, R, N] for x [N, G, K] and wo_a [G*R, K], with a backward that writes
+    dx in x's own layout.
+
+    Computed transposed so that both matmuls of the projection read their operands in place (strided views a GEMM
+    takes as they are). Autograd's backward of the same batched matmul returns dx as [G, K, N] permuted back, i.e.
+    tokens fastest, and the consumers (RoPE, the attention backward) need tokens slowest: a transposing copy of the
+    whole attention output's gradient (4.3 GB at 64K, 15 ms a layer on an H200). Here each group's dx is one GEMM
+    writing its [N, K] slice of a [N, G, K] buffer (a GEMM output with a leading dimension of G*K)."""
+
+    @staticmethod
+    def forward(ctx, x, wo_a, rank: int):
+        N, G, K = x.shape
+        ctx.save_for_backward(x, wo_a)
+        return torch.matmul(wo_a.view(G, rank, K), x.permute(1, 2, 0))
+
+    @staticmethod
+    def backward(ctx, grad_low_t):
+        x, wo_a = ctx.saved_tensors
+        N, G, K = x.shape
+        dtype = grad_low_t.dtype  # the matmul's (autocast may have run it in another dtype than x's or wo_a's)
+        w = wo_a.view(G, -1, K).to(dtype)
+        dx = x.new_empty(x.shape, dtype=dtype)
+        for g in range(G):
+            torch.mm(grad_low_t[g].t(), w[g], out=dx[:, g])
+        dw = torch.matmul(grad_low_t, x.to(dtype).permute(1, 0, 2))
+        return dx.to(x.dtype), dw.view(wo_a.shape).to(wo_a.dtype), None
