@@ -69,7 +69,7 @@ stage() {  # name cap_seconds command...: run under the smaller of cap and the b
 stage check 150 python3 bench/bench_kernels.py check "${KERNELS[@]}" --out "$OUT/check.json"
 stage bench 140 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench.json" \
   --only bench_matmul,bench_indexer,bench_index_logits
-stage train_csa2 150 python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1 \
+stage train_csa2 210 python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1 \
   --out "$OUT/train_step_csa2_$T.json" "${TRAIN[@]}"
 stage train_dense 110 python3 bench/train_step.py --variant dense --steps 1 --warmup 1 --no-detail \
   --out "$OUT/train_step_dense_$T.json" "${TRAIN[@]}"

@@ -22,7 +22,7 @@ Until the run's files exist, the per-layer times are derived from the committed 
   sparse layer; with recompute a layer's backward runs the forward kernel again; a window-only layer's attention is
   taken as W / (W + K) = 20% of that);
 - one factor on all layer times, fitted so that the 1-stage step equals the measured v6 step (9.87 s,
-  ``bench/results/train/train_step_csa2_65536.json``): it stands for what else changed (RoPE, launches).
+  ``bench/results/train/train_step_csa2_65536_v7.json``): it stands for what else changed (RoPE, launches).
 The step's remainder (step - layers, 0.18 s at v5) is the optimizer, norm and head: charged per parameter.
 
 V4.1 width (``model=v41_flash``: dim 5,120, its dense FFN standing in for the MoE, vocab 129,280, 14.0 B parameters):
@@ -60,7 +60,7 @@ from result_meta import result_meta  # noqa: E402
 
 T = 65536
 V5_TIMES = ROOT / "bench/results/multigpu/layer_times_small_65536_v5.json"
-V6_STEP = ROOT / "bench/results/train/train_step_csa2_65536.json"
+V6_STEP = ROOT / "bench/results/train/train_step_csa2_65536_v7.json"  # the step the two-GPU runs had (kernels v7)
 KERNEL_V5_MS, KERNEL_V6_MS = (26.4, 119.4), (29.37, 64.48)  # attention fwd, bwd at 64K (docs/PERFORMANCE.md)
 MATMUL_EFFICIENCY = 0.8
 GPU_BYTES = 139.8 * 2 ** 30
@@ -244,7 +244,7 @@ def bench_prediction(layers: Layers, cluster: Cluster) -> dict:
             "one_stage_steps_s": dp, "two_stages": rows}
 
 
-KEEP_STEPS = ROOT / "bench/results/train/train_step_csa2_65536.json", \
+KEEP_STEPS = ROOT / "bench/results/train/train_step_csa2_65536_v7.json", \
     ROOT / "bench/results/train/train_step_csa2_keep4_65536.json"
 
 
