@@ -8,9 +8,10 @@ An example is one document of exactly ``seq_len`` positions (``seq_len + 1`` tok
 fills a row alone. Every symbol is one token of the data tokenizer (each configured string is encoded alone and
 must give one id), and filler fills the room between facts. By default (``data.synthetic.loss=answers``) only
 answers carry labels: everything else in an example is random by construction; ``all`` trains every next token.
-On answers only, the tiny model first learns the answers' marginal by pushing a constant into the residual stream
-(RMS 1 -> 100s), which drowns the token embeddings and starves the attention of gradient; ``all`` keeps the
-stream at tens (``bench/results/synthetic_sweep/explore_mqar_defaults.json``), though neither learned recall on CPU.
+At the tiny model's default init (matrices 0.006, embedding 1.0), answers-only training first learns the answers'
+marginal by pushing a constant into the residual stream (RMS 1 -> 100s): every answer gets one value and the
+attention starves of gradient; ``data=synthetic`` therefore sets 0.02 init scales, under which the model leaves
+that plateau (``bench/results/synthetic_sweep/explore_mqar_round3.json``).
 
 - ``mqar``: ``k v`` records: each key's first record states its value, every later one asks for it at least
   ``distance`` tokens after the value was last written, and the value is the answer. Keys are distinct; values are
