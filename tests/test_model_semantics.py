@@ -248,3 +248,23 @@ def test_recompute_changes_no_gradient(keep_attention):
     loss, got = loss_and_grads()
     assert torch.equal(loss, want_loss)
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_grouped_output_projection_has_its_own_layout_backward():
+    """The grouped output projection (``GroupedLowRank``) against a plain einsum's autograd in fp64, values and both
+    gradients, with the input's gradient in the input's own layout (tokens slowest): autograd's backward of the
+    transposed batched matmul gives it tokens fastest, a transposing copy of the attention output's gradient per
+    layer. Catches a group's slice or weight mixed up, and a gradient left transposed."""
+    from model.attention import GroupedLowRank
+    N, G, K, R = 13, 4, 6, 3
+    x = torch.randn(N, G, K, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(G * R, K, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(N, G * R, dtype=torch.float64)
+    # the projection's consumer reads low^T [G, R, N] as [N, G*R] (a transposed view), as F.linear(low.t(), wo_b) does
+    got = GroupedLowRank.apply(x, w, R)
+    dx, dw = torch.autograd.grad(got.reshape(G * R, N).t(), (x, w), grad)
+    want = torch.einsum("ngk,grk->grn", x, w.view(G, R, K))
+    want_dx, want_dw = torch.autograd.grad(want.reshape(G * R, N).t(), (x, w), grad)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    assert torch.allclose(dx, want_dx, rtol=1e-12, atol=1e-12) and torch.allclose(dw, want_dw, rtol=1e-12, atol=1e-12)
+    assert dx.is_contiguous() and dx.stride() == x.stride()
