@@ -15,8 +15,9 @@
 #   7. ncu_attention.json    bench/ncu_attention.py: Nsight Compute metrics of the attention kernels (why they take
 #                            what they take); ncu_attention_details.csv, the .ncu-rep report
 # Each stage runs under `timeout`, capped by what is left of BUDGET; stages.txt has each one's exit code and seconds.
-# Expected on an H200 (estimates, not yet timed together): check ~2 min (it compiles and autotunes every kernel),
-# bench ~2 (the indexer autotunes its scoring per width class: ~10 s), CSA2 step ~2, dense ~1.5, kept attention ~1; the attention bench gets what is left, if anything.
+# Timed on an H200 (2026-11-30, code 780c444, one call): check 92 s, bench 131 s, CSA2 step 119 s (62 s with the
+# kernels already compiled on that machine; a fresh machine once ran past 150 s), dense 72 s, kept attention 49 s,
+# ncu 27 s; the attention bench was left out of that call.
 # The caps keep the first four within BUDGET whatever happens; CSA2_CODE=<commit> labels the result files.
 # The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are installed first when present.
 set -uo pipefail
