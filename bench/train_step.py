@@ -227,12 +227,12 @@ def details(a, res, model, sync, cuda, device, precision, probe, capture):
         counts = {}
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             xn = blk.attn_norm(x)
-            # The same attention forward with cuBLAS (not cuBLASLt) GEMMs: whether the memsets are the library's.
-            blas = [("attention_cublas", "cublas")] if cuda else []
-            for what, fn, library in (("attention", lambda: blk.attn(xn, geometry, reads), None),
-                                      ("block", lambda: blk._compute(x, geometry, reads, False), None),
-                                      *[(w, lambda: blk.attn(xn, geometry, reads), lib) for w, lib in blas]):
-                default_library = torch.backends.cuda.preferred_blas_library() if cuda else None
+            attention = lambda: blk.attn(xn, geometry, reads)  # noqa: E731
+            runs = [("attention", attention, None), ("block", lambda: blk._compute(x, geometry, reads, False), None)]
+            if cuda:  # the same attention forward with cuBLAS (not cuBLASLt) GEMMs: are the memsets the library's?
+                runs.append(("attention_cublas", attention, "cublas"))
+                default_library = torch.backends.cuda.preferred_blas_library()
+            for what, fn, library in runs:
                 if library:
                     torch.backends.cuda.preferred_blas_library(library)
                 fn(); sync()  # warm

@@ -22,10 +22,11 @@ INDEXER_SELECT_OP = "csa2::indexer_select"
 def checkpoint_policy(keep_attention: bool):
     """Selective-checkpoint policy of a recomputed layer (``torch.utils.checkpoint.create_selective_checkpoint_
     contexts``). The indexer's selection is always saved: its outputs are integers (T x k int64: 0.27 GB at 64K
-    for k = 512) and re-running it costs the whole scoring pass (about half a Full layer's forward at 64K); the recomputed layer reads the same picks, so gradients do not change. With
-    ``keep_attention`` the sparse attention's outputs (out, LSE, selected mass) are saved too, so the backward does
-    not re-run attention (4.3 GB per layer at 64K). The rest is recomputed. The PyTorch reference path has neither
-    op and is recomputed whole: same gradients, no saving."""
+    for k = 512) and re-running it costs the whole scoring pass (about half a Full layer's forward at 64K); the
+    recomputed layer reads the same picks, so gradients do not change. With ``keep_attention`` the sparse
+    attention's outputs (out, LSE, selected mass) are saved too, so the backward does not re-run attention (4.3 GB
+    per layer at 64K). The rest is recomputed. The PyTorch reference path has neither op and is recomputed whole:
+    same gradients, no saving."""
     saved = {INDEXER_SELECT_OP, SPARSE_ATTENTION_OP} if keep_attention else {INDEXER_SELECT_OP}
     return partial(_policy, frozenset(saved))
 

@@ -207,7 +207,7 @@ def _heads_p(n_heads: int) -> int:
 
 
 def _width_class(width: int) -> int:
-    """Autotune bucket of a chunk's row width: widths within a factor of two tune together (4 classes at 64K)."""
+    """Autotune bucket of a chunk's row width: widths within a factor of two tune together (5 classes at 64K)."""
     return max(width, 1).bit_length()
 
 
