@@ -112,13 +112,20 @@ def attention_inputs(doc_lens, m, H, D, W, K, with_selected):
                 kv_comp=torch.randn(B, T // m, D, device=DEV) if with_selected else None,
                 sink=torch.randn(H, device=DEV))
     topk = random_topk(vis_lo, vis_hi, K, empty_frac=0.05, duplicate=True) if with_selected else None
-    return data, win_lo, topk
+    return data, win_lo, topk, rope_rotation(B, T, n(64, 8))
+
+
+def rope_rotation(B, T, rope_dim):
+    """The layer's RoPE rotation [B,T,rope_dim/2] complex64 (the attention kernels rotate q and the output): angles
+    up to T radians."""
+    angle = torch.rand(B, T, rope_dim // 2, device=DEV, dtype=torch.float64) * T
+    return torch.polar(torch.ones_like(angle), angle).to(torch.complex64)
 
 
 def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
     """Kernel vs reference on one geometry; the backward runs in chunks of ~T/3 tokens (rows receiving from two
     chunks) and twice, to check that dkv is bitwise reproducible (fixed-order reduction, no atomics)."""
-    data, win_lo, topk = attention_inputs(doc_lens, m, H, D, W, K, with_selected)
+    data, win_lo, topk, rotation = attention_inputs(doc_lens, m, H, D, W, K, with_selected)
     B, T = win_lo.shape
     triton_attention.PARTIAL_CHUNK_BYTES = (T // 3 + 5) * (W + K) * D * torch.tensor([], dtype=BF16).element_size()
     errs = {}
@@ -127,7 +134,7 @@ def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
         leaves = {k: leaf(v, dtype) for k, v in data.items() if v is not None}
         fn = triton_ops.sparse_attention if impl == "triton" else reference.sparse_attention
         out, mass = fn(leaves["q"], leaves["kv_window"], win_lo, leaves.get("kv_comp"), topk, leaves["sink"],
-                       D ** -0.5, W)
+                       D ** -0.5, W, rotation)
         grad = torch.randn_like(out, dtype=torch.float32) if impl == "triton" else outs["triton"][2]
         grads = torch.autograd.grad(out, list(leaves.values()), grad.to(out.dtype), retain_graph=impl == "triton")
         if impl == "triton":
@@ -323,7 +330,7 @@ def attention_problem(T, H, D, W, K):
     kv_comp = torch.randn(1, T, D, device=DEV, dtype=BF16, requires_grad=True)
     sink = torch.randn(H, device=DEV, requires_grad=True)
     topk = random_topk(vis_lo, vis_hi, K)
-    return (q, kv_window, win_lo, kv_comp, topk, sink, D ** -0.5, W)
+    return (q, kv_window, win_lo, kv_comp, topk, sink, D ** -0.5, W, rope_rotation(1, T, n(64, 8)))
 
 
 def peak_mib(fn) -> float:

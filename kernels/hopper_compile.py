@@ -58,7 +58,7 @@ def specs() -> list[KernelSpec]:
     if INTERPRET:
         raise RuntimeError("kernels.hopper_compile needs TRITON_INTERPRET unset: interpreted kernels do not compile")
     bf, f32, i64, i32 = "*bf16", "*fp32", "*i64", "i32"
-    shape = dict(D=512, W=128, K=512, BLOCK_H=64)
+    shape = dict(D=512, W=128, K=512, BLOCK_H=64, ROPE=64)
     rows = dict(KV=bf, WIN_LO=i64, IDX=i64, comp_offset="i64", T=i32, S=i32, H=i32)
     chunk = dict(W=128, K=512, D=512)
     index = dict(NH=i32)
@@ -67,12 +67,12 @@ def specs() -> list[KernelSpec]:
     norm = dict(X=bf, W=f32, ROT=f32, R=i32, H=i32)
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     out = [
-        KernelSpec(attn._fwd_kernel, dict(Q=bf, SINK=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16",
+        KernelSpec(attn._fwd_kernel, dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16",
                                           stage_token_stride=i32, stage_head_stride=i32, scale_log2="fp32", **rows),
                    dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
-        KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, LSE=f32, PART=bf, DS=bf, DSINK=f32,
+        KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
                                               tok0=i32, scale="fp32", **rows), shape),
-        KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, DQ=bf, tok0=i32, **rows), shape),
+        KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, ROT=f32, DQ=bf, tok0=i32, **rows), shape),
         KernelSpec(dkv._window_reduce_kernel, dict(PART=bf, DKV=f32, tok0=i32, n_tok=i32, row0=i32, n_rows=i32), chunk),
         KernelSpec(dkv._entry_reduce_kernel, dict(PART=bf, ORDER=i64, OFFSETS=i64, DKV=f32), chunk),
         KernelSpec(idx._score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32,

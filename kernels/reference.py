@@ -60,12 +60,19 @@ def window_slots(win_lo: torch.Tensor, window: int) -> tuple[torch.Tensor, torch
     return positions, positions >= win_lo.unsqueeze(-1)
 
 
-def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int):
+def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int, rotation=None):
     """Attention of each query over its sliding window and its selected compressed entries, with a sink.
 
     Returns (out [B,T,H,D] in q's dtype, selected_mass [B,T,K] fp32 without grad). ``selected_mass`` is the
-    head-summed probability on each selected slot: the indexer-loss target before normalisation.
+    head-summed probability on each selected slot: the indexer-loss target before normalisation. With a
+    ``rotation`` ([B,T,rope_dim/2] complex, as ``rope`` takes it) q's last rope_dim features are rotated first and
+    the output's rotated back (by the conjugate) last: the layer's RoPE, which the Triton kernels do on the fly.
     """
+    if rotation is not None:
+        rope_dim = 2 * rotation.shape[-1]
+        out, selected_mass = sparse_attention(rope(q, rotation, rope_dim), kv_window, win_lo, kv_comp, topk_idx,
+                                              sink, scale, window)
+        return rope(out, rotation.conj(), rope_dim), selected_mass
     positions, valid = window_slots(win_lo, window)
     keys = _gather_rows(kv_window, positions)
     if topk_idx is not None:

@@ -27,6 +27,9 @@ Backward, per chunk of tokens (docs/KERNELS.md, v6):
 3. ``kernels/triton_dkv.py`` sums the partial rows of each KV row in a fixed order (window rows banded, selected
    entries through an inverse index): deterministic, no atomics. dsink is written per token and summed by torch.
 
+RoPE (``rotation``): q arrives before RoPE; the forward rotates its tail on load and the output's back before the
+store, the dKV kernel turns q and dO forward, the dq kernel turns dq back (``_operand_rows``; docs/KERNELS.md).
+
 The op is the torch custom op ``csa2::sparse_attention`` (outputs out, lse, mass; backward
 ``csa2::sparse_attention_backward``), so activation checkpointing can keep its outputs instead of re-running it
 (``kernels.checkpoint_policy``, used by ``parallel.keep_attention_layers``).
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import SPARSE_ATTENTION_OP, triton_dkv
-from kernels.triton_common import configs, new_output
+from kernels.triton_common import configs, new_output, rotate_pairs
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels may only read constexpr globals
 # Stages the benchmark switches off to time the rest ("mass_pass"); empty in real use.
@@ -109,6 +112,37 @@ def _gather_halves(KV, IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D: tl.c
 
 
 @triton.jit
+def _operand_rows(rows, live, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.constexpr, ROT, tok, ROPE: tl.constexpr,
+                  SCRATCH, scratch_stride):
+    """Columns DIM0..DIM0+DIM of the rows at ``rows`` ([M, 1] pointers; rows where ``live`` is False read 0) as an
+    MMA operand; with ROPE, the pairs of the last ROPE features of D rotated by token ``tok``'s rotation (ROT row:
+    interleaved cos, sin).
+
+    The rotated tail is made first (each column recombined with its pair's other element, loaded again) and
+    written to ``SCRATCH`` (this program's own [M, ROPE] area, rows ``scratch_stride`` apart); the tile is then a
+    plain load from the rows and the scratch. A computed tile would work as well, but Triton then keeps the
+    operand in registers (the forward's loop spilled) or stores it to shared memory once per use (the dKV kernel
+    grew past the 227 KB of an SM)."""
+    r = tl.arange(0, rows.shape[0])[:, None]
+    dims = DIM0 + tl.arange(0, DIM)
+    ptrs = rows + dims[None, :]
+    if ROPE:
+        tail = D - ROPE + tl.arange(0, ROPE)
+        cos = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2)
+        sin = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2 + 1)
+        x = tl.load(rows + tail[None, :], mask=live, other=0.0).to(tl.float32)
+        partner = tl.load(rows + (tail ^ 1)[None, :], mask=live, other=0.0).to(tl.float32)
+        signed_sin = tl.where(tail % 2 == 0, -sin, sin)  # even: x cos - x' sin; odd: x' sin + x cos
+        rotated = x * cos[None, :] + partner * signed_sin[None, :]
+        tl.store(SCRATCH + r * scratch_stride + (tail - (D - ROPE))[None, :],
+                 rotated.to(SCRATCH.dtype.element_ty), mask=live)
+        tl.debug_barrier()  # the scratch is read back by other threads of this program
+        in_tail = (dims >= D - ROPE)[None, :]
+        ptrs = tl.where(in_tail, SCRATCH + r * scratch_stride + (dims - (D - ROPE))[None, :], ptrs)
+    return tl.load(ptrs, mask=live, other=0.0)
+
+
+@triton.jit
 def _head_rows(BASE, tok, heads, H, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.constexpr):
     """Columns DIM0..DIM0+DIM of the token's head rows ``BASE[tok, heads]`` ([tokens, H, D]); padded heads read 0."""
     dims = DIM0 + tl.arange(0, DIM)
@@ -130,9 +164,10 @@ def _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D: tl.constexpr):
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["H", "D", "W", "K"])
 @triton.jit  # comp_offset stays specialized: its 16-divisibility is what lets the gathers use 16-byte copies
-def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride,
-                T, S, H, scale_log2, D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, K_P: tl.constexpr,
-                BLOCK_H: tl.constexpr, MASS_PASS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride,
+                stage_head_stride, T, S, H, scale_log2, D: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
+                K_P: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr, MASS_PASS: tl.constexpr,
+                BLOCK_N: tl.constexpr):
     """Out, LSE and selected mass of one token. The selected blocks' p go to STAGE (the token's output rows, read
     back by the epilogue before the output overwrites them); K_P (K padded to a power of two >= every BLOCK_N)
     makes the staged tile [H, K_P / BLOCK_N, BLOCK_N] blocks, each weighed by its block's max."""
@@ -142,7 +177,9 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, OUT, LSE, MASS, STAGE, comp_offset, st
     t = tok - b * T
     heads = tl.arange(0, BLOCK_H)
     hmask = heads < H
-    q = _head_rows(Q, tok, heads, H, 0, D, D)
+    # With RoPE, the rotated tail of q passes through the tail of the token's output rows, written last.
+    q = _operand_rows(Q + (tok * H + heads[:, None]).to(tl.int64) * D, hmask[:, None], 0, D, D, ROT, tok, ROPE,
+                      OUT + tok * H * D + D - ROPE, D)
     m = tl.load(SINK + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
     l = tl.full([BLOCK_H], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
@@ -165,7 +202,10 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, OUT, LSE, MASS, STAGE, comp_offset, st
 
     lse2 = m + tl.log2(l)
     tl.store(LSE + tok * H + heads, lse2 / LOG2E, mask=hmask)
-    out = (acc / l[:, None]).to(OUT.dtype.element_ty)  # before the mass epilogue: acc's registers are free there
+    out = acc / l[:, None]  # before the mass epilogue: acc's registers are free there
+    if ROPE:
+        out = rotate_pairs(out, ROT, tok, hmask[:, None], 0, D, ROPE, True)
+    out = out.to(OUT.dtype.element_ty)
     if MASS_PASS:
         tl.debug_barrier()  # the stage is read back by other threads of this program
         for j in tl.static_range(0, K_P // BLOCK_N):  # one block at a time: [H, BLOCK_N] in registers
@@ -187,11 +227,15 @@ def _stacked_rows(BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _stacked_tile(Q, DOUT, tok, H, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Columns DIM0..DIM0+DIM of the token's stacked [q; dO] operand ([2 BLOCK_H, DIM]; padded heads are 0)."""
+def _stacked_tile(Q, DOUT, tok, H, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                  ROT, ROPE: tl.constexpr, SCRATCH):
+    """Columns DIM0..DIM0+DIM of the token's stacked [q; dO] operand ([2 BLOCK_H, DIM]; padded heads are 0). With
+    ROPE both q and dO turn by the token's rotation (through SCRATCH, [2 BLOCK_H, ROPE]): the kernel works in the
+    rotated frame, in which dO is the gradient of the rotated-back output turned forward (RoPE is orthogonal)."""
     head, is_q = _stacked_rows(BLOCK_H)
-    offset = (tok * H + head[:, None]).to(tl.int64) * D + DIM0 + tl.arange(0, DIM)[None, :]
-    return tl.load(tl.where(is_q[:, None], Q + offset, DOUT + offset), mask=(head < H)[:, None], other=0.0)
+    offset = (tok * H + head[:, None]).to(tl.int64) * D
+    return _operand_rows(tl.where(is_q[:, None], Q + offset, DOUT + offset), (head < H)[:, None], DIM0, DIM, D, ROT,
+                         tok, ROPE, SCRATCH, ROPE)
 
 
 @triton.jit
@@ -210,9 +254,9 @@ def _stack(a, b, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.autotune(configs=_DKV_CONFIGS, key=["H", "D", "W", "K"])
 @triton.jit(do_not_specialize=["tok0"])  # one compiled kernel for every chunk
-def _bwd_dkv_kernel(KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, LSE, PART, DS, DSINK, tok0, comp_offset, T, S, H, scale,
-                    D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+def _bwd_dkv_kernel(KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, SCRATCH, LSE, PART, DS, DSINK, tok0, comp_offset, T, S, H,
+                    scale, D: tl.constexpr, W: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr,
+                    ROPE: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
     """Token tok0 + program id: its W + K partial dKV rows PART[program id] and dS rows DS[program id] (every slot
     written; masked slots get zeros), and dsink. D is handled in two halves (two MMAs per product), which keeps the
     dKV accumulator at [BLOCK_N, D/2]."""
@@ -222,8 +266,8 @@ def _bwd_dkv_kernel(KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, LSE, PART, DS, DSINK, t
     tok = tok0 + row
     b = tok // T
     t = tok - b * T
-    qdo_lo = _stacked_tile(Q, DOUT, tok, H, 0, HALF, D, BLOCK_H)
-    qdo_hi = _stacked_tile(Q, DOUT, tok, H, HALF, HALF, D, BLOCK_H)
+    qdo_lo = _stacked_tile(Q, DOUT, tok, H, 0, HALF, D, BLOCK_H, ROT, 0, ROT)  # the RoPE tail lies in the upper half
+    qdo_hi = _stacked_tile(Q, DOUT, tok, H, HALF, HALF, D, BLOCK_H, ROT, ROPE, SCRATCH + row * 2 * BLOCK_H * ROPE)
     heads = tl.arange(0, BLOCK_H)
     hmask = heads < H
     # delta = rowsum(dO * O), in chunks of at most 128 columns (registers).
@@ -270,8 +314,8 @@ def _bwd_dkv_kernel(KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, LSE, PART, DS, DSINK, t
 
 @triton.autotune(configs=_DQ_CONFIGS, key=["H", "D", "W", "K"])
 @triton.jit(do_not_specialize=["tok0"])
-def _bwd_dq_kernel(KV, WIN_LO, IDX, DS, DQ, tok0, comp_offset, T, S, H, D: tl.constexpr, W: tl.constexpr,
-                   K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bwd_dq_kernel(KV, WIN_LO, IDX, DS, ROT, DQ, tok0, comp_offset, T, S, H, D: tl.constexpr, W: tl.constexpr,
+                   K: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr):
     """dq of token tok0 + program id: its dS rows DS[program id] [H, W + K] times its slots' rows."""
     W_P: tl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     row = tl.program_id(0).to(tl.int64)
@@ -289,8 +333,16 @@ def _bwd_dq_kernel(KV, WIN_LO, IDX, DS, DQ, tok0, comp_offset, T, S, H, D: tl.co
         ds = tl.load(ds_rows + slots[None, :], mask=hmask[:, None] & ((slots >= 0) & (slots < W + K))[None, :],
                      other=0.0)
         dq = tl.dot(ds, _gather(KV, offset, valid, 0, D), dq)
+    if ROPE:  # the gradient of the rotated q, turned back to q's own frame
+        dq = rotate_pairs(dq, ROT, tok, hmask[:, None], 0, D, ROPE, True)
     dims = tl.arange(0, D)
     tl.store(DQ + (tok * H + heads[:, None]) * D + dims[None, :], dq.to(DQ.dtype.element_ty), mask=hmask[:, None])
+
+
+def _rope_args(rotation: Optional[torch.Tensor], q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(ROT pointer, ROPE constexpr): the rotation's pairs and the rotated width, or (q, 0) without RoPE (a valid
+    pointer the kernels never read)."""
+    return (rotation.contiguous(), 2 * rotation.shape[2]) if rotation is not None else (q, 0)
 
 
 def _padded_k(k: int) -> int:
@@ -325,8 +377,14 @@ def _compressed_rows(kv_window: torch.Tensor, kv_comp: Optional[torch.Tensor]) -
     return kv_comp.shape[1], (kv_comp.data_ptr() - kv_window.data_ptr()) // kv_window.element_size()
 
 
-def _check(q, kv_window, win_lo, kv_comp, topk_idx, sink):
+def _check(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation):
     B, T, H, D = q.shape
+    if rotation is not None and (rotation.dtype != torch.float32 or rotation.dim() != 4
+                                 or rotation.shape[:2] != (B, T) or rotation.shape[-1] != 2
+                                 or 2 * rotation.shape[2] > D // 2):
+        raise ValueError(f"sparse_attention: the rotation for q {tuple(q.shape)} is [B,T,rope_dim/2] complex64 with "
+                         f"rope_dim <= D/2 (the tail the backward rotates lies in D's upper half); got "
+                         f"{tuple(rotation.shape)} {rotation.dtype} as real pairs")
     if kv_window.shape != (B, T, D) or win_lo.shape != (B, T) or sink.shape != (H,):
         raise ValueError(f"sparse_attention: q {tuple(q.shape)} needs kv_window [B,T,D], win_lo [B,T] and sink [H]; "
                          f"got {tuple(kv_window.shape)}, {tuple(win_lo.shape)}, {tuple(sink.shape)}")
@@ -342,10 +400,12 @@ def _check(q, kv_window, win_lo, kv_comp, topk_idx, sink):
 @torch.library.custom_op(SPARSE_ATTENTION_OP, mutates_args=())
 def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torch.Tensor,
                           kv_comp: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor], sink: torch.Tensor,
-                          scale: float, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          rotation: Optional[torch.Tensor], scale: float,
+                          window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [B,T,H,D], lse [B,T,H] fp32 natural log incl. the sink, selected mass [B,T,K] fp32; K = 0 without
-    selection)."""
-    _check(q, kv_window, win_lo, kv_comp, topk_idx, sink)
+    selection). ``rotation`` (cos, sin pairs [B,T,rope_dim/2,2] fp32, or None): RoPE on q's tail as it is loaded,
+    its inverse on the output's as it is stored."""
+    _check(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation)
     B, T, H, D = q.shape
     q, kv_window, win_lo = q.contiguous(), kv_window.contiguous(), win_lo.contiguous()
     kv_comp = kv_comp.contiguous() if kv_comp is not None else None
@@ -363,14 +423,15 @@ def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torc
         stage, strides = out.view(p_dtype), (H * D, D)
     else:
         stage, strides = torch.empty((B, T, H, K), dtype=p_dtype, device=q.device), (H * K, K)
-    _fwd_kernel[(B * T,)](kv_window, q, win_lo, idx, sink, out, lse, mass, stage, comp_offset, *strides, T, S, H,
-                          scale * LOG2E.value, D=D, W=window, K=K, K_P=_padded_k(K),
-                          BLOCK_H=_block_h(H), MASS_PASS=mass_pass)
+    rot, rope = _rope_args(rotation, q)
+    _fwd_kernel[(B * T,)](kv_window, q, win_lo, idx, sink, rot, out, lse, mass, stage, comp_offset, *strides, T, S,
+                          H, scale * LOG2E.value, D=D, W=window, K=K, K_P=_padded_k(K), BLOCK_H=_block_h(H),
+                          ROPE=rope, MASS_PASS=mass_pass)
     return out, lse, mass
 
 
 @_sparse_attention_fwd.register_fake
-def _(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale, window):
+def _(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, scale, window):
     B, T, H, _ = q.shape
     K = topk_idx.shape[-1] if topk_idx is not None else 0
     return q.new_empty(q.shape), q.new_empty((B, T, H), dtype=torch.float32), q.new_empty((B, T, K),
@@ -380,7 +441,7 @@ def _(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale, window):
 @torch.library.custom_op(SPARSE_ATTENTION_OP + "_backward", mutates_args=())
 def _sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv_window: torch.Tensor, win_lo: torch.Tensor,
                           kv_comp: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor], sink: torch.Tensor,
-                          out: torch.Tensor, lse: torch.Tensor, scale: float,
+                          rotation: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
                           window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dkv_window, dkv_comp (empty without selection), dsink); bitwise reproducible."""
     B, T, H, D = q.shape
@@ -395,19 +456,22 @@ def _sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv_window: torch.
     dsink = new_output((B, T, H), torch.float32, q.device)
     dkvw = torch.zeros((B * T, D), dtype=torch.float32, device=q.device)
     dkvc = torch.zeros((B * S, D), dtype=torch.float32, device=q.device)
+    rot, rope = _rope_args(rotation, q)
     entries = _flat_entries(topk_idx, S) if K else None
     # Partials in the input dtype: bf16 rounding of a token's contribution is the rounding its P and dS already
     # get as bf16 MMA operands; fp32 inputs (the CPU tests) keep fp32.
     chunk = min(B * T, max(1, PARTIAL_CHUNK_BYTES // ((W + K) * D * q.element_size())))
     chunk_part = new_output((chunk, W + K, D), q.dtype, q.device)  # both buffers reused by every chunk
     chunk_ds = new_output((chunk, H, W + K), q.dtype, q.device)
-    shape = dict(D=D, W=W, K=K, BLOCK_H=_block_h(H))
+    # the dKV kernel's scratch: the rotated tails of each token's [q; dO]
+    chunk_rope = new_output((chunk, 2 * _block_h(H), rope), q.dtype, q.device) if rope else q
+    shape = dict(D=D, W=W, K=K, BLOCK_H=_block_h(H), ROPE=rope)
     for tok0 in range(0, B * T, chunk):
         n = min(chunk, B * T - tok0)
         part = chunk_part[:n]
-        _bwd_dkv_kernel[(n,)](kv_window, q, dout, out, win_lo, idx, sink, lse, part, chunk_ds, dsink, tok0,
-                              comp_offset, T, S, H, scale, **shape)
-        _bwd_dq_kernel[(n,)](kv_window, win_lo, idx, chunk_ds, dq, tok0, comp_offset, T, S, H, **shape)
+        _bwd_dkv_kernel[(n,)](kv_window, q, dout, out, win_lo, idx, sink, rot, chunk_rope, lse, part, chunk_ds,
+                              dsink, tok0, comp_offset, T, S, H, scale, **shape)
+        _bwd_dq_kernel[(n,)](kv_window, win_lo, idx, chunk_ds, rot, dq, tok0, comp_offset, T, S, H, **shape)
         triton_dkv.reduce_window(part, dkvw, tok0, W)
         if K:
             triton_dkv.reduce_selected(part, dkvc, entries[tok0:tok0 + n], W)
@@ -416,33 +480,36 @@ def _sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv_window: torch.
 
 
 @_sparse_attention_bwd.register_fake
-def _(dout, q, kv_window, win_lo, kv_comp, topk_idx, sink, out, lse, scale, window):
+def _(dout, q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, out, lse, scale, window):
     n_entries = kv_comp.shape[1] if topk_idx is not None else 0
     return (q.new_empty(q.shape), kv_window.new_empty(kv_window.shape),
             q.new_empty((q.shape[0], n_entries, q.shape[-1])), sink.new_empty(sink.shape))
 
 
 def _setup_context(ctx, inputs, output):
-    q, kv_window, win_lo, kv_comp, topk_idx, sink, scale, window = inputs
+    q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, scale, window = inputs
     out, lse, _ = output
-    ctx.save_for_backward(q, kv_window, win_lo, kv_comp, topk_idx, sink, out, lse)
+    ctx.save_for_backward(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, out, lse)
     ctx.scale, ctx.window = scale, window
 
 
 def _backward(ctx, dout, _dlse, _dmass):
     """Gradients of out only: lse and the selected mass are outputs without gradient (the mass is the indexer's
     detached target, as in the reference)."""
-    q, kv_window, win_lo, kv_comp, topk_idx, sink, out, lse = ctx.saved_tensors
-    dq, dkvw, dkvc, dsink = _sparse_attention_bwd(dout, q, kv_window, win_lo, kv_comp, topk_idx, sink, out, lse,
-                                                  ctx.scale, ctx.window)
-    return dq, dkvw, None, (dkvc if kv_comp is not None else None), None, dsink, None, None
+    q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, out, lse = ctx.saved_tensors
+    dq, dkvw, dkvc, dsink = _sparse_attention_bwd(dout, q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, out,
+                                                  lse, ctx.scale, ctx.window)
+    return dq, dkvw, None, (dkvc if kv_comp is not None else None), None, dsink, None, None, None
 
 
 _sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int):
+def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int, rotation=None):
     """Same contract as ``kernels.reference.sparse_attention``: (out, selected_mass or None)."""
-    out, _, mass = _sparse_attention_fwd(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale, window)
+    if rotation is not None and rotation.dtype != torch.complex64:
+        raise ValueError(f"sparse_attention: Triton takes a complex64 rotation, got {rotation.dtype}")
+    pairs = torch.view_as_real(rotation.contiguous()) if rotation is not None else None
+    out, _, mass = _sparse_attention_fwd(q, kv_window, win_lo, kv_comp, topk_idx, sink, pairs, scale, window)
     return out, (mass.detach() if topk_idx is not None else None)
 

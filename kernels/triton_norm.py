@@ -10,23 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import new_output
-
-
-@triton.jit
-def _rotate(y, ROT, rows, live, H, D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
-            BLOCK_R: tl.constexpr, CONJ: tl.constexpr):
-    """y [BLOCK_R, BLOCK_D] with pairs (2i, 2i+1) of its last ROPE features rotated by the rows' rotation
-    (row r uses rotation row r // H, stored as interleaved cos, sin), by the conjugate if CONJ."""
-    even, odd = tl.split(tl.reshape(y, [BLOCK_R, BLOCK_D // 2, 2]))
-    pair = tl.arange(0, BLOCK_D // 2)[None, :] - (D - ROPE) // 2
-    tail = live[:, None] & (pair >= 0) & (pair < ROPE // 2)
-    angle = (rows // H).to(tl.int64)[:, None] * ROPE + 2 * pair
-    cos = tl.load(ROT + angle, mask=tail, other=1.0)
-    sin = tl.load(ROT + angle + 1, mask=tail, other=0.0)
-    if CONJ:
-        sin = -sin
-    return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [BLOCK_R, BLOCK_D])
+from kernels.triton_common import new_output, rotate_pairs
 
 
 @triton.jit
@@ -48,7 +32,7 @@ def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, eps, D: tl.constexpr, BLOCK_D: tl.
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
     y = x * rstd[:, None] * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if ROPE:
-        y = _rotate(y, ROT, rows, live, H, D, BLOCK_D, ROPE, BLOCK_R, False)
+        y = rotate_pairs(y, ROT, (rows // H).to(tl.int64)[:, None], live[:, None], 0, D, ROPE, False)
     tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=live)
 
@@ -60,7 +44,7 @@ def _rms_norm_bwd(X, W, ROT, DOUT, RSTD, DX, DW_PART, R, H, D: tl.constexpr, BLO
     rows, live, cols, mask, offs = _row_tile(R, D, BLOCK_D, BLOCK_R)
     dy = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
     if ROPE:
-        dy = _rotate(dy, ROT, rows, live, H, D, BLOCK_D, ROPE, BLOCK_R, True)
+        dy = rotate_pairs(dy, ROT, (rows // H).to(tl.int64)[:, None], live[:, None], 0, D, ROPE, True)
     rstd = tl.load(RSTD + rows, mask=live, other=0.0)
     xhat = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
     g = dy * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]

@@ -122,7 +122,7 @@ class Attention(nn.Module):
         wq_a, wq_b, wkv, wo_a, wo_b = matmul_weights([self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b],
                                                      args.kernel_backend)
         qr = self.q_norm(F.linear(x, wq_a))
-        q = self.rotary(F.linear(qr, wq_b).view(B, T, args.n_heads, args.head_dim), tokens)
+        q = F.linear(qr, wq_b).view(B, T, args.n_heads, args.head_dim)  # RoPE on q and back on out: in the attention
         kv_window = self.kv_norm(F.linear(x, wkv), self.rotary, tokens)
         produced, kv_comp, topk = {}, None, None
         if plan.mode is not Mode.WINDOW:
@@ -137,14 +137,15 @@ class Attention(nn.Module):
             topk = produced["topk"] if plan.selects else reads["topk"]
             # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
             kv_comp = self.rotary(latent, entries, out_dtype=q.dtype)
+        rotation = self.rotary.rotation(tokens, torch.promote_types(q.dtype, torch.float32))
         out, selected_mass = ops.sparse_attention(q, kv_window, geometry.window_lo, kv_comp, topk, self.attn_sink,
-                                                  args.head_dim ** -0.5, args.window_size)
+                                                  args.head_dim ** -0.5, args.window_size, rotation)
         if topk is not None:
             produced["selected_mass"] = selected_mass
             if collect_recall:
-                produced["recall"] = index_recall(q, kv_comp, entries.vis_lo, entries.vis_hi, topk,
-                                                  args.head_dim ** -0.5)
-        return self._project_out(self.rotary(out, tokens, inverse=True), wo_a, wo_b), produced
+                produced["recall"] = index_recall(self.rotary(q, tokens), kv_comp, entries.vis_lo, entries.vis_hi,
+                                                  topk, args.head_dim ** -0.5)
+        return self._project_out(out, wo_a, wo_b), produced
 
     def _select(self, ops, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k,
                 candidates) -> dict[str, torch.Tensor]:

@@ -59,17 +59,28 @@ def test_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selec
 def test_sparse_attention_kernel_variants(seed, monkeypatch):
     """The configs the interpreter does not run by default: blocks of 8 slots (the window fills whole blocks; the
     default 16 starts the loops 8 slots before the window), the dKV kernel without its register prefetch, and the
-    forward's separate p stage when K > D (the output rows are too short to hold it)."""
+    forward's separate p stage when K > D (the output rows are too short to hold it), with RoPE."""
     variants = {triton_attention._fwd_kernel: dict(BLOCK_N=8),
                 triton_attention._bwd_dkv_kernel: dict(BLOCK_N=8, PREFETCH=0),
                 triton_attention._bwd_dq_kernel: dict(BLOCK_N=8)}
     for kernel, kwargs in variants.items():
         monkeypatch.setattr(kernel, "configs", [triton.Config(kwargs, num_warps=4, num_stages=1)])
-    check_sparse_attention(seed, monkeypatch, [[5, 14, 18], [37]], 2, 4, 16, 8, 24, True)
+    check_sparse_attention(seed, monkeypatch, [[5, 14, 18], [37]], 2, 4, 16, 8, 24, True, rope_dim=4)
 
 
-def check_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected):
-    """Out, selected mass and every gradient against the reference; the backward run twice is bitwise equal."""
+@pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
+@pytest.mark.parametrize("with_selected", [True, False])
+def test_sparse_attention_rope(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected):
+    """RoPE inside the kernels (q's tail rotated on load, the output's rotated back on store, the backward's q,
+    dO and dq turned to match) against the reference's explicit rope -> attention -> inverse rope. Catches a
+    rotation applied to the wrong half or columns, the forward angle where the conjugate belongs (or back), or a
+    gradient left in the rotated frame."""
+    check_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected, rope_dim=D // 4)
+
+
+def check_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected, rope_dim=0):
+    """Out, selected mass and every gradient against the reference; the backward run twice is bitwise equal.
+    With ``rope_dim`` the last rope_dim features of q and the output are rotated by random angles per token."""
     # Backward chunks of 7 tokens: window rows and entries receive partial rows from several chunks, and a chunk
     # boundary falls inside a batch row.
     monkeypatch.setattr(triton_attention, "PARTIAL_CHUNK_BYTES", 7 * (W + (K if with_selected else 0)) * D * 4)
@@ -80,7 +91,8 @@ def check_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_sele
     kv_comp = torch.randn(B, T // m, D, requires_grad=True) if with_selected else None
     topk_idx = random_topk(vis_lo, vis_hi, K) if with_selected else None
     sink = torch.randn(H, requires_grad=True)
-    args = (q, kv_window, win_lo, kv_comp, topk_idx, sink, D ** -0.5, W)
+    rotation = torch.polar(torch.ones(B, T, rope_dim // 2), 100 * torch.randn(B, T, rope_dim // 2)) if rope_dim else None
+    args = (q, kv_window, win_lo, kv_comp, topk_idx, sink, D ** -0.5, W, rotation)
     out, mass = triton_ops.sparse_attention(*args)
     ref_out, ref_mass = reference.sparse_attention(*args)
     assert rel_err(out, ref_out) < TOL, seed
