@@ -308,7 +308,7 @@ def check_norm_and_cast():
         res[name] = {"out": rel_err(out, want), "dx": rel_err(got[0], ref[0]), "dweight": rel_err(got[1], ref[1])}
     weights = [torch.randn(shape, device=DEV) for shape in ((n(768, 5), n(2048, 7)), (n(32768, 9), n(768, 5)),
                                                             (n(512, 3), n(2048, 7)))]
-    exact = all(torch.equal(c, w.to(BF16)) for c, w in zip(triton_ops.cast(weights, BF16), weights))
+    exact = all(torch.equal(c, w.to(BF16)) for c, w in zip(triton_ops.cast([[w] for w in weights], BF16), weights))
     RESULTS["norm_and_cast"] = {"rel_err": res, "cast_exact": exact,
                                 "pass": exact and all(e < 1e-2 for r in res.values() for e in r.values())}
 

@@ -64,7 +64,7 @@ def specs() -> list[KernelSpec]:
     index = dict(NH=i32)
     levels = dict(row_len=i32, level1=i32)
     select = dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, SCRATCH=i64, OUT=i64, row_len=i32, width0=i32, top=i32)
-    norm = dict(X=bf, W=f32, ROT=f32, R=i32, H=i32)
+    norm = dict(X=bf, W=f32, ROT=f32, R=i32, H=i32, x_stride=i32)
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     out = [
         KernelSpec(attn._fwd_kernel, dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16",

@@ -47,9 +47,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: torch.
     return out.to(x.dtype)
 
 
-def cast(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The tensors in ``dtype`` (differentiable)."""
-    return [t.to(dtype) for t in tensors]
+def cast(groups: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each group's tensors in ``dtype``, stacked along dim 0 (differentiable)."""
+    return [stack_rows([t.to(dtype) for t in group]) for group in groups]
+
+
+def stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors of one trailing shape stacked along dim 0 (one tensor: itself, no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def window_slots(win_lo: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Several tensors cast to one dtype in a single launch, into one flat buffer (the weights of a layer under autocast).
+"""Several tensors cast to one dtype in a single launch, into one flat buffer (the weights of a layer under autocast;
+weights that share an input come back stacked, as one GEMM's operand).
 
 Under bf16 autocast each fp32 master weight is cast on its own before its matmul, a launch per weight and
 forward. Here a layer's weights are cast together: each program copies one block of the concatenated output
@@ -47,9 +48,12 @@ class _Cast(torch.autograd.Function):
         return None, *(g.view(shape) for g, shape in zip(grads, ctx.shapes))
 
 
-def cast(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """``kernels.reference.cast`` in one launch: tensors of one dtype, returned as views of one buffer."""
+def cast(groups: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``kernels.reference.cast`` in one launch: tensors of one dtype; each group comes back as one tensor, its
+    members stacked along dim 0, and every result is a view of one buffer."""
+    tensors = [t for group in groups for t in group]
     if len({t.dtype for t in tensors}) != 1:
         raise ValueError(f"cast takes tensors of one dtype, got {sorted({str(t.dtype) for t in tensors})}")
     flat = _Cast.apply(dtype, *tensors)
-    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    parts = flat.split([sum(t.numel() for t in group) for group in groups])
+    return [part.view(-1, *group[0].shape[1:]) for part, group in zip(parts, groups)]

@@ -14,21 +14,22 @@ from kernels.triton_common import new_output, rotate_pairs
 
 
 @triton.jit
-def _row_tile(R, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
-    """This program's BLOCK_R rows of a row-major [R, D] tensor: row ids, live rows, columns, element mask and
-    element offsets."""
+def _row_tile(R, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, x_stride):
+    """This program's BLOCK_R rows of [R, D] tensors: row ids, live rows, columns, element mask, element offsets
+    in a row-major one and in x (rows ``x_stride`` apart: x may be a column slice of a wider GEMM output)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < R
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < D)
-    return rows, live, cols, mask, rows.to(tl.int64)[:, None] * D + cols[None, :]
+    return rows, live, cols, mask, rows.to(tl.int64)[:, None] * D + cols[None, :], \
+        rows.to(tl.int64)[:, None] * x_stride + cols[None, :]
 
 
 @triton.jit
-def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
-    rows, live, cols, mask, offs = _row_tile(R, D, BLOCK_D, BLOCK_R)
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, x_stride, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows, live, cols, mask, offs, x_offs = _row_tile(R, D, BLOCK_D, BLOCK_R, x_stride)
+    x = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
     y = x * rstd[:, None] * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if ROPE:
@@ -38,15 +39,15 @@ def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, eps, D: tl.constexpr, BLOCK_D: tl.
 
 
 @triton.jit
-def _rms_norm_bwd(X, W, ROT, DOUT, RSTD, DX, DW_PART, R, H, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _rms_norm_bwd(X, W, ROT, DOUT, RSTD, DX, DW_PART, R, H, x_stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
                   ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
     """dx and this program's partial dw (row DW_PART[program]) from the saved 1/rms."""
-    rows, live, cols, mask, offs = _row_tile(R, D, BLOCK_D, BLOCK_R)
+    rows, live, cols, mask, offs, x_offs = _row_tile(R, D, BLOCK_D, BLOCK_R, x_stride)
     dy = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
     if ROPE:
         dy = rotate_pairs(dy, ROT, (rows // H).to(tl.int64)[:, None], live[:, None], 0, D, ROPE, True)
     rstd = tl.load(RSTD + rows, mask=live, other=0.0)
-    xhat = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
+    xhat = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
     g = dy * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, 1) / D)[:, None])
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
@@ -59,34 +60,39 @@ def _launch_shape(D: int) -> tuple[int, int, int]:
     return block_d, max(1, 8192 // block_d), 8 if block_d >= 2048 else 4
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [R, D] rows of unit column stride; a view (no copy) when x is a column slice of a row-major tensor, such
+    as one projection's part of a fused GEMM's output."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, rotation, rope_dim):
-        x = x.contiguous()
-        D = x.shape[-1]
-        R, H = x.numel() // D, (x.shape[2] if x.dim() == 4 else 1)
+        rows = _rows(x)
+        (R, D), H = rows.shape, (x.shape[2] if x.dim() == 4 else 1)
         block_d, block_r, warps = _launch_shape(D)
-        rot = torch.view_as_real(rotation) if rotation is not None else x  # unread without RoPE
+        rot = torch.view_as_real(rotation) if rotation is not None else rows  # unread without RoPE
         out = new_output(x.shape, x.dtype, x.device)
         rstd = new_output((R,), torch.float32, x.device)
-        _rms_norm_fwd[(triton.cdiv(R, block_r),)](x, weight, rot, out, rstd, R, H, eps, D, block_d, rope_dim,
-                                                  block_r, num_warps=warps)
-        ctx.save_for_backward(x, weight, rotation, rstd)
-        ctx.rope_dim = rope_dim
+        _rms_norm_fwd[(triton.cdiv(R, block_r),)](rows, weight, rot, out, rstd, R, H, rows.stride(0), eps, D,
+                                                  block_d, rope_dim, block_r, num_warps=warps)
+        ctx.save_for_backward(rows, weight, rotation, rstd)
+        ctx.rope_dim, ctx.shape, ctx.heads = rope_dim, x.shape, H
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, rotation, rstd = ctx.saved_tensors
-        D = x.shape[-1]
-        R, H = x.numel() // D, (x.shape[2] if x.dim() == 4 else 1)
+        rows, weight, rotation, rstd = ctx.saved_tensors
+        R, D = rows.shape
         block_d, block_r, warps = _launch_shape(D)
         programs = triton.cdiv(R, block_r)
-        dx = new_output(x.shape, x.dtype, x.device)
-        dw_part = new_output((programs, D), torch.float32, x.device)
-        rot = torch.view_as_real(rotation) if rotation is not None else x
-        _rms_norm_bwd[(programs,)](x, weight, rot, grad.contiguous(), rstd, dx, dw_part, R, H, D, block_d,
-                                   ctx.rope_dim, block_r, num_warps=warps)
+        dx = new_output(ctx.shape, rows.dtype, rows.device)
+        dw_part = new_output((programs, D), torch.float32, rows.device)
+        rot = torch.view_as_real(rotation) if rotation is not None else rows
+        _rms_norm_bwd[(programs,)](rows, weight, rot, grad.contiguous(), rstd, dx, dw_part, R, ctx.heads,
+                                   rows.stride(0), D, block_d, ctx.rope_dim, block_r, num_warps=warps)
         return dx, dw_part.sum(0).to(weight.dtype), None, None, None
 
 

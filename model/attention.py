@@ -119,11 +119,12 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         args, plan, tokens = self.args, self.plan, geometry.tokens
         ops = kernels.ops(args.kernel_backend, x.device)
-        wq_a, wq_b, wkv, wo_a, wo_b = matmul_weights([self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b],
-                                                     args.kernel_backend)
-        qr = self.q_norm(F.linear(x, wq_a))
+        w_in, wq_b, wo_a, wo_b = matmul_weights([(self.wq_a, self.wkv), self.wq_b, self.wo_a, self.wo_b],
+                                                args.kernel_backend)
+        q_low, kv = F.linear(x, w_in).split([args.q_lora_rank, args.head_dim], dim=-1)  # wq_a and wkv: one GEMM
+        qr = self.q_norm(q_low)
         q = F.linear(qr, wq_b).view(B, T, args.n_heads, args.head_dim)  # RoPE on q and back on out: in the attention
-        kv_window = self.kv_norm(F.linear(x, wkv), self.rotary, tokens)
+        kv_window = self.kv_norm(kv, self.rotary, tokens)
         produced, kv_comp, topk = {}, None, None
         if plan.mode is not Mode.WINDOW:
             entries = geometry.entries(plan.ratio)

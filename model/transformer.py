@@ -27,8 +27,9 @@ class FeedForward(nn.Module):
         self.w1, self.w2, self.w3 = linear(dim, inter_dim), linear(inter_dim, dim), linear(dim, inter_dim)
 
     def forward(self, x):
-        w1, w2, w3 = matmul_weights([self.w1, self.w2, self.w3], self.kernel_backend)
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        w13, w2 = matmul_weights([(self.w1, self.w3), self.w2], self.kernel_backend)
+        gate, up = F.linear(x, w13).chunk(2, dim=-1)  # w1 and w3: one GEMM
+        return F.linear(F.silu(gate) * up, w2)
 
 
 class Block(nn.Module):

@@ -2,7 +2,9 @@
 
 bf16 autocast casts each fp32 master weight on its own before its matmul (a launch per weight and forward);
 ``matmul_weights`` casts a layer's weights in one launch (``kernels``' ``cast``) and the matmuls then take them as
-they are. Outside autocast, or for weights that are not fp32 (autocast leaves those alone), they pass through.
+they are. Outside autocast, or for weights that are not fp32 (autocast leaves those alone), they pass through
+(stacked ones copied together). Layers that read the same input are stacked into one operand: one GEMM, one
+launch (and one cuBLAS workspace memset) fewer per stack.
 """
 import torch
 from torch import nn
@@ -10,9 +12,12 @@ from torch import nn
 import kernels
 
 
-def matmul_weights(layers: list[nn.Linear], kernel_backend: str) -> list[torch.Tensor]:
-    weights = [layer.weight for layer in layers]
-    device = weights[0].device
-    if not torch.is_autocast_enabled(device.type) or any(w.dtype != torch.float32 for w in weights):
-        return weights
+def matmul_weights(layers: list[nn.Linear | tuple[nn.Linear, ...]], kernel_backend: str) -> list[torch.Tensor]:
+    """One matmul operand per item: a layer's weight, or for a tuple of layers that read the same input their
+    weights stacked by rows, so that one GEMM computes all their outputs (split by columns after it)."""
+    groups = [list(item) if isinstance(item, tuple) else [item] for item in layers]
+    weights = [[layer.weight for layer in group] for group in groups]
+    device = weights[0][0].device
+    if not torch.is_autocast_enabled(device.type) or any(w.dtype != torch.float32 for g in weights for w in g):
+        return [kernels.reference.stack_rows(group) for group in weights]
     return kernels.ops(kernel_backend, device).cast(weights, torch.get_autocast_dtype(device.type))

@@ -451,15 +451,36 @@ def test_rms_norm(seed, shape, rope_dim, dtype):
         assert rel_err(g, r) < tol, (name, seed)
 
 
+def test_rms_norm_of_a_column_slice(seed):
+    """The norm reads a column slice of a wider row-major tensor in place (a fused GEMM's output: q_norm and
+    kv_norm take their columns of one projection). Catches rows read at the slice's width instead of the tensor's
+    row stride, in the forward or in the backward's reload of x."""
+    wide = torch.randn(2, 9, 45, requires_grad=True)
+    weight = (torch.rand(32) + 0.5).requires_grad_()
+    angle = torch.rand(2, 9, 8, dtype=torch.float64) * 100
+    rotation = torch.polar(torch.ones_like(angle), angle)
+    out = triton_ops.rms_norm(wide[..., 5:37], weight, 1e-20, rotation.to(torch.complex64), 16)
+    want = reference.rms_norm(wide.double()[..., 5:37], weight.double(), 1e-20, rotation, 16)
+    assert rel_err(out, want) < TOL, seed
+    grad = torch.randn(2, 9, 32, dtype=torch.float64)
+    got = torch.autograd.grad(out, (wide, weight), grad.float())
+    ref = torch.autograd.grad(want, (wide, weight), grad)
+    for name, g, r in zip(("dx", "dweight"), got, ref):
+        assert rel_err(g, r) < TOL, (name, seed)
+
+
 def test_cast(seed):
-    """Several tensors cast in one launch: exact values and shapes (views of one buffer), gradients back in the
-    source dtype."""
-    tensors = [torch.randn(shape, requires_grad=True) for shape in ((3, 5), (7,), (4096 + 3, 2))]
-    cast = triton_ops.cast(tensors, torch.float16)
-    for got, t in zip(cast, tensors):
-        assert got.dtype == torch.float16 and torch.equal(got, t.detach().half()), seed
+    """Several tensors cast in one launch, a group of two stacked by rows: exact values and shapes (views of one
+    buffer), gradients back in the source dtype. Catches a stack in the wrong order or a member's rows misplaced."""
+    tensors = [torch.randn(shape, requires_grad=True) for shape in ((3, 5), (7,), (4096 + 3, 2), (6, 2))]
+    groups = [[tensors[0]], [tensors[1]], [tensors[2], tensors[3]]]
+    cast = triton_ops.cast(groups, torch.float16)
+    for got, group in zip(cast, groups):
+        want = torch.cat([t.detach() for t in group]).half()
+        assert got.dtype == torch.float16 and torch.equal(got, want), seed
     grads = [torch.randn_like(c) for c in cast]
-    for g, want in zip(torch.autograd.grad(cast, tensors, grads), grads):
+    want_grads = [grads[0], grads[1], grads[2][:4099], grads[2][4099:]]
+    for g, want in zip(torch.autograd.grad(cast, tensors, grads), want_grads):
         assert g.dtype == torch.float32 and torch.equal(g, want.float()), seed
 
 
