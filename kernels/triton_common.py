@@ -10,9 +10,10 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Triton 3.6 lowers an fp32 tl.atomic_add to one scalar `atom` per element; on the GPU add_rows issues 16-byte
-# `red.global.add.v4.f32` (sm_90) through inline PTX instead. The interpreter cannot run PTX.
-VECTOR_ATOMICS = tl.constexpr(not INTERPRET)
+# Inline PTX where Triton's own lowering falls short: Triton 3.6 lowers an fp32 tl.atomic_add to one scalar `atom`
+# per element, add_rows issues 16-byte `red.global.add.v4.f32` (sm_90) instead; the attention forward's S round
+# trip (kernels/triton_attention.py). The interpreter cannot run PTX.
+INLINE_PTX = tl.constexpr(not INTERPRET)
 POISON_ENV = "CSA2_KERNEL_POISON"
 
 
@@ -52,7 +53,7 @@ def load_rows(base, rows, valid, D: tl.constexpr):
 @triton.jit
 def add_rows(base, rows, valid, values, D: tl.constexpr):
     """Atomically add a [len(rows), D] fp32 tile into rows ``base[rows]``; rows may repeat (selected slots)."""
-    if VECTOR_ATOMICS:
+    if INLINE_PTX:
         # Element (r, 4j + i) of values is v_i[r, j]: one vector reduction per 4 consecutive floats.
         quads = tl.reshape(values, [values.shape[0], D // 4, 2, 2])
         even, odd = tl.split(quads)
