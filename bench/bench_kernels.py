@@ -152,23 +152,6 @@ def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
 
 
 @section
-def check_attention_forward_configs():
-    """Every autotune config of the forward against the fp32 reference on one geometry: the autotuner keeps one, and
-    the S round trip through memory (S_VIA_MEMORY) runs inline PTX, which the CPU tests cannot reach."""
-    H, D, W, K = n(64, 4), n(512, 32), n(128, 8), n(512, 16)
-    data, win_lo, topk, rotation = attention_inputs(n([[700, 1348]], [[10, 27]]), 1, H, D, W, K, True)
-
-    def run(fn, dtype):
-        x = {k: leaf(v, dtype) for k, v in data.items()}
-        return fn(x["q"], x["kv_window"], win_lo, x["kv_comp"], topk, x["sink"], D ** -0.5, W, rotation)[0]
-
-    want = run(reference.sparse_attention, torch.float32)
-    errs = {config_name(c): rel_err(run(triton_ops.sparse_attention, BF16), want)
-            for c in each_config(triton_attention._fwd_kernel)}
-    RESULTS["attention_fwd_configs"] = {"rel_err": errs, "pass": all(e < 1e-2 for e in errs.values())}
-
-
-@section
 def check_attention():
     H, D, W, K = n(64, 4), n(512, 32), n(128, 8), n(512, 16)
     check_attention_case("attention_m1", n([[700, 1348]], [[10, 27]]), 1, H, D, W, K, True)
@@ -644,9 +627,8 @@ def main():
     parser.add_argument("--only", default=None, help="comma-separated section names of the mode to run, in their "
                                                     "usual order (bench_indexer needs bench_matmul's rate)")
     args = parser.parse_args()
-    sections = {"check": [check_attention_forward_configs, check_indexer, check_indexer_ties, check_index_logits,
-                          check_rope, check_norm_and_cast, check_attention],  # the newest kernels first: a cut run
-                                                                              # keeps their results
+    sections = {"check": [check_indexer, check_indexer_ties, check_index_logits, check_rope, check_norm_and_cast,
+                          check_attention],  # the newest kernels first: a cut run keeps their results
                 "bench": [bench_matmul, bench_attention, bench_sdpa_cudnn, bench_indexer, bench_index_logits]}
     by_name = {fn.__name__: fn for fn in sections[args.mode]}
     chosen = args.only.split(",") if args.only else list(by_name)

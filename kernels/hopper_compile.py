@@ -67,7 +67,7 @@ def specs() -> list[KernelSpec]:
     norm = dict(X=bf, W=f32, ROT=f32, R=i32, H=i32, x_stride=i32)
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     out = [
-        KernelSpec(attn._fwd_kernel, dict(Q=bf, SINK=f32, ROT=f32, S_SCRATCH=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16",
+        KernelSpec(attn._fwd_kernel, dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16",
                                           stage_token_stride=i32, stage_head_stride=i32, scale_log2="fp32", **rows),
                    dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import SPARSE_ATTENTION_OP, triton_dkv
-from kernels.triton_common import INLINE_PTX, configs, new_output, rotate_pairs
+from kernels.triton_common import configs, new_output
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels may only read constexpr globals
 # Stages the benchmark switches off to time the rest ("mass_pass"); empty in real use.
@@ -52,10 +52,9 @@ PARTIAL_CHUNK_BYTES = 4 << 30
 # Hopper, one program per token, 227 KB of shared memory. Forward: q [64, 512] bf16 (64 KB) plus BLOCK_N x 1 KB of
 # gathered rows per stage; acc [64, 512] fp32 is 128 registers/thread over 8 warps.
 _FWD_CONFIGS = configs(
-    hopper=[dict(BLOCK_N=64, S_VIA_MEMORY=0, num_warps=8, num_stages=2)]
-    + [dict(BLOCK_N=32, S_VIA_MEMORY=via, num_warps=8, num_stages=stages) for via in (0, 1) for stages in (3, 2)],
-    interpret=dict(BLOCK_N=16, S_VIA_MEMORY=0, num_warps=4, num_stages=1))
-S_SCRATCH_COLS = tl.constexpr(32)  # the S scratch's width: the largest BLOCK_N of the S_VIA_MEMORY configs
+    hopper=[dict(BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_N=32, num_warps=8, num_stages=3),
+            dict(BLOCK_N=32, num_warps=8, num_stages=2)],
+    interpret=dict(BLOCK_N=16, num_warps=4, num_stages=1))
 # dKV: the stacked [q; dO] (128 KB) stays in shared memory, which leaves room for one 64-row block (64 KB): no
 # cp.async pipeline. PREFETCH=1 issues the next block's gather into registers (64 registers/thread) right after the
 # S/dP MMA, so it lands while the softmax and the dKV MMAs run; PREFETCH=0 gathers each block when it starts.
@@ -113,6 +112,34 @@ def _gather_halves(KV, IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D: tl.c
 
 
 @triton.jit
+def _rotated_tail(rows, live, ROT, tok, D: tl.constexpr, ROPE: tl.constexpr, CONJ: tl.constexpr):
+    """The last ROPE features of the rows at ``rows`` ([M, 1] pointers; rows where ``live`` is False read 0) as
+    [M, ROPE] fp32, each pair rotated by token ``tok``'s rotation (ROT row: interleaved cos, sin), by the conjugate
+    if CONJ: each column is recombined with its pair's other element, loaded again (an elementwise update in the
+    loaded layout; no reshape of a register tile)."""
+    tail = D - ROPE + tl.arange(0, ROPE)
+    cos = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2)
+    sin = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2 + 1)
+    x = tl.load(rows + tail[None, :], mask=live, other=0.0).to(tl.float32)
+    partner = tl.load(rows + (tail ^ 1)[None, :], mask=live, other=0.0).to(tl.float32)
+    even_sign = 1.0 if CONJ else -1.0  # forward: even x cos - x' sin, odd x' sin + x cos
+    signed_sin = tl.where(tail % 2 == 0, even_sign * sin, -even_sign * sin)
+    return x * cos[None, :] + partner * signed_sin[None, :]
+
+
+@triton.jit
+def _rotate_stored_tail(rows, live, ROT, tok, D: tl.constexpr, ROPE: tl.constexpr):
+    """Turn back (conjugate rotation) the RoPE tail of rows this program has just stored, in place: the output
+    and dq leave the kernels in q's own frame. The rows are rounded once before and once after the rotation, as a
+    separate RoPE pass over them would; rotating the fp32 accumulator instead needs a reshape of the whole
+    [H, D] register tile, which cost more than the whole pass over the tail."""
+    tl.debug_barrier()  # the rows were stored by other threads of this program
+    rotated = _rotated_tail(rows, live, ROT, tok, D, ROPE, True)
+    tl.debug_barrier()  # every thread has read both elements of its pairs before any is overwritten
+    tl.store(rows + (D - ROPE + tl.arange(0, ROPE))[None, :], rotated.to(rows.dtype.element_ty), mask=live)
+
+
+@triton.jit
 def _operand_rows(rows, live, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.constexpr, ROT, tok, ROPE: tl.constexpr,
                   SCRATCH, scratch_stride):
     """Columns DIM0..DIM0+DIM of the rows at ``rows`` ([M, 1] pointers; rows where ``live`` is False read 0) as an
@@ -128,15 +155,9 @@ def _operand_rows(rows, live, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.const
     dims = DIM0 + tl.arange(0, DIM)
     ptrs = rows + dims[None, :]
     if ROPE:
-        tail = D - ROPE + tl.arange(0, ROPE)
-        cos = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2)
-        sin = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2 + 1)
-        x = tl.load(rows + tail[None, :], mask=live, other=0.0).to(tl.float32)
-        partner = tl.load(rows + (tail ^ 1)[None, :], mask=live, other=0.0).to(tl.float32)
-        signed_sin = tl.where(tail % 2 == 0, -sin, sin)  # even: x cos - x' sin; odd: x' sin + x cos
-        rotated = x * cos[None, :] + partner * signed_sin[None, :]
-        tl.store(SCRATCH + r * scratch_stride + (tail - (D - ROPE))[None, :],
-                 rotated.to(SCRATCH.dtype.element_ty), mask=live)
+        tail = tl.arange(0, ROPE)
+        tl.store(SCRATCH + r * scratch_stride + tail[None, :],
+                 _rotated_tail(rows, live, ROT, tok, D, ROPE, False).to(SCRATCH.dtype.element_ty), mask=live)
         tl.debug_barrier()  # the scratch is read back by other threads of this program
         in_tail = (dims >= D - ROPE)[None, :]
         ptrs = tl.where(in_tail, SCRATCH + r * scratch_stride + (dims - (D - ROPE))[None, :], ptrs)
@@ -152,42 +173,11 @@ def _head_rows(BASE, tok, heads, H, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl
 
 
 @triton.jit
-def _through_memory(x, ptrs):
-    """x [M, N] fp32 written to ``ptrs`` and read back after a barrier of the whole program, so that each thread
-    gets the layout Triton picks for the reader; a second barrier lets the caller write ``ptrs`` again.
-
-    On the GPU the store, the barriers and the load are inline PTX: Triton's pipeliner would otherwise make the
-    load an asynchronous copy issued an iteration early (before the store), and a ``tl.debug_barrier`` in the loop
-    stops it from pipelining the gathers at all. The interpreter runs plain loads and stores (no PTX)."""
-    if INLINE_PTX:
-        tl.inline_asm_elementwise("st.global.f32 [$1], $2; mov.b32 $0, 0;", "=r,l,f", [ptrs.to(tl.int64), x],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise("bar.sync 0; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        y = tl.inline_asm_elementwise("ld.volatile.global.f32 $0, [$1];", "=f,l", [ptrs.to(tl.int64)],
-                                      dtype=tl.float32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise("bar.sync 0; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(ptrs, x)
-        tl.debug_barrier()
-        y = tl.load(ptrs)
-        tl.debug_barrier()
-    return y
-
-
-@triton.jit
-def _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D: tl.constexpr, s_scratch, S_VIA_MEMORY: tl.constexpr):
+def _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D: tl.constexpr):
     """Fold one block of rows (at ``offset``, masked by ``valid``) into the running max m, running sum l and
-    unnormalised output acc; also returns the block's p = exp2(s - m_new), relative to the new running max.
-
-    S_VIA_MEMORY: S goes through this program's scratch (``s_scratch``, a [BLOCK_H, BLOCK_N] fp32 pointer tile)
-    and is read back. The round trip cuts S's def-use chain into the PV product, and Triton then splits S's
-    columns between the two warpgroups instead of having both compute all of it (docs/KERNELS.md, "Why the
-    forward's S is computed twice")."""
+    unnormalised output acc; also returns the block's p = exp2(s - m_new), relative to the new running max."""
     kv = _gather(KV, offset, valid, 0, D)
-    s = tl.dot(q, tl.trans(kv))
-    if S_VIA_MEMORY:
-        s = _through_memory(s, s_scratch)
-    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    s = tl.where(valid[None, :], tl.dot(q, tl.trans(kv)) * scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -199,7 +189,7 @@ def _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D: tl.constexpr, 
 def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride,
                 stage_head_stride, T, S, H, scale_log2, D: tl.constexpr, W: tl.constexpr, K: tl.constexpr,
                 K_P: tl.constexpr, BLOCK_H: tl.constexpr, ROPE: tl.constexpr, MASS_PASS: tl.constexpr,
-                S_SCRATCH, BLOCK_N: tl.constexpr, S_VIA_MEMORY: tl.constexpr):
+                BLOCK_N: tl.constexpr):
     """Out, LSE and selected mass of one token. The selected blocks' p go to STAGE (the token's output rows, read
     back by the epilogue before the output overwrites them); K_P (K padded to a power of two >= every BLOCK_N)
     makes the staged tile [H, K_P / BLOCK_N, BLOCK_N] blocks, each weighed by its block's max."""
@@ -217,18 +207,16 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     win_lo = tl.load(WIN_LO + tok)
     stage = STAGE + tok * stage_token_stride + heads[:, None] * stage_head_stride
-    tl.static_assert(not S_VIA_MEMORY or BLOCK_N <= S_SCRATCH_COLS)
-    s_scratch = S_SCRATCH + (tok * BLOCK_H + heads[:, None]) * S_SCRATCH_COLS + tl.arange(0, BLOCK_N)[None, :]
     blocks = tl.arange(0, K_P // BLOCK_N)[None, :]
     # -inf for blocks past K: their factor exp2(-inf) is 0, never inf * 0.
     block_max = tl.full([BLOCK_H, K_P // BLOCK_N], float("-inf"), tl.float32)
     for start in range(W - W_P, W, BLOCK_N):
         offset, valid = _window_rows(b, t, win_lo, start + tl.arange(0, BLOCK_N), T, D, W)
-        m, l, acc, _ = _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D, s_scratch, S_VIA_MEMORY)
+        m, l, acc, _ = _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D)
     for start in range(W, W + K, BLOCK_N):
         slots = start + tl.arange(0, BLOCK_N)
         offset, valid = _selected_rows(IDX, tok, b, slots, S, comp_offset, D, W, K)
-        m, l, acc, p = _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D, s_scratch, S_VIA_MEMORY)
+        m, l, acc, p = _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D)
         if MASS_PASS:
             tl.store(stage + (slots - W)[None, :], p.to(STAGE.dtype.element_ty),
                      mask=hmask[:, None] & (slots < W + K)[None, :])
@@ -236,10 +224,7 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
 
     lse2 = m + tl.log2(l)
     tl.store(LSE + tok * H + heads, lse2 / LOG2E, mask=hmask)
-    out = acc / l[:, None]  # before the mass epilogue: acc's registers are free there
-    if ROPE:
-        out = rotate_pairs(out, ROT, tok, hmask[:, None], 0, D, ROPE, True)
-    out = out.to(OUT.dtype.element_ty)
+    out = (acc / l[:, None]).to(OUT.dtype.element_ty)  # before the mass epilogue: acc's registers are free there
     if MASS_PASS:
         tl.debug_barrier()  # the stage is read back by other threads of this program
         for j in tl.static_range(0, K_P // BLOCK_N):  # one block at a time: [H, BLOCK_N] in registers
@@ -248,8 +233,10 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
             to_final = tl.exp2(tl.max(tl.where(blocks == j, block_max, float("-inf")), 1) - lse2)
             tl.store(MASS + tok * K + cols, tl.sum(p.to(tl.float32) * to_final[:, None], 0), mask=cols < K)
         tl.debug_barrier()  # every thread has read the stage before the output overwrites it
-    dims = tl.arange(0, D)
-    tl.store(OUT + (tok * H + heads[:, None]) * D + dims[None, :], out, mask=hmask[:, None])
+    rows = OUT + (tok * H + heads[:, None]).to(tl.int64) * D
+    tl.store(rows + tl.arange(0, D)[None, :], out, mask=hmask[:, None])
+    if ROPE:
+        _rotate_stored_tail(rows, hmask[:, None], ROT, tok, D, ROPE)
 
 
 @triton.jit
@@ -367,10 +354,10 @@ def _bwd_dq_kernel(KV, WIN_LO, IDX, DS, ROT, DQ, tok0, comp_offset, T, S, H, D: 
         ds = tl.load(ds_rows + slots[None, :], mask=hmask[:, None] & ((slots >= 0) & (slots < W + K))[None, :],
                      other=0.0)
         dq = tl.dot(ds, _gather(KV, offset, valid, 0, D), dq)
+    rows = DQ + (tok * H + heads[:, None]).to(tl.int64) * D
+    tl.store(rows + tl.arange(0, D)[None, :], dq.to(DQ.dtype.element_ty), mask=hmask[:, None])
     if ROPE:  # the gradient of the rotated q, turned back to q's own frame
-        dq = rotate_pairs(dq, ROT, tok, hmask[:, None], 0, D, ROPE, True)
-    dims = tl.arange(0, D)
-    tl.store(DQ + (tok * H + heads[:, None]) * D + dims[None, :], dq.to(DQ.dtype.element_ty), mask=hmask[:, None])
+        _rotate_stored_tail(rows, hmask[:, None], ROT, tok, D, ROPE)
 
 
 def _rope_args(rotation: Optional[torch.Tensor], q: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -458,10 +445,9 @@ def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torc
     else:
         stage, strides = torch.empty((B, T, H, K), dtype=p_dtype, device=q.device), (H * K, K)
     rot, rope = _rope_args(rotation, q)
-    s_scratch = torch.empty((B * T, _block_h(H), S_SCRATCH_COLS.value), dtype=torch.float32, device=q.device)
     _fwd_kernel[(B * T,)](kv_window, q, win_lo, idx, sink, rot, out, lse, mass, stage, comp_offset, *strides, T, S,
                           H, scale * LOG2E.value, D=D, W=window, K=K, K_P=_padded_k(K), BLOCK_H=_block_h(H),
-                          ROPE=rope, MASS_PASS=mass_pass, S_SCRATCH=s_scratch)
+                          ROPE=rope, MASS_PASS=mass_pass)
     return out, lse, mass
 
 

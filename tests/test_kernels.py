@@ -58,10 +58,9 @@ def test_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selec
 
 def test_sparse_attention_kernel_variants(seed, monkeypatch):
     """The configs the interpreter does not run by default: blocks of 8 slots (the window fills whole blocks; the
-    default 16 starts the loops 8 slots before the window), the forward's S through memory, the dKV kernel
-    without its register prefetch, and the
+    default 16 starts the loops 8 slots before the window), the dKV kernel without its register prefetch, and the
     forward's separate p stage when K > D (the output rows are too short to hold it), with RoPE."""
-    variants = {triton_attention._fwd_kernel: dict(BLOCK_N=8, S_VIA_MEMORY=1),
+    variants = {triton_attention._fwd_kernel: dict(BLOCK_N=8),
                 triton_attention._bwd_dkv_kernel: dict(BLOCK_N=8, PREFETCH=0),
                 triton_attention._bwd_dq_kernel: dict(BLOCK_N=8)}
     for kernel, kwargs in variants.items():
