@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import SPARSE_ATTENTION_OP, triton_dkv
-from kernels.triton_common import configs, new_output
+from kernels.triton_common import configs, new_output, rotate_pairs
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels may only read constexpr globals
 # Stages the benchmark switches off to time the rest ("mass_pass"); empty in real use.
@@ -112,34 +112,6 @@ def _gather_halves(KV, IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D: tl.c
 
 
 @triton.jit
-def _rotated_tail(rows, live, ROT, tok, D: tl.constexpr, ROPE: tl.constexpr, CONJ: tl.constexpr):
-    """The last ROPE features of the rows at ``rows`` ([M, 1] pointers; rows where ``live`` is False read 0) as
-    [M, ROPE] fp32, each pair rotated by token ``tok``'s rotation (ROT row: interleaved cos, sin), by the conjugate
-    if CONJ: each column is recombined with its pair's other element, loaded again (an elementwise update in the
-    loaded layout; no reshape of a register tile)."""
-    tail = D - ROPE + tl.arange(0, ROPE)
-    cos = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2)
-    sin = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2 + 1)
-    x = tl.load(rows + tail[None, :], mask=live, other=0.0).to(tl.float32)
-    partner = tl.load(rows + (tail ^ 1)[None, :], mask=live, other=0.0).to(tl.float32)
-    even_sign = 1.0 if CONJ else -1.0  # forward: even x cos - x' sin, odd x' sin + x cos
-    signed_sin = tl.where(tail % 2 == 0, even_sign * sin, -even_sign * sin)
-    return x * cos[None, :] + partner * signed_sin[None, :]
-
-
-@triton.jit
-def _rotate_stored_tail(rows, live, ROT, tok, D: tl.constexpr, ROPE: tl.constexpr):
-    """Turn back (conjugate rotation) the RoPE tail of rows this program has just stored, in place: the output
-    and dq leave the kernels in q's own frame. The rows are rounded once before and once after the rotation, as a
-    separate RoPE pass over them would; rotating the fp32 accumulator instead needs a reshape of the whole
-    [H, D] register tile, which cost more than the whole pass over the tail."""
-    tl.debug_barrier()  # the rows were stored by other threads of this program
-    rotated = _rotated_tail(rows, live, ROT, tok, D, ROPE, True)
-    tl.debug_barrier()  # every thread has read both elements of its pairs before any is overwritten
-    tl.store(rows + (D - ROPE + tl.arange(0, ROPE))[None, :], rotated.to(rows.dtype.element_ty), mask=live)
-
-
-@triton.jit
 def _operand_rows(rows, live, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.constexpr, ROT, tok, ROPE: tl.constexpr,
                   SCRATCH, scratch_stride):
     """Columns DIM0..DIM0+DIM of the rows at ``rows`` ([M, 1] pointers; rows where ``live`` is False read 0) as an
@@ -155,9 +127,15 @@ def _operand_rows(rows, live, DIM0: tl.constexpr, DIM: tl.constexpr, D: tl.const
     dims = DIM0 + tl.arange(0, DIM)
     ptrs = rows + dims[None, :]
     if ROPE:
-        tail = tl.arange(0, ROPE)
-        tl.store(SCRATCH + r * scratch_stride + tail[None, :],
-                 _rotated_tail(rows, live, ROT, tok, D, ROPE, False).to(SCRATCH.dtype.element_ty), mask=live)
+        tail = D - ROPE + tl.arange(0, ROPE)
+        cos = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2)
+        sin = tl.load(ROT + tok * ROPE + (tail - (D - ROPE)) // 2 * 2 + 1)
+        x = tl.load(rows + tail[None, :], mask=live, other=0.0).to(tl.float32)
+        partner = tl.load(rows + (tail ^ 1)[None, :], mask=live, other=0.0).to(tl.float32)
+        signed_sin = tl.where(tail % 2 == 0, -sin, sin)  # even: x cos - x' sin; odd: x' sin + x cos
+        rotated = x * cos[None, :] + partner * signed_sin[None, :]
+        tl.store(SCRATCH + r * scratch_stride + (tail - (D - ROPE))[None, :],
+                 rotated.to(SCRATCH.dtype.element_ty), mask=live)
         tl.debug_barrier()  # the scratch is read back by other threads of this program
         in_tail = (dims >= D - ROPE)[None, :]
         ptrs = tl.where(in_tail, SCRATCH + r * scratch_stride + (dims - (D - ROPE))[None, :], ptrs)
@@ -224,7 +202,10 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
 
     lse2 = m + tl.log2(l)
     tl.store(LSE + tok * H + heads, lse2 / LOG2E, mask=hmask)
-    out = (acc / l[:, None]).to(OUT.dtype.element_ty)  # before the mass epilogue: acc's registers are free there
+    out = acc / l[:, None]  # before the mass epilogue: acc's registers are free there
+    if ROPE:
+        out = rotate_pairs(out, ROT, tok, hmask[:, None], 0, D, ROPE, True)
+    out = out.to(OUT.dtype.element_ty)
     if MASS_PASS:
         tl.debug_barrier()  # the stage is read back by other threads of this program
         for j in tl.static_range(0, K_P // BLOCK_N):  # one block at a time: [H, BLOCK_N] in registers
@@ -233,10 +214,8 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
             to_final = tl.exp2(tl.max(tl.where(blocks == j, block_max, float("-inf")), 1) - lse2)
             tl.store(MASS + tok * K + cols, tl.sum(p.to(tl.float32) * to_final[:, None], 0), mask=cols < K)
         tl.debug_barrier()  # every thread has read the stage before the output overwrites it
-    rows = OUT + (tok * H + heads[:, None]).to(tl.int64) * D
-    tl.store(rows + tl.arange(0, D)[None, :], out, mask=hmask[:, None])
-    if ROPE:
-        _rotate_stored_tail(rows, hmask[:, None], ROT, tok, D, ROPE)
+    dims = tl.arange(0, D)
+    tl.store(OUT + (tok * H + heads[:, None]) * D + dims[None, :], out, mask=hmask[:, None])
 
 
 @triton.jit
@@ -354,10 +333,10 @@ def _bwd_dq_kernel(KV, WIN_LO, IDX, DS, ROT, DQ, tok0, comp_offset, T, S, H, D: 
         ds = tl.load(ds_rows + slots[None, :], mask=hmask[:, None] & ((slots >= 0) & (slots < W + K))[None, :],
                      other=0.0)
         dq = tl.dot(ds, _gather(KV, offset, valid, 0, D), dq)
-    rows = DQ + (tok * H + heads[:, None]).to(tl.int64) * D
-    tl.store(rows + tl.arange(0, D)[None, :], dq.to(DQ.dtype.element_ty), mask=hmask[:, None])
     if ROPE:  # the gradient of the rotated q, turned back to q's own frame
-        _rotate_stored_tail(rows, hmask[:, None], ROT, tok, D, ROPE)
+        dq = rotate_pairs(dq, ROT, tok, hmask[:, None], 0, D, ROPE, True)
+    dims = tl.arange(0, D)
+    tl.store(DQ + (tok * H + heads[:, None]) * D + dims[None, :], dq.to(DQ.dtype.element_ty), mask=hmask[:, None])
 
 
 def _rope_args(rotation: Optional[torch.Tensor], q: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -73,3 +73,22 @@ def add_rows(base, rows, valid, values, D: tl.constexpr):
         tl.atomic_add(base + rows[:, None].to(tl.int64) * D + dims[None, :], values, mask=valid[:, None],
                       sem="relaxed")
 
+
+@triton.jit
+def rotate_pairs(y, ROT, rot_row, rows_live, DIM0: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+                 CONJ: tl.constexpr):
+    """RoPE on a tile: y [M, N] fp32 holds columns DIM0..DIM0+N of rows of width D whose last ROPE features are
+    rotated pairs (2i, 2i+1); those pairs come back rotated by rotation row ``rot_row`` of ROT ([M, 1] row ids or
+    one scalar for every row; ROPE floats a row, interleaved cos, sin), by the conjugate if CONJ. Every other
+    column, and rows where ``rows_live`` ([M, 1]) is False, come back as they are."""
+    M: tl.constexpr = y.shape[0]
+    N: tl.constexpr = y.shape[1]
+    even, odd = tl.split(tl.reshape(y, [M, N // 2, 2]))
+    pair = tl.arange(0, N // 2)[None, :] + (DIM0 // 2 - (D - ROPE) // 2)  # index among the rotated pairs
+    tail = rows_live & (pair >= 0) & (pair < ROPE // 2)
+    angle = rot_row * ROPE + 2 * pair
+    cos = tl.load(ROT + angle, mask=tail, other=1.0)
+    sin = tl.load(ROT + angle + 1, mask=tail, other=0.0)
+    if CONJ:
+        sin = -sin
+    return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [M, N])

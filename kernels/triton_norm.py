@@ -10,24 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import new_output
-
-
-@triton.jit
-def _rotate(y, ROT, rot_row, live, D: tl.constexpr, ROPE: tl.constexpr, CONJ: tl.constexpr):
-    """y [BLOCK_R, BLOCK_D] fp32 with pairs (2i, 2i+1) of its last ROPE features (of D) rotated by rotation row
-    ``rot_row`` ([BLOCK_R, 1]; ROT rows are interleaved cos, sin), by the conjugate if CONJ; dead rows untouched."""
-    M: tl.constexpr = y.shape[0]
-    N: tl.constexpr = y.shape[1]
-    even, odd = tl.split(tl.reshape(y, [M, N // 2, 2]))
-    pair = tl.arange(0, N // 2)[None, :] - (D - ROPE) // 2
-    tail = live & (pair >= 0) & (pair < ROPE // 2)
-    angle = rot_row * ROPE + 2 * pair
-    cos = tl.load(ROT + angle, mask=tail, other=1.0)
-    sin = tl.load(ROT + angle + 1, mask=tail, other=0.0)
-    if CONJ:
-        sin = -sin
-    return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [M, N])
+from kernels.triton_common import new_output, rotate_pairs
 
 
 @triton.jit
@@ -50,7 +33,7 @@ def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, x_stride, eps, D: tl.constexpr, BL
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
     y = x * rstd[:, None] * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if ROPE:
-        y = _rotate(y, ROT, (rows // H).to(tl.int64)[:, None], live[:, None], D, ROPE, False)
+        y = rotate_pairs(y, ROT, (rows // H).to(tl.int64)[:, None], live[:, None], 0, D, ROPE, False)
     tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=live)
 
@@ -62,7 +45,7 @@ def _rms_norm_bwd(X, W, ROT, DOUT, RSTD, DX, DW_PART, R, H, x_stride, D: tl.cons
     rows, live, cols, mask, offs, x_offs = _row_tile(R, D, BLOCK_D, BLOCK_R, x_stride)
     dy = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
     if ROPE:
-        dy = _rotate(dy, ROT, (rows // H).to(tl.int64)[:, None], live[:, None], D, ROPE, True)
+        dy = rotate_pairs(dy, ROT, (rows // H).to(tl.int64)[:, None], live[:, None], 0, D, ROPE, True)
     rstd = tl.load(RSTD + rows, mask=live, other=0.0)
     xhat = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
     g = dy * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
