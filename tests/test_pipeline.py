@@ -65,7 +65,9 @@ def test_parameters_equal_single_stage(reference, pipelined):
     (the index keys reach only the indexer loss and the selection, which does not flip here); the indexer's
     tensors whose step-2 inputs depend on those keys differ by rounding that AdamW's per-element normalisation
     magnifies where a gradient entry is small, so their check is the gradient one above plus this bound on all
-    other indexer tensors."""
+    other indexer tensors. That rounding noise measured 4e-7 to 1.0e-6 of a tensor's norm (2026-11-30, at two
+    versions of the model's arithmetic: stacking wq_a and wkv into one GEMM moved one tensor from 7e-7 to 1.0e-6);
+    with the shadows' gradients left unsummed the same tensors move by ~1e-1. The bound sits 10x above the noise."""
     (stages, cuts, index_k, _, _), ranks = pipelined
     params = _merged(ranks, "params")
     assert params.keys() == reference["params"].keys()
@@ -74,7 +76,7 @@ def test_parameters_equal_single_stage(reference, pipelined):
         if index_k == "payload" or ".indexer." not in name:
             assert torch.equal(got, want), name
         elif not _shadowed_keys(name, stages, cuts):
-            assert (got - want).norm() <= 1e-6 * want.norm(), name
+            assert (got - want).norm() <= 1e-5 * want.norm(), name
 
 
 def test_replicas_equal_owners(pipelined):
