@@ -286,3 +286,4 @@ def closing_line(trainer: Trainer, seconds: float, run_dir: Path) -> str:
 def main(cfg: DictConfig) -> None:
     with reported():
         run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    distributed.close()
