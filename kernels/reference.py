@@ -72,26 +72,63 @@ def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float
     head-summed probability on each selected slot: the indexer-loss target before normalisation. With a
     ``rotation`` ([B,T,rope_dim/2] complex, as ``rope`` takes it) q's last rope_dim features are rotated first and
     the output's rotated back (by the conjugate) last: the layer's RoPE, which the Triton kernels do on the fly.
+
+    Two formulations of one function; the one that holds fewer values runs. Long rows gather each query's
+    ``window + K`` key rows (``T (window + K) D`` values); short rows, as in the CPU runs, score every query against
+    all ``T + S`` rows (``T (T + S) H`` scores) in a few large matmuls instead of ``B T`` small ones.
     """
     if rotation is not None:
         rope_dim = 2 * rotation.shape[-1]
         out, selected_mass = sparse_attention(rope(q, rotation, rope_dim), kv_window, win_lo, kv_comp, topk_idx,
                                               sink, scale, window)
         return rope(out, rotation.conj(), rope_dim), selected_mass
-    positions, valid = window_slots(win_lo, window)
-    keys = _gather_rows(kv_window, positions)
+    B, T, H, D = q.shape
+    slots, valid = window_slots(win_lo, window)  # [B,T,n]: the rows each query reads, token positions then entries
     if topk_idx is not None:
-        keys = torch.cat([keys, _gather_rows(kv_comp, topk_idx)], dim=2)
+        slots = torch.cat([slots, T + topk_idx], dim=2)
         valid = torch.cat([valid, topk_idx >= 0], dim=2)
+    rows = kv_window if topk_idx is None else torch.cat([kv_window, kv_comp], dim=1)
+    attend = _attend_all_rows if _all_rows_hold_fewer(rows.shape[1], slots.shape[-1], H, D) else _attend_gathered_rows
+    out, probs = attend(q, rows, slots, valid, sink, scale)
+    return out, (probs[..., window:] if topk_idx is not None else None)
+
+
+def _all_rows_hold_fewer(n_rows: int, n_slots: int, heads: int, dim: int) -> bool:
+    """Whether scoring all rows (``n_rows x heads`` scores a query) holds no more than gathering its slots' rows
+    (``n_slots x dim``)."""
+    return n_rows * heads <= n_slots * dim
+
+
+def _attend_gathered_rows(q, rows, slots, valid, sink, scale: float):
+    """``sparse_attention`` on each query's gathered rows ``rows[slots]``; returns (out, head-summed probability
+    per slot)."""
     dtype = _compute_dtype(q)
-    keys = keys.to(dtype)
+    keys = _gather_rows(rows, slots).to(dtype)
     scores = torch.einsum("bthd,btnd->bthn", q.to(dtype), keys) * scale
-    scores = scores.masked_fill(~valid.unsqueeze(2), NEG_INF)
-    sink_logit = sink.to(dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores, sink_logit], dim=-1), dim=-1)[..., :-1]
-    out = torch.einsum("bthn,btnd->bthd", probs, keys).to(q.dtype)
-    selected_mass = probs[..., window:].sum(2).detach() if topk_idx is not None else None
-    return out, selected_mass
+    probs = _softmax_with_sink(scores.masked_fill(~valid.unsqueeze(2), NEG_INF), sink)
+    return torch.einsum("bthn,btnd->bthd", probs, keys).to(q.dtype), probs.sum(2).detach()
+
+
+def _attend_all_rows(q, rows, slots, valid, sink, scale: float):
+    """``sparse_attention`` against every row, each weighted by how many of the query's slots read it: adding
+    log(count) to a score gives the row count x exp(score) in the softmax (0 for a row not read, twice for an
+    entry picked twice), what the gathered form sums slot by slot. Returns (out, head-summed probability per slot)."""
+    dtype = _compute_dtype(q)
+    count = torch.zeros(*slots.shape[:2], rows.shape[1], dtype=dtype, device=q.device)
+    count.scatter_add_(2, slots.clamp(min=0), valid.to(dtype))  # invalid slots add 0 wherever they point
+    log_count = count.clamp(min=1).log().masked_fill(count == 0, NEG_INF)  # log(0) itself is 9x slower on CPU
+    rows = rows.to(dtype)
+    scores = torch.einsum("bthd,bsd->bths", q.to(dtype), rows) * scale + log_count.unsqueeze(2)
+    probs = _softmax_with_sink(scores, sink)
+    per_read = probs.detach().sum(2) / count.clamp(min=1)  # a row's probability split over the slots that read it
+    slot_probs = per_read.gather(2, slots.clamp(min=0)).masked_fill(~valid, 0.0)
+    return torch.einsum("bths,bsd->bthd", probs, rows).to(q.dtype), slot_probs
+
+
+def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim with each head's sink logit [H] as one more slot, which is then dropped."""
+    sink_logit = sink.to(scores.dtype).view(1, 1, -1, 1).expand(*scores.shape[:3], 1)
+    return torch.softmax(torch.cat([scores, sink_logit], dim=-1), dim=-1)[..., :-1]
 
 
 def index_scores(q, w, k):
