@@ -73,3 +73,15 @@ def test_launcher_local_rank_moves_to_env(monkeypatch):
     assert os.environ["LOCAL_RANK"] == "3"
     assert strip_launcher_args(["train.lr=1", "--local-rank", "1"]) == ["train.lr=1"]
     assert os.environ["LOCAL_RANK"] == "1"
+
+
+@pytest.mark.parametrize("device,gpu,accelerator", [("cpu", True, "cpu"), ("auto", True, "cuda"), ("auto", False, "cpu"),
+                                                    ("cuda", True, "cuda")])
+def test_deepspeed_accelerator_follows_train_device(device, gpu, accelerator, monkeypatch):
+    """DeepSpeed moves the model to its accelerator: train.device=cpu on a GPU machine must name the CPU."""
+    from train.quiet import name_the_accelerator
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    name_the_accelerator(device)
+    assert os.environ["DS_ACCELERATOR"] == accelerator

@@ -65,8 +65,8 @@ if __name__ == "__main__":
     with reported():
         from model.cli import compose_checked
 
-        compose_checked(config_overrides(argv))
-        name_the_accelerator()
+        cfg = compose_checked(config_overrides(argv))
+        name_the_accelerator(cfg.train.device)
         sys.argv[1:] = argv + rank_overrides()
         from train.app import main
 

@@ -12,11 +12,14 @@ import os
 log = logging.getLogger("deepspeed.prints")
 
 
-def name_the_accelerator() -> None:
-    """Before DeepSpeed is imported: tell it the accelerator, which it otherwise detects with a warning on CPU."""
+def name_the_accelerator(device: str = "auto") -> None:
+    """Before DeepSpeed is imported: tell it the accelerator of ``train.device``. Left to itself it detects one
+    (with a warning on CPU) and moves the model there, so that ``train.device=cpu`` on a machine with a GPU trained
+    on the GPU and then failed at the first evaluation, which feeds the CPU device's batches to the model."""
     import torch
 
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    accelerator = "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    os.environ.setdefault("DS_ACCELERATOR", accelerator)
 
 
 @contextlib.contextmanager
