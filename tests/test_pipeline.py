@@ -34,11 +34,18 @@ def _merged(ranks, key):
 
 
 def test_losses_equal_single_stage(reference, pipelined):
+    """Step 1 bitwise; step 2 bitwise with index K as payload. With shadow indexers step 2's indexer losses (and
+    the total that adds them) see the indexer parameters' rounding difference (``test_parameters_equal_single_stage``):
+    measured 1.0e-5 of layer 6's KL (1.9e-9 of 1.8e-4), bound 1e-4; unsummed shadow gradients move it by 8.5e-3.
+    The language-model loss stays bitwise (the trunk does)."""
     (_, _, index_k, _, _), ranks = pipelined
-    assert ranks[-1]["losses"][0] == reference["losses"][0]  # the first step's forward is the same arithmetic
-    assert ranks[-1]["losses"][1] == pytest.approx(reference["losses"][1], rel=1e-6)
+    losses, parts = ranks[-1]["losses"], ranks[-1]["parts"]
+    assert losses[0] == reference["losses"][0]  # the first step's forward is the same arithmetic
+    rounded = index_k == "shadow"
+    assert losses[1] == (pytest.approx(reference["losses"][1], rel=1e-6) if rounded else reference["losses"][1])
     for name, value in reference["parts"].items():
-        assert ranks[-1]["parts"][name] == pytest.approx(value, rel=1e-5, abs=1e-9), name
+        near = rounded and name != "lm_loss"
+        assert parts[name] == (pytest.approx(value, rel=1e-4) if near else value), name
 
 
 def _shadowed_keys(name: str, stages: int, cuts) -> bool:
