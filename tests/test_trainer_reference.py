@@ -107,6 +107,14 @@ def engine_training(cfg, data: list[dict]) -> list[dict]:
     return steps
 
 
+# The two loops add the same terms in different orders, so gradients agree to rounding (1.5e-7 of the largest
+# element at step 0, 7e-6 at step 2). AdamW divides each element by its own RMS, so an update carries its gradient's
+# relative error whatever the element's size, up to lr x GRAD_RTOL in a parameter: 2.3e-7 measured at steps 1-2 on a
+# near-zero indexer weight (lr 1e-2). Decay on a norm gain (1.0) moves it by lr x weight_decay = 1e-3 a step; the
+# other planted bugs fail the lr, norm and gradient checks first.
+GRAD_RTOL = 1e-4
+
+
 def test_training_steps_match_plain_pytorch():
     cfg = compose(CONFIG)
     data = batches(cfg.model.vocab_size, STEPS * MICROBATCHES)
@@ -118,9 +126,10 @@ def test_training_steps_match_plain_pytorch():
             assert g["norms"][group] == pytest.approx(w["norms"][group], rel=1e-5), (step, group)
         assert g["grads"].keys() == w["grads"].keys()
         for name, grad in w["grads"].items():
-            torch.testing.assert_close(g["grads"][name], grad, rtol=1e-4, atol=1e-9, msg=f"step {step} {name}")
+            torch.testing.assert_close(g["grads"][name], grad, rtol=GRAD_RTOL, atol=1e-9, msg=f"step {step} {name}")
         for name, value in w["params"].items():
-            torch.testing.assert_close(g["params"][name], value, rtol=1e-5, atol=1e-7, msg=f"step {step} {name}")
+            torch.testing.assert_close(g["params"][name], value, rtol=1e-5, atol=GRAD_RTOL * cfg.train.lr,
+                                       msg=f"step {step} {name}")
 
 
 def test_rng_state_round_trip(tmp_path):
