@@ -74,19 +74,18 @@ def main() -> int:
             name, overrides = pending.pop(0)
             command = [sys.executable, "-m", "train", "data=synthetic", *overrides, "train.device=cpu",
                        "train.progress=false", f"hydra.run.dir={scratch / name}"]
-            log = open(scratch / f"{name}.log", "w")
-            running[name] = (overrides, subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log),
-                             time.monotonic())
+            with open(scratch / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+                proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
+            running[name] = (overrides, proc, time.monotonic())
         time.sleep(2)
         out_of_time = time.monotonic() - start > a.budget
         for name, (overrides, proc, began) in list(running.items()):
-            if out_of_time and proc.poll() is None:
+            done = proc.poll() is not None
+            if out_of_time and not done:
                 proc.terminate()
                 proc.wait()
-                finish(name, overrides, proc, began, stopped=True)
-                del running[name]
-            elif proc.poll() is not None:
-                finish(name, overrides, proc, began)
+            if done or out_of_time:
+                finish(name, overrides, proc, began, stopped=not done)
                 del running[name]
         if out_of_time:
             pending.clear()

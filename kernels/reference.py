@@ -82,7 +82,7 @@ def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float
         out, selected_mass = sparse_attention(rope(q, rotation, rope_dim), kv_window, win_lo, kv_comp, topk_idx,
                                               sink, scale, window)
         return rope(out, rotation.conj(), rope_dim), selected_mass
-    B, T, H, D = q.shape
+    _, T, H, D = q.shape
     slots, valid = window_slots(win_lo, window)  # [B,T,n]: the rows each query reads, token positions then entries
     if topk_idx is not None:
         slots = torch.cat([slots, T + topk_idx], dim=2)
