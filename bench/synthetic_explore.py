@@ -4,8 +4,9 @@
     python bench/synthetic_explore.py --out FILE.json [--jobs 8] [--threads 2] [--budget 570] \
         --row "name: override override ..." [--row ...]
 
-Rows run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads`` and ``train.device=cpu`` (a machine with
-more cores explores several recipes in the time one takes; accuracy per step does not depend on the machine).
+Rows run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads`` and ``train.device=--device`` (cpu by default:
+a machine with more cores explores several recipes in the time one takes; accuracy per step does not depend on the
+machine; ``cuda`` runs the rows side by side on one GPU).
 A row still running when ``--budget`` seconds are spent is stopped with SIGTERM and keeps the curve it has. The JSON
 (rewritten after every row) holds this script's command, machine and date (``result_meta``), and per row: its
 overrides, exit status, wall time, median training tokens/s, and the curve [step, MQAR accuracy beyond the window]
@@ -36,14 +37,17 @@ def parse_row(text: str) -> tuple[str, list[str]]:
 
 
 def summary(run_dir: Path) -> dict:
-    """Curve, median tokens/s and last loss of a run from its metrics.jsonl (whatever it wrote so far)."""
+    """Curve, median tokens/s, last loss and the last evaluation's synthetic-task figures (every task and distance
+    bucket) of a run from its metrics.jsonl (whatever it wrote so far)."""
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    curve = [[r["step"], round(r[METRIC], 4)] for r in rows if r.get(METRIC) is not None]
+    evals = [r for r in rows if r.get(METRIC) is not None]
+    curve = [[r["step"], round(r[METRIC], 4)] for r in evals]
     speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     losses = [r["loss"] for r in rows if "tokens_per_s" in r]
     return {"curve": curve, "median_tok_s": statistics.median(speeds) if speeds else None,
-            "steps": len(speeds), "last_loss": losses[-1] if losses else None}
+            "steps": len(speeds), "last_loss": losses[-1] if losses else None,
+            "last_eval": {k: v for k, v in evals[-1].items() if k.startswith("synthetic/")} if evals else {}}
 
 
 def main() -> int:
@@ -53,13 +57,14 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget", type=float, default=570.0, help="seconds for all rows")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     a = p.parse_args()
     rows = [parse_row(text) for text in a.row]
     scratch = Path(tempfile.mkdtemp(prefix="synthetic_explore_"))
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "WANDB_MODE": "offline",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
-    result = {**result_meta(), "cpu": cpu_model(), "cpus": os.cpu_count(), "jobs": a.jobs, "threads": a.threads,
-              "metric": METRIC, "rows": []}
+    result = {**result_meta(), "cpu": cpu_model(), "cpus": os.cpu_count(), "device": a.device, "jobs": a.jobs,
+              "threads": a.threads, "metric": METRIC, "rows": []}
     pending, running, start = list(rows), {}, time.monotonic()
 
     def finish(name, overrides, proc, began, stopped=False):
@@ -72,7 +77,7 @@ def main() -> int:
     while pending or running:
         while pending and len(running) < a.jobs:
             name, overrides = pending.pop(0)
-            command = [sys.executable, "-m", "train", "data=synthetic", *overrides, "train.device=cpu",
+            command = [sys.executable, "-m", "train", "data=synthetic", *overrides, f"train.device={a.device}",
                        "train.progress=false", f"hydra.run.dir={scratch / name}"]
             with open(scratch / f"{name}.log", "w") as log:  # the child keeps its own descriptor
                 proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log)
