@@ -42,9 +42,10 @@ def test_answers_copy_their_source(task):
 
 
 def test_mqar_records_state_then_ask():
-    """Records ``k v``: a key's first record states its value (no label), each later one asks for it (the value
-    labelled) at least ``distance`` tokens after the value was last written, and is answered by that value."""
-    tasks = make_tasks(pairs=[3, 6], distance=[10, 60], align=1)
+    """Records ``k v``: first every key once, stating its value (no label), then questions only, each asking a
+    stated key (the value labelled) whose value was last written ``distance`` (lo..hi) tokens back, answered by
+    that value."""
+    tasks = make_tasks(pairs=[3, 6], distance=[10, 40], align=1)
     for example in tasks.task_examples("mqar", 30):
         tokens = text(example.tokens[1:])
         records = [(i + 1, tokens[i:i + 2]) for i in range(len(tokens) - 1) if tokens[i].islower()]
@@ -54,10 +55,30 @@ def test_mqar_records_state_then_ask():
             assert value.isupper() and value_of.setdefault(key, value) == value  # a key keeps its value
             if key in last:
                 expected.append((position, position - last[key]))
+            else:
+                assert not expected  # statements before any question
             last[key] = position + 1
         assert 3 <= len(value_of) <= 6
         assert [(int(p), int(d)) for p, d in zip(example.answer_positions, example.distances)] == expected
-        assert (example.distances >= 10).all() and example.alphabet == 16
+        assert (example.distances >= 10).all() and (example.distances <= 40).all() and example.alphabet == 16
+
+
+def test_mqar_question_order_does_not_give_the_answer_away():
+    """The asked key is drawn among those due, so a rule that picks the source by position alone scores near
+    1 / (keys due), not near 1: here reading the value of the oldest (or the newest) record written at least
+    ``distance`` back, which is right every time when the keys are asked oldest first."""
+    tasks = make_tasks(seq_len=64, pairs=[12, 16], distance=[12, 64])
+    right = {"oldest": 0, "newest": 0}
+    answers = 0
+    for example in tasks.task_examples("mqar", 100):
+        is_key = np.isin(example.tokens, tasks.keys)
+        for position, distance in zip(example.answer_positions, example.distances):
+            last = {example.tokens[q]: q + 1 for q in range(1, position) if is_key[q]}  # key -> its value's position
+            due = [value for value in last.values() if position - value >= 12]
+            right["oldest"] += min(due) == position - distance
+            right["newest"] += max(due) == position - distance
+            answers += 1
+    assert answers > 1000 and right["oldest"] / answers < 0.2 and right["newest"] / answers < 0.2
 
 
 def test_mqar_records_align_to_compressed_entries():
@@ -123,10 +144,12 @@ def test_examples_are_deterministic_per_seed_and_split():
     assert all(70 < n < 130 for n in counts.values())  # equal shares
 
 
-def test_default_distances_reach_beyond_the_window():
-    tasks = make_tasks()
+def test_default_distances_lie_beyond_the_relay_of_stacked_windows():
+    """The defaults (``conf/data/synthetic.yaml`` agrees) put every source at least 12 tokens back: beyond what
+    ten layers of 2-token windows can pass along (10 tokens), spread over the row."""
+    tasks = make_tasks(seq_len=64)
     distances = np.concatenate([e.distances for e in tasks.task_examples("mqar", 64)])
-    assert (distances < 32).mean() > 0.15 and (distances >= 32).mean() > 0.5
+    assert distances.min() >= 12 and (distances >= 24).mean() > 0.2
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -13,10 +13,11 @@ marginal by pushing a constant into the residual stream (RMS 1 -> 100s): every a
 attention starves of gradient; ``data=synthetic`` therefore sets 0.02 init scales, under which the model leaves
 that plateau (``bench/results/synthetic_sweep/explore_mqar_round3.json``).
 
-- ``mqar``: ``k v`` records: each key's first record states its value, every later one asks for it at least
-  ``distance`` tokens after the value was last written, and the value is the answer. Keys are distinct; values are
-  drawn independently (a value seen in the window says nothing about another key's), so no guess that sees only
-  the window beats ``1 / len(values)`` on an answer whose source lies beyond it.
+- ``mqar``: ``k v`` records: every key once, stating its value, then questions: records of keys drawn at random
+  among those whose value was last written ``distance`` tokens back, the value being the answer. Keys are distinct;
+  values are drawn independently (a value seen in the window says nothing about another key's), so no guess that
+  sees only the window beats ``1 / len(values)`` on an answer whose source lies beyond it, and the random order of
+  the questions leaves the asked key as the only pointer to its source.
 - ``passkey``: ``# d1 .. dn`` hidden at a uniform depth in the filler and asked at the end: ``=`` followed by the
   same digits, the answers (``#`` and ``=`` are ``markers``).
 - ``copy``: blocks ``# s = s`` of random key and value symbols; the repeat is the answer.
@@ -98,9 +99,9 @@ class SyntheticConfig:
     digits: Sequence[str] = "0123456789"  # passkey digits
     filler: Sequence[str] = " "  # drawn uniformly between facts
     markers: Sequence[str] = "#="  # the start of a fact (passkey needle, copy block) and of its repeat
-    pairs: Sequence[int] | int = (4, 8)  # mqar: keys per example (distinct; their values drawn independently)
+    pairs: Sequence[int] | int = (12, 16)  # mqar: keys per example (distinct; their values drawn independently)
     spacing: Sequence[int] | int = 0  # mqar: filler tokens before each record
-    distance: Sequence[int] | int = (16, 96)  # mqar: tokens from a value to the next query of its key (at least)
+    distance: Sequence[int] | int = (12, 64)  # mqar: a question's key was last written this many tokens back
     align: int = 2  # mqar: records start at multiples of this position (2: one per ratio-2 compressed entry)
     passkey_digits: int = 5  # passkey: digits of the key
     copy_length: Sequence[int] | int = (8, 48)  # copy: symbols per block
@@ -185,32 +186,36 @@ class SyntheticTasks:
         return canvas.finish(task, self.filler, rng, round(1 / self.chance(task)))
 
     def _mqar(self, canvas: _Canvas, rng: np.random.Generator) -> None:
-        """A stream of ``k v`` records, ``spacing`` filler tokens apart: each key's first record states its value,
-        every later one asks for it, at least ``distance`` tokens after the value was last written. Records go
-        left to right: the most overdue key is asked first, else a new key is stated, else filler waits for the
-        next key to fall due."""
+        """``k v`` records, ``spacing`` filler tokens apart: first every key once, stating its value, then questions
+        to the end of the row, each a key drawn at random among those whose value was last written ``distance``
+        tokens back (filler waits while none is). The draw keeps the order of the questions from giving the
+        answer away: with keys asked oldest first, a model learned to read the value of the oldest record and
+        ignore the key (``bench/results/synthetic_sweep/explore_mqar_round9.json``)."""
         n = int(rng.integers(self.pairs[0], self.pairs[1] + 1))
         keys, values = rng.choice(self.keys, n, replace=False), rng.choice(self.values, n)  # values: independent
-        due = np.full(n, np.iinfo(np.int64).max)  # position from which key i may be asked
-        last_value = np.zeros(n, dtype=np.int64)
-        stated, position = 0, 1
+        last_value = np.zeros(n, dtype=np.int64)  # position of each key's value, last written
+        nearest, farthest = self.distance
+        position, record = 1, 0
         while True:
             position += int(rng.integers(self.spacing[0], self.spacing[1] + 1))
-            asked = int(np.argmin(due))
-            if stated == n:  # every key stated: filler until the next one falls due
-                position = max(position, int(due[asked]))
+            if record >= n:  # a question: filler until some key's value lies `distance` back
+                age = position - last_value
+                if not ((age >= nearest) & (age <= farthest)).any():
+                    position = max(position, int(last_value[age < nearest].min(initial=self.seq_len)) + nearest)
             position += -position % self.config.align
             if position + 1 > self.seq_len:
                 return
-            if due[asked] <= position:
-                key = asked
-                canvas.answer(position, int(last_value[key]))
+            if record < n:
+                key = record
             else:
-                key, stated = stated, stated + 1
+                age = position - last_value
+                due = np.flatnonzero((age >= nearest) & (age <= farthest))
+                if not due.size:  # the alignment carried every candidate past `farthest`
+                    continue
+                key = int(rng.choice(due))
+                canvas.answer(position, int(last_value[key]))
             canvas.put(position, [keys[key], values[key]])
-            last_value[key] = position + 1
-            due[key] = position + 1 + int(rng.integers(self.distance[0], self.distance[1] + 1))
-            position += 2
+            last_value[key], position, record = position + 1, position + 2, record + 1
 
     def _passkey(self, canvas: _Canvas, rng: np.random.Generator) -> None:
         digits = rng.choice(self.digits, self.config.passkey_digits)
@@ -236,7 +241,7 @@ class SyntheticTasks:
     def _check_fits(self) -> None:
         """Raise unless the longest example of every active task fits in ``seq_len`` positions."""
         record = 2 + self.spacing[1] + self.config.align - 1  # a record, its filler and its alignment, at most
-        need = {"mqar": 1 + 2 * record + self.distance[0],  # a key stated and asked once
+        need = {"mqar": 1 + max(self.pairs[1] * record, record + self.distance[0]) + record,  # the keys, a question
                 "passkey": 2 * (1 + self.config.passkey_digits) + 1,
                 "copy": 2 * self.copy_length[0] + 2 + 1}
         for task in self.tasks:
