@@ -177,23 +177,27 @@ def markdown(runs: list[Run], summaries: list[dict]) -> str:
 
 
 def plot(runs: list[Run], summaries: list[dict], path: Path) -> None:
-    """Quality (rows) against cost (columns), one colour per run; with synthetic tasks, a last row of their
-    accuracy per run (all answers, and those beyond the window) against chance."""
+    """Quality (rows: held-out LM loss, and the probes' retrieval and the index recall where some run has them)
+    against cost (columns), one colour per run; with synthetic tasks, a last row of their accuracy per run (all
+    answers, and those beyond the window) against chance."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels, _ = run_labels(runs)
-    qualities = [("eval_lm_loss", "held-out LM loss"), ("retrieval", "retrieval accuracy\n(mean of probes)"),
-                 ("index_recall", "index recall (mean)")]
+    points = [{**s, "retrieval": _mean(s["probes"].values()), "indexer_mflops": s["indexer_flops_per_token"] / 1e6}
+              for s in summaries]
+    qualities = [(q, label) for q, label in (("eval_lm_loss", "held-out LM loss"),
+                                             ("retrieval", "retrieval accuracy\n(mean of probes)"),
+                                             ("index_recall", "index recall (mean)"))
+                 if q == "eval_lm_loss" or any(math.isfinite(p[q]) for p in points)]  # no empty panels
     costs = [("kv_bytes_per_token", "KV bytes / token"), ("indexer_mflops", "indexer MFLOP / token"),
              ("step_time_s", "step time (s)")]
     tasks = synthetic_tasks(summaries)[:len(costs)]
-    fig, axes = plt.subplots(len(qualities) + bool(tasks), len(costs), figsize=(13, 10 + 3.3 * bool(tasks)),
-                             squeeze=False)
-    for run, label, s in zip(runs, labels, summaries):
-        point = {**s, "retrieval": _mean(s["probes"].values()), "indexer_mflops": s["indexer_flops_per_token"] / 1e6}
+    fig, axes = plt.subplots(len(qualities) + bool(tasks), len(costs),
+                             figsize=(13, 3.3 * (len(qualities) + bool(tasks))), squeeze=False)
+    for run, label, s, point in zip(runs, labels, summaries, points):
         name = f"{run.name}: {s['layout']} {label}".rstrip()
         for (q, _), row in zip(qualities, axes):
             for (c, _), ax in zip(costs, row):
