@@ -10,8 +10,8 @@ must give one id), and filler fills the room between facts. By default (``data.s
 answers carry labels: everything else in an example is random by construction; ``all`` trains every next token.
 At the tiny model's default init (matrices 0.006, embedding 1.0), answers-only training first learns the answers'
 marginal by pushing a constant into the residual stream (RMS 1 -> 100s): every answer gets one value and the
-attention starves of gradient; ``data=synthetic`` therefore sets 0.02 init scales, under which the model leaves
-that plateau (``bench/results/synthetic_sweep/explore_mqar_round3.json``).
+attention starves of gradient (``bench/results/synthetic_sweep/explore_mqar_round3.json``); ``data=synthetic``
+therefore sets its own init scales and lr schedule (``conf/data/synthetic.yaml`` says why).
 
 - ``mqar``: ``k v`` records: every key once, stating its value, then questions: records of keys drawn at random
   among those whose value was last written ``distance`` tokens back, the value being the answer. Keys are distinct;
