@@ -7,7 +7,7 @@ answer at a time:
 - ``clean``: the example as it is;
 - ``key_removed``: the asked key replaced by an unused key at every record up to the answer's source, so that no
   earlier record states it: a model that finds the source by its key falls to chance, one that finds it by
-  position does not notice;
+  position does not notice (examples that state every key have no unused key and are left out here);
 - ``value_moved``: the source record's value replaced by another value: scored against the new value, a model that
   reads the source record follows it.
 Each accuracy is also given by the number of records between the source and the question. The JSON holds the
