@@ -195,24 +195,26 @@ class SyntheticTasks:
         keys, values = rng.choice(self.keys, n, replace=False), rng.choice(self.values, n)  # values: independent
         last_value = np.zeros(n, dtype=np.int64)  # position of each key's value, last written
         nearest, farthest = self.distance
+
+        def due(at: int) -> np.ndarray:  # the keys whose value lies `distance` back from position `at`
+            return np.flatnonzero((at - last_value >= nearest) & (at - last_value <= farthest))
+
         position, record = 1, 0
         while True:
             position += int(rng.integers(self.spacing[0], self.spacing[1] + 1))
-            if record >= n:  # a question: filler until some key's value lies `distance` back
-                age = position - last_value
-                if not ((age >= nearest) & (age <= farthest)).any():
-                    position = max(position, int(last_value[age < nearest].min(initial=self.seq_len)) + nearest)
+            if record >= n and not due(position).size:  # a question: filler until some key falls due
+                waiting = last_value[position - last_value < nearest]
+                position = max(position, int(waiting.min(initial=self.seq_len)) + nearest)
             position += -position % self.config.align
             if position + 1 > self.seq_len:
                 return
             if record < n:
                 key = record
             else:
-                age = position - last_value
-                due = np.flatnonzero((age >= nearest) & (age <= farthest))
-                if not due.size:  # the alignment carried every candidate past `farthest`
+                candidates = due(position)
+                if not candidates.size:  # the alignment carried every candidate past `farthest`
                     continue
-                key = int(rng.choice(due))
+                key = int(rng.choice(candidates))
                 canvas.answer(position, int(last_value[key]))
             canvas.put(position, [keys[key], values[key]])
             last_value[key], position, record = position + 1, position + 2, record + 1
