@@ -19,9 +19,10 @@ def test_variants_change_only_what_they_name():
     for example in tasks.task_examples("mqar", 20):
         cases = list(variants(example, tasks.keys, tasks.values, rng))
         assert len(cases) == 3 * len(example.answer_positions)
-        for (clean, position, answer, kind, _), (removed, *_), (moved, _, new_value, *_) in zip(*[iter(cases)] * 3):
-            source = position - example.distances[list(example.answer_positions).index(position)]
-            key = clean[position]
+        triples = zip(*[iter(cases)] * 3)  # clean, key_removed, value_moved of each answer in turn
+        for distance, ((clean, position, answer, kind, _), (removed, *_), (moved, _, new_value, *_)) in zip(
+                example.distances, triples):
+            source, key = position - distance, clean[position]
             assert kind == "clean" and answer == clean[position + 1] == clean[source]
             assert key not in removed[:source] and key in clean[:source]
             changed = np.flatnonzero(removed != clean)
