@@ -147,8 +147,17 @@ def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
         errs["selected_mass"] = rel_err(mass, ref_mass)
     for k in grads:
         errs["d" + k] = rel_err(grads[k], ref_grads[k])
-    RESULTS[name] = {"rel_err": errs, "backward_bitwise_reproducible": reproducible,
+    RESULTS[name] = {"forward": forward_impl(data["q"].to(BF16)), "rel_err": errs,
+                     "backward_bitwise_reproducible": reproducible,
                      "pass": all(e < 1e-2 for e in errs.values()) and reproducible}
+
+
+def forward_impl(q) -> str:
+    """Which forward kernel ``sparse_attention`` runs for q: the Gluon one where it applies, else Triton's."""
+    if triton_attention.FORWARD_IMPL != "gluon" or SMOKE:
+        return "triton"
+    from kernels import gluon_attention
+    return "gluon" if gluon_attention.usable(q) else "triton"
 
 
 @section
@@ -157,6 +166,9 @@ def check_attention():
     check_attention_case("attention_m1", n([[700, 1348]], [[10, 27]]), 1, H, D, W, K, True)
     check_attention_case("attention_m2", n([[500, 1037]], [[9, 26]]), 2, H, D, W, K, True)
     check_attention_case("attention_window_only", n([[300, 724]], [[5, 20]]), 1, H, D, W, 0, False)
+    check_attention_case("attention_m1_48_heads", n([[400, 621]], [[10, 27]]), 1, n(48, 3), D, W, K, True)
+    with overridden(triton_attention, "FORWARD_IMPL", "triton"):  # the fallback forward stays checked too
+        check_attention_case("attention_m1_triton_forward", n([[700, 1348]], [[10, 27]]), 1, H, D, W, K, True)
 
 
 def pick_quality(picks, ref_picks, table):
@@ -377,9 +389,12 @@ def device_ms_by_stage(fn, reps: int, kernels: dict = ATTENTION_KERNELS) -> dict
 
 def autotune_choices() -> dict:
     """Each autotuned attention kernel's chosen config and every config's time (ms) on its first call."""
+    kernels = {name: getattr(triton_attention, name) for name in ATTENTION_AUTOTUNED}
+    if not SMOKE:
+        from kernels import gluon_attention
+        kernels["gluon_fwd_kernel"] = gluon_attention._fwd_kernel
     choices = {}
-    for name in ATTENTION_AUTOTUNED:
-        kernel = getattr(triton_attention, name)
+    for name, kernel in kernels.items():
         timings = getattr(kernel, "configs_timings", None) or {}
         choices[name] = {"best": str(getattr(kernel, "best_config", None)),
                          "timings_ms": {str(c): t if isinstance(t, float) else list(t) for c, t in timings.items()}}
@@ -401,11 +416,14 @@ def bench_attention():
     reproducible = all(torch.equal(a, b) for a, b in zip(first, backward()))
     del first
     fwd = ms(lambda: triton_ops.sparse_attention(*args))
+    with overridden(triton_attention, "FORWARD_IMPL", "triton"):
+        fwd_triton = ms(lambda: triton_ops.sparse_attention(*args))
     bwd = ms(backward)
     flops = 4 * T * H * (W + K) * D
-    res = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9, "bwd_tflops": 2.5 * flops / bwd / 1e9,
-           "flops_fwd": flops, "flops_bwd": 2.5 * flops, "bwd_bitwise_reproducible": reproducible,
-           "autotune": autotune_choices()}
+    res = {"fwd_impl": forward_impl(args[0]), "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9,
+           "bwd_tflops": 2.5 * flops / bwd / 1e9, "fwd_ms_triton_kernel": fwd_triton,
+           "fwd_tflops_triton_kernel": flops / fwd_triton / 1e9, "flops_fwd": flops, "flops_bwd": 2.5 * flops,
+           "bwd_bitwise_reproducible": reproducible, "autotune": autotune_choices()}
     # Where the backward's time goes, by kernel; "without dkv reduce" as the v5 stage timing reported it.
     res["bwd_device_ms_by_stage"] = device_ms_by_stage(backward, reps=3)
     stages = res["bwd_device_ms_by_stage"]

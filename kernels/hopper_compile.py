@@ -15,7 +15,9 @@ from typing import NamedTuple
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
+from kernels import gluon_attention as gluon_attn
 from kernels import triton_attention as attn
 from kernels import triton_cast as cast
 from kernels import triton_dkv as dkv
@@ -49,8 +51,9 @@ def compile_for_hopper(spec: KernelSpec, config: triton.Config):
                if isinstance(t, str) and t[0] in "*i"}
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages,
                    **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
-    return triton.compile(ASTSource(fn, signature, {**spec.constexprs, **config.kwargs}, aligned), target=HOPPER,
-                          options=options)
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    constexprs = {**spec.constexprs, **config.kwargs, **({"num_warps": config.num_warps} if fn.is_gluon() else {})}
+    return triton.compile(source(fn, signature, constexprs, aligned), target=HOPPER, options=options)
 
 
 def specs() -> list[KernelSpec]:
@@ -66,10 +69,11 @@ def specs() -> list[KernelSpec]:
     select = dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, SCRATCH=i64, OUT=i64, row_len=i32, width0=i32, top=i32)
     norm = dict(X=bf, W=f32, ROT=f32, R=i32, H=i32, x_stride=i32)
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
+    fwd_types = dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16", stage_token_stride=i32,
+                     stage_head_stride=i32, scale_log2="fp32", **rows)
     out = [
-        KernelSpec(attn._fwd_kernel, dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16",
-                                          stage_token_stride=i32, stage_head_stride=i32, scale_log2="fp32", **rows),
-                   dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
+        KernelSpec(attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
+        KernelSpec(gluon_attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
                                               tok0=i32, scale="fp32", **rows), shape),
         KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, ROT=f32, DQ=bf, tok0=i32, **rows), shape),

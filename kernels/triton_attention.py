@@ -41,11 +41,15 @@ import triton
 import triton.language as tl
 
 from kernels import SPARSE_ATTENTION_OP, triton_dkv
-from kernels.triton_common import configs, new_output, rotate_pairs
+from kernels.triton_common import INTERPRET, configs, new_output, rotate_pairs
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels may only read constexpr globals
 # Stages the benchmark switches off to time the rest ("mass_pass"); empty in real use.
 ABLATE: set[str] = set()
+# The forward kernel: "gluon" runs kernels/gluon_attention.py where it applies (Hopper, 33-64 heads, bf16/fp16: the
+# warpgroups split S instead of both computing it), the Triton kernel elsewhere; "triton" forces the Triton one (the
+# benchmark times both).
+FORWARD_IMPL = "gluon"
 # Partial dKV rows of one backward chunk (bf16 at real width: 655 KB per token, 6,553 tokens per chunk).
 PARTIAL_CHUNK_BYTES = 4 << 30
 
@@ -424,9 +428,15 @@ def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torc
     else:
         stage, strides = torch.empty((B, T, H, K), dtype=p_dtype, device=q.device), (H * K, K)
     rot, rope = _rope_args(rotation, q)
-    _fwd_kernel[(B * T,)](kv_window, q, win_lo, idx, sink, rot, out, lse, mass, stage, comp_offset, *strides, T, S,
-                          H, scale * LOG2E.value, D=D, W=window, K=K, K_P=_padded_k(K), BLOCK_H=_block_h(H),
-                          ROPE=rope, MASS_PASS=mass_pass)
+    args = (kv_window, q, win_lo, idx, sink, rot, out, lse, mass, stage, comp_offset, *strides, T, S, H,
+            scale * LOG2E.value)
+    shape = dict(D=D, W=window, K=K, K_P=_padded_k(K), BLOCK_H=_block_h(H), ROPE=rope, MASS_PASS=mass_pass)
+    if FORWARD_IMPL == "gluon" and not INTERPRET and q.is_cuda:
+        from kernels import gluon_attention  # imported here: Gluon is only needed (and only runs) on a GPU
+        if gluon_attention.usable(q):
+            gluon_attention.launch((B * T,), *args, **shape)
+            return out, lse, mass
+    _fwd_kernel[(B * T,)](*args, **shape)
     return out, lse, mass
 
 

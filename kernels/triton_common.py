@@ -85,10 +85,18 @@ def rotate_pairs(y, ROT, rot_row, rows_live, DIM0: tl.constexpr, D: tl.constexpr
     N: tl.constexpr = y.shape[1]
     even, odd = tl.split(tl.reshape(y, [M, N // 2, 2]))
     pair = tl.arange(0, N // 2)[None, :] + (DIM0 // 2 - (D - ROPE) // 2)  # index among the rotated pairs
+    return tl.reshape(rotate_split_pairs(even, odd, pair, ROT, rot_row, rows_live, ROPE, CONJ), [M, N])
+
+
+@triton.jit
+def rotate_split_pairs(even, odd, pair, ROT, rot_row, rows_live, ROPE: tl.constexpr, CONJ: tl.constexpr):
+    """``rotate_pairs`` on a tile already split into its pairs' elements (even, odd [M, N/2]); ``pair`` ([1, N/2])
+    is each column's index among the rotated pairs (outside 0..ROPE/2-1: not rotated). Takes no ``tl.arange``, so
+    the Gluon kernels run it too. Returns the [M, N/2, 2] tile."""
     tail = rows_live & (pair >= 0) & (pair < ROPE // 2)
     angle = rot_row * ROPE + 2 * pair
     cos = tl.load(ROT + angle, mask=tail, other=1.0)
     sin = tl.load(ROT + angle + 1, mask=tail, other=0.0)
     if CONJ:
         sin = -sin
-    return tl.reshape(tl.join(even * cos - odd * sin, even * sin + odd * cos), [M, N])
+    return tl.join(even * cos - odd * sin, even * sin + odd * cos)
