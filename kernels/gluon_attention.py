@@ -32,9 +32,9 @@ from kernels.triton_common import rotate_split_pairs
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_H = 64  # heads are the MMA's M: one token's heads fill one wgmma (64 rows)
 # Slots per block (half of them per warpgroup in S) and gather buffers; shared memory: q 64 KB + STAGES x BLOCK_N KB.
-_CONFIGS = [triton.Config(dict(BLOCK_N=64, STAGES=2), num_warps=8),
-            triton.Config(dict(BLOCK_N=32, STAGES=4), num_warps=8),
-            triton.Config(dict(BLOCK_N=32, STAGES=3), num_warps=8)]
+# 32-slot blocks with 3 or 4 buffers were slower at 64K (25.8 and 26.2 ms against 21.3: S's wgmma is then
+# 64 x 16 per warpgroup, and q is read from shared memory twice as often; bench_attention_gluon_v10.json).
+_CONFIGS = [triton.Config(dict(BLOCK_N=64, STAGES=2), num_warps=8)]
 
 # The Triton helpers that only compute (row offsets, validity, pair rotation), run as Gluon functions: their
 # tensors take the layouts of the tensors they are given.
@@ -79,6 +79,28 @@ def _load_q(Q, ROT, tok, H, D: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.con
     return q
 
 
+@gluon.jit
+def _selected_mass(STAGE, stage_head_stride, block_max, lse2, MASS, H, K: gl.constexpr, K_P: gl.constexpr,
+                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """MASS[slot] = sum over heads of the staged p [H, K] (at STAGE, heads ``stage_head_stride`` apart), each
+    selected block's times exp2(its running max - lse2), from one load of the whole tile ([heads, blocks, slots];
+    blocks past K are masked, so ``block_max``'s rows for them are never used)."""
+    TILE: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1, 1],
+                                          [2, 1, 0])
+    BY_BLOCK: gl.constexpr = gl.SliceLayout(2, TILE)  # [heads, blocks]
+    BY_SLOT: gl.constexpr = gl.SliceLayout(0, TILE)  # [blocks, slots of a block]
+    slots = (gl.arange(0, K_P // BLOCK_N, layout=gl.SliceLayout(1, BY_SLOT))[:, None] * BLOCK_N
+             + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, BY_SLOT))[None, :])
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, BY_BLOCK))[:, None, None]
+    p = gl.load(STAGE + heads * stage_head_stride + slots[None, :, :], mask=(heads < H) & (slots < K)[None, :, :],
+                other=0.0)
+    rows = block_max._reinterpret(gl.float32, [K_P // BLOCK_N, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    maxima = gl.convert_layout(gl.permute(rows.load(gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])),
+                                          (1, 0)), BY_BLOCK)
+    to_final = gl.exp2(maxima - gl.convert_layout(lse2, gl.SliceLayout(1, BY_BLOCK))[:, None])
+    gl.store(MASS + slots, gl.sum(p.to(gl.float32) * to_final[:, :, None], 0), mask=slots < K)
+
+
 @triton.autotune(configs=_CONFIGS, key=["H", "D", "W", "K"])
 @gluon.jit
 def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride,
@@ -103,7 +125,7 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     operand: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D], operand)
     kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], operand)
-    block_max = gl.allocate_shared_memory(gl.float32, [max(N_SEL, 1), BLOCK_H],
+    block_max = gl.allocate_shared_memory(gl.float32, [K_P // BLOCK_N, BLOCK_H],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     tok = gl.program_id(0).to(gl.int64)  # flat b*T + t
@@ -170,11 +192,8 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     out = out.to(OUT.dtype.element_ty)
     if MASS_PASS:
         gl.thread_barrier()  # the stage is read back by other threads of this program
-        for jj in gl.static_range(N_SEL):
-            cols = jj * BLOCK_N + gl.arange(0, BLOCK_N, layout=COL)
-            p = gl.load(stage + cols[None, :], mask=hmask[:, None] & (cols < K)[None, :], other=0.0)
-            to_final = gl.exp2(block_max.index(jj).load(ROW) - lse2)
-            gl.store(MASS + tok * K + cols, gl.sum(p.to(gl.float32) * to_final[:, None], 0), mask=cols < K)
+        _selected_mass(STAGE + tok * stage_token_stride, stage_head_stride, block_max, lse2, MASS + tok * K, H, K, K_P,
+                       BLOCK_H, BLOCK_N, num_warps)
         gl.thread_barrier()  # every thread has read the stage before the output overwrites it
     OUT_L: gl.constexpr = out.type.layout
     out_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUT_L))
