@@ -14,6 +14,7 @@
 #   6. bench_attention.json  bench_kernels.py bench: sparse attention and cuDNN SDPA at 64K (unchanged since v6)
 #   7. ncu_attention.json    bench/ncu_attention.py: Nsight Compute metrics of the attention kernels (why they take
 #                            what they take); ncu_attention_details.csv, the .ncu-rep report
+# Stage logs end up in logs.txt (one file: a device call returns at most 8); ncu_attention adds three files of its own.
 # Each stage runs under `timeout`, capped by what is left of BUDGET; stages.txt has each one's exit code and seconds.
 # Timed on an H200 (2026-11-30, code 780c444, one call): check 92 s, bench 131 s, CSA2 step 119 s (62 s with the
 # kernels already compiled on that machine; a fresh machine once ran past 150 s), dense 72 s, kept attention 49 s,
@@ -80,3 +81,5 @@ stage bench_attention 120 python3 bench/bench_kernels.py bench "${KERNELS[@]}" -
   --only bench_matmul,bench_attention,bench_sdpa_cudnn
 stage ncu_attention 150 python3 bench/ncu_attention.py "${KERNELS[@]}" --out "$OUT"
 echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"
+# A device call returns at most 8 files: the stage logs go into one (2026-12-01, a call lost its step files to them).
+for log in "$OUT"/*.log; do echo "==== $(basename "$log")"; cat "$log"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
