@@ -34,7 +34,12 @@ BLOCK_H = 64  # heads are the MMA's M: one token's heads fill one wgmma (64 rows
 # Slots per block (half of them per warpgroup in S) and gather buffers; shared memory: q 64 KB + STAGES x BLOCK_N KB.
 # 32-slot blocks with 3 or 4 buffers were slower at 64K (25.8 and 26.2 ms against 21.3: S's wgmma is then
 # 64 x 16 per warpgroup, and q is read from shared memory twice as often; bench_attention_gluon_v10.json).
-_CONFIGS = [triton.Config(dict(BLOCK_N=64, STAGES=2), num_warps=8)]
+# PREFETCH_L2: each row of the block after the one being gathered is asked into L2 (one bulk prefetch per row), so
+# that its gather finds it there (about 1 row in 10 came from HBM: Nsight Compute's L2 hit rate, 90%).
+# Stages the benchmark switches off to see what the rest costs ("gather": no rows copied after the first block, so
+# the blocks compute on whatever the buffers hold); empty in real use.
+ABLATE: set[str] = set()
+_CONFIGS = [triton.Config(dict(BLOCK_N=64, STAGES=2, PREFETCH_L2=p), num_warps=8) for p in (True, False)]
 
 # The Triton helpers that only compute (row offsets, validity, pair rotation), run as Gluon functions: their
 # tensors take the layouts of the tensors they are given.
@@ -57,6 +62,25 @@ def _gather(KV, buffer, offset, valid, D: gl.constexpr, LOAD: gl.constexpr):
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
     async_copy.async_copy_global_to_shared(buffer, KV + offset[:, None] + dims[None, :], mask=valid[:, None])
     async_copy.commit_group()
+
+
+@gluon.constexpr_function
+def _bulk_prefetch_asm(row_bytes):
+    """PTX: one L2 prefetch of a whole row ($1, ``row_bytes`` long) where the flag $2 is set; the result $0 is 0."""
+    return ("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], " + str(row_bytes)
+            + "; mov.b32 $0, 0; }")
+
+
+@gluon.jit
+def _prefetch_rows(KV, offset, valid, D: gl.constexpr, ROWS: gl.constexpr):
+    """Ask the rows at ``offset`` (``ROWS``-sliced: every row is held by exactly one thread of the first warp row of
+    ROWS' parent, the others only repeat it) into L2."""
+    PARENT: gl.constexpr = ROWS.parent
+    first = gl.arange(0, PARENT.warps_per_cta[0], layout=gl.SliceLayout(1, PARENT))[:, None] == 0
+    flags = (first & valid[None, :]).to(gl.int32)
+    ptrs = gl.broadcast(KV + offset[None, :], flags)[0]
+    gl.inline_asm_elementwise(_bulk_prefetch_asm(D * KV.dtype.element_ty.primitive_bitwidth // 8), "=r,l,r",
+                              [ptrs, flags], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -106,7 +130,8 @@ def _selected_mass(STAGE, stage_head_stride, block_max, lse2, MASS, H, K: gl.con
 def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride,
                 stage_head_stride, T, S, H, scale_log2, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
                 K_P: gl.constexpr, BLOCK_H: gl.constexpr, ROPE: gl.constexpr, MASS_PASS: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH_L2: gl.constexpr, SKIP_GATHER: gl.constexpr,
+                num_warps: gl.constexpr):
     """Out, LSE and selected mass of one token (``triton_attention._fwd_kernel``'s arguments; K_P is unused: the
     block maxima live in shared memory, one row per selected block)."""
     gl.static_assert(BLOCK_H == 64 and num_warps == 8, "one wgmma M of heads, two warpgroups")
@@ -150,6 +175,10 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     next_offset, next_valid = _block_rows(IDX, W - W_P + (STAGES - 1) * BLOCK_N, tok, b, t, win_lo, T, S,
                                           comp_offset, D, W, K, BLOCK_N, rows)
     _, valid_next = _block_rows(IDX, W - W_P, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N, COL)
+    # One row per thread of the first 4 warps (the layout of the L2 prefetches: [num_warps / 2, BLOCK_N] threads).
+    PF: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 1], [1, 32], [num_warps // 2, 2], [1, 0]))
+    ahead_offset, ahead_valid = _block_rows(IDX, W - W_P + STAGES * BLOCK_N, tok, b, t, win_lo, T, S, comp_offset,
+                                            D, W, K, BLOCK_N, PF)
     for j in range(N_BLOCKS):
         start = W - W_P + j * BLOCK_N
         async_copy.wait_group(STAGES - 2)  # groups complete in order: block j's rows have landed
@@ -159,7 +188,14 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
         s = warpgroup_mma(q_smem, kv.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L), use_acc=False,
                           is_async=True)
         # Block j + STAGES - 1 into the buffer block j - 1 used (past the last block: an empty group).
-        _gather(KV, kv_smem.index((j + STAGES - 1) % STAGES), next_offset, next_valid, D, LOAD)
+        if SKIP_GATHER:
+            async_copy.commit_group()
+        else:
+            _gather(KV, kv_smem.index((j + STAGES - 1) % STAGES), next_offset, next_valid, D, LOAD)
+        if PREFETCH_L2 and not SKIP_GATHER:  # the block after next: its row ids were loaded during the previous block
+            _prefetch_rows(KV, ahead_offset, ahead_valid, D, PF)
+            ahead_offset, ahead_valid = _block_rows(IDX, start + (STAGES + 1) * BLOCK_N, tok, b, t, win_lo, T, S,
+                                                    comp_offset, D, W, K, BLOCK_N, PF)
         valid = valid_next
         next_offset, next_valid = _block_rows(IDX, start + STAGES * BLOCK_N, tok, b, t, win_lo, T, S, comp_offset,
                                               D, W, K, BLOCK_N, rows)
@@ -211,4 +247,4 @@ def usable(q: torch.Tensor) -> bool:
 
 def launch(grid, *args, **constexprs):
     """``triton_attention._fwd_kernel``'s launch (same arguments; the block shape is autotuned)."""
-    _fwd_kernel[grid](*args, **constexprs)
+    _fwd_kernel[grid](*args, **constexprs, SKIP_GATHER="gather" in ABLATE)

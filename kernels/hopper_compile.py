@@ -73,7 +73,8 @@ def specs() -> list[KernelSpec]:
                      stage_head_stride=i32, scale_log2="fp32", **rows)
     out = [
         KernelSpec(attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
-        KernelSpec(gluon_attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
+        KernelSpec(gluon_attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, SKIP_GATHER=False,
+                                                           **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
                                               tok0=i32, scale="fp32", **rows), shape),
         KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, ROT=f32, DQ=bf, tok0=i32, **rows), shape),
