@@ -34,12 +34,13 @@ BLOCK_H = 64  # heads are the MMA's M: one token's heads fill one wgmma (64 rows
 # Slots per block (half of them per warpgroup in S) and gather buffers; shared memory: q 64 KB + STAGES x BLOCK_N KB.
 # 32-slot blocks with 3 or 4 buffers were slower at 64K (25.8 and 26.2 ms against 21.3: S's wgmma is then
 # 64 x 16 per warpgroup, and q is read from shared memory twice as often; bench_attention_gluon_v10.json).
-# PREFETCH_L2: each row of the block after the one being gathered is asked into L2 (one bulk prefetch per row), so
-# that its gather finds it there (about 1 row in 10 came from HBM: Nsight Compute's L2 hit rate, 90%).
+# An L2 prefetch of the block after next (one cp.async.bulk.prefetch.L2 per row) was slower: 24.5 against 21.3 ms
+# (bench_attention_prefetch_ablation.json, code d987d55).
+_CONFIGS = [triton.Config(dict(BLOCK_N=64, STAGES=2), num_warps=8)]
 # Stages the benchmark switches off to see what the rest costs ("gather": no rows copied after the first block, so
-# the blocks compute on whatever the buffers hold); empty in real use.
+# the blocks compute on whatever the buffers hold: 19.4 ms against 21.3, so the copies are not what limits the
+# kernel); empty in real use.
 ABLATE: set[str] = set()
-_CONFIGS = [triton.Config(dict(BLOCK_N=64, STAGES=2, PREFETCH_L2=p), num_warps=8) for p in (True, False)]
 
 # The Triton helpers that only compute (row offsets, validity, pair rotation), run as Gluon functions: their
 # tensors take the layouts of the tensors they are given.
@@ -62,25 +63,6 @@ def _gather(KV, buffer, offset, valid, D: gl.constexpr, LOAD: gl.constexpr):
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
     async_copy.async_copy_global_to_shared(buffer, KV + offset[:, None] + dims[None, :], mask=valid[:, None])
     async_copy.commit_group()
-
-
-@gluon.constexpr_function
-def _bulk_prefetch_asm(row_bytes):
-    """PTX: one L2 prefetch of a whole row ($1, ``row_bytes`` long) where the flag $2 is set; the result $0 is 0."""
-    return ("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], " + str(row_bytes)
-            + "; mov.b32 $0, 0; }")
-
-
-@gluon.jit
-def _prefetch_rows(KV, offset, valid, D: gl.constexpr, ROWS: gl.constexpr):
-    """Ask the rows at ``offset`` (``ROWS``-sliced: every row is held by exactly one thread of the first warp row of
-    ROWS' parent, the others only repeat it) into L2."""
-    PARENT: gl.constexpr = ROWS.parent
-    first = gl.arange(0, PARENT.warps_per_cta[0], layout=gl.SliceLayout(1, PARENT))[:, None] == 0
-    flags = (first & valid[None, :]).to(gl.int32)
-    ptrs = gl.broadcast(KV + offset[None, :], flags)[0]
-    gl.inline_asm_elementwise(_bulk_prefetch_asm(D * KV.dtype.element_ty.primitive_bitwidth // 8), "=r,l,r",
-                              [ptrs, flags], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -130,14 +112,12 @@ def _selected_mass(STAGE, stage_head_stride, block_max, lse2, MASS, H, K: gl.con
 def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride,
                 stage_head_stride, T, S, H, scale_log2, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
                 K_P: gl.constexpr, BLOCK_H: gl.constexpr, ROPE: gl.constexpr, MASS_PASS: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PREFETCH_L2: gl.constexpr, SKIP_GATHER: gl.constexpr,
-                num_warps: gl.constexpr):
-    """Out, LSE and selected mass of one token (``triton_attention._fwd_kernel``'s arguments; K_P is unused: the
-    block maxima live in shared memory, one row per selected block)."""
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SKIP_GATHER: gl.constexpr, num_warps: gl.constexpr):
+    """Out, LSE and selected mass of one token (``triton_attention._fwd_kernel``'s arguments). The running max after
+    each selected block is kept in shared memory, one row per block of K_P (K padded to a power of two)."""
     gl.static_assert(BLOCK_H == 64 and num_warps == 8, "one wgmma M of heads, two warpgroups")
     W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     N_BLOCKS: gl.constexpr = (W_P + K + BLOCK_N - 1) // BLOCK_N
-    N_SEL: gl.constexpr = (K + BLOCK_N - 1) // BLOCK_N
     # 16-byte pieces of rows, a warp on 4 rows x 128 bytes: a thread holds the row ids of BLOCK_N / 32 rows only.
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -175,10 +155,6 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     next_offset, next_valid = _block_rows(IDX, W - W_P + (STAGES - 1) * BLOCK_N, tok, b, t, win_lo, T, S,
                                           comp_offset, D, W, K, BLOCK_N, rows)
     _, valid_next = _block_rows(IDX, W - W_P, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N, COL)
-    # One row per thread of the first 4 warps (the layout of the L2 prefetches: [num_warps / 2, BLOCK_N] threads).
-    PF: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 1], [1, 32], [num_warps // 2, 2], [1, 0]))
-    ahead_offset, ahead_valid = _block_rows(IDX, W - W_P + STAGES * BLOCK_N, tok, b, t, win_lo, T, S, comp_offset,
-                                            D, W, K, BLOCK_N, PF)
     for j in range(N_BLOCKS):
         start = W - W_P + j * BLOCK_N
         async_copy.wait_group(STAGES - 2)  # groups complete in order: block j's rows have landed
@@ -192,10 +168,6 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
             async_copy.commit_group()
         else:
             _gather(KV, kv_smem.index((j + STAGES - 1) % STAGES), next_offset, next_valid, D, LOAD)
-        if PREFETCH_L2 and not SKIP_GATHER:  # the block after next: its row ids were loaded during the previous block
-            _prefetch_rows(KV, ahead_offset, ahead_valid, D, PF)
-            ahead_offset, ahead_valid = _block_rows(IDX, start + (STAGES + 1) * BLOCK_N, tok, b, t, win_lo, T, S,
-                                                    comp_offset, D, W, K, BLOCK_N, PF)
         valid = valid_next
         next_offset, next_valid = _block_rows(IDX, start + STAGES * BLOCK_N, tok, b, t, win_lo, T, S, comp_offset,
                                               D, W, K, BLOCK_N, rows)
@@ -238,11 +210,12 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
 
 
 def usable(q: torch.Tensor) -> bool:
-    """The Gluon forward runs on Hopper for 33-64 heads (one wgmma M), D a multiple of 64 up to 512 (O's D/2
-    columns per warpgroup are one wgmma N <= 256) and 16-bit inputs."""
+    """The Gluon forward runs on Hopper for 33-64 heads (padded to 64, one wgmma M, as ``triton_attention._block_h``
+    pads them), D a power of two from 64 to 512 (O's D/2 columns per warpgroup are one wgmma N <= 256) and 16-bit
+    inputs."""
     H, D = q.shape[-2:]
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and 32 < H <= BLOCK_H
-            and D % 64 == 0 and D <= 512 and q.dtype in (torch.bfloat16, torch.float16))
+            and D in (64, 128, 256, 512) and q.dtype in (torch.bfloat16, torch.float16))
 
 
 def launch(grid, *args, **constexprs):

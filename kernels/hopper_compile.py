@@ -57,7 +57,8 @@ def compile_for_hopper(spec: KernelSpec, config: triton.Config):
 
 
 def specs() -> list[KernelSpec]:
-    """Each kernel at the launch shapes of the ``small`` model (H=64, d=512, top-512, window 128, 128-dim indexer)."""
+    """Each kernel at the launch shapes of the ``small`` model (H=64, d=512, top-512, window 128, 128-dim indexer), and
+    the Gluon forward also at other shapes it accepts (``gluon_attention.usable``: no GPU test runs them)."""
     if INTERPRET:
         raise RuntimeError("kernels.hopper_compile needs TRITON_INTERPRET unset: interpreted kernels do not compile")
     bf, f32, i64, i32 = "*bf16", "*fp32", "*i64", "i32"
@@ -95,6 +96,10 @@ def specs() -> list[KernelSpec]:
         KernelSpec(untuned(cast._cast_kernel, num_warps=4), dict(SRC=(f32, f32, f32), OUT=bf),
                    dict(STARTS=(0, 4096, 12288), ENDS=(4096, 12288, 20480), BLOCK=cast.BLOCK)),
     ]
+    for D, W, K, rope_dim in ((128, 32, 100, 32), (64, 16, 0, 0)):  # K not a power of two; window only, no RoPE
+        out.append(KernelSpec(gluon_attn._fwd_kernel, fwd_types,
+                              dict(D=D, W=W, K=K, K_P=attn._padded_k(K), BLOCK_H=64, ROPE=rope_dim, MASS_PASS=K > 0,
+                                   SKIP_GATHER=False)))
     for D, rope_dim in ((768, 0), (512, 64)):  # q_norm; kv_norm + the window-KV rotation
         block_d, block_r, warps = nrm._launch_shape(D)
         norm_shape = dict(D=D, BLOCK_D=block_d, ROPE=rope_dim, BLOCK_R=block_r)
