@@ -154,10 +154,7 @@ def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
 
 def forward_impl(q) -> str:
     """Which forward kernel ``sparse_attention`` runs for q: the Gluon one where it applies, else Triton's."""
-    if triton_attention.FORWARD_IMPL != "gluon" or SMOKE:
-        return "triton"
-    from kernels import gluon_attention
-    return "gluon" if gluon_attention.usable(q) else "triton"
+    return "gluon" if triton_attention.gluon_forward_applies(q) else "triton"
 
 
 @section

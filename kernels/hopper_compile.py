@@ -2,9 +2,9 @@
 
 The CPU tests run the kernels through Triton's interpreter, which executes their arithmetic but not the compiler
 (and cannot run Gluon at all), so a kernel can pass all of them and still fail to compile on the GPU (2026-11-30: a
-``tl.constexpr`` name bound inside ``static_range`` stopped every 64K training step). ``specs()`` gives each kernel the argument types and
-constexprs of a real launch at the ``small`` model's shapes; ``compile_for_hopper`` runs Triton's compiler with the
-ptxas shipped in the triton wheel. ``python -m kernels.hopper_compile`` compiles the first config of each and exits 1
+``tl.constexpr`` name bound inside ``static_range`` stopped every 64K training step). ``specs()`` gives each kernel
+the argument types and constexprs of a real launch at the ``small`` model's shapes; ``compile_for_hopper`` runs
+Triton's compiler with the ptxas shipped in the triton wheel. ``python -m kernels.hopper_compile`` compiles the first config of each and exits 1
 naming those that fail (a CPU test runs it); ``bench/kernels_compile_report.py`` compiles every autotune config and
 reads their resources. Both need ``TRITON_INTERPRET`` unset: under the interpreter a kernel is not compilable.
 """

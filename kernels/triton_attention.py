@@ -431,13 +431,21 @@ def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torc
     args = (kv_window, q, win_lo, idx, sink, rot, out, lse, mass, stage, comp_offset, *strides, T, S, H,
             scale * LOG2E.value)
     shape = dict(D=D, W=window, K=K, K_P=_padded_k(K), BLOCK_H=_block_h(H), ROPE=rope, MASS_PASS=mass_pass)
-    if FORWARD_IMPL == "gluon" and not INTERPRET and q.is_cuda:
-        from kernels import gluon_attention  # imported here: Gluon is only needed (and only runs) on a GPU
-        if gluon_attention.usable(q):
-            gluon_attention.launch((B * T,), *args, **shape)
-            return out, lse, mass
-    _fwd_kernel[(B * T,)](*args, **shape)
+    if gluon_forward_applies(q):
+        from kernels import gluon_attention
+        gluon_attention.launch((B * T,), *args, **shape)
+    else:
+        _fwd_kernel[(B * T,)](*args, **shape)
     return out, lse, mass
+
+
+def gluon_forward_applies(q: torch.Tensor) -> bool:
+    """Whether the forward for q runs the Gluon kernel: ``FORWARD_IMPL`` allows it, q is on a GPU (not the
+    interpreter) and ``gluon_attention.usable`` accepts its shape, dtype and device."""
+    if FORWARD_IMPL != "gluon" or INTERPRET or not q.is_cuda:
+        return False
+    from kernels import gluon_attention  # imported here: Gluon is only needed (and only runs) on a GPU
+    return gluon_attention.usable(q)
 
 
 @_sparse_attention_fwd.register_fake
