@@ -33,16 +33,31 @@ def tool(name: str, source: str, suffix: str, *flags: str) -> subprocess.Complet
         return subprocess.run([os.path.join(BIN, name), *flags, f.name], capture_output=True, text=True)
 
 
-def machine_code(cubin: bytes) -> str:
-    """wgmma shapes and spill instructions (inside loops / in all) of a compiled kernel."""
+def spill_counts(cubin: bytes) -> dict:
+    """Spill instructions (STL/LDL) of a compiled kernel: in all, inside any loop (a backward branch's range of the
+    disassembly), and between the wgmma (HGMMA) instructions of a partition; and the wgmma shapes."""
     lines = tool("nvdisasm", cubin, ".cubin", "-c").stdout.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*\.(L_x_\d+):", line))}
     loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
              if (m := re.search(r"BRA `\(\.(L_x_\d+)\)", line)) and labels.get(m.group(1), i) < i]
     spills = [i for i, line in enumerate(lines) if re.search(r"\b(STL|LDL)\b", line)]
-    in_loops = sum(any(a <= i <= b for a, b in loops) for i in spills)
-    shapes = sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", "\n".join(lines))))
-    return f"HGMMA {','.join(shapes) or '-'} | spill instrs in loops {in_loops} of {len(spills)}"
+    # Warp-specialized code is one region per partition, each entered through a register reallocation; a region's
+    # MMA span runs from its first to its last wgmma (its main loop).
+    cuts = [0] + [i for i, line in enumerate(lines) if "USETMAXREG" in line] + [len(lines)]
+    spans = []
+    for a, b in zip(cuts, cuts[1:]):
+        mma = [i for i in range(a, b) if "HGMMA" in lines[i]]
+        spans += [(mma[0], mma[-1])] if mma else []
+    return {"all": len(spills), "in_loops": sum(any(a <= i <= b for a, b in loops) for i in spills),
+            "in_mma_spans": sum(any(a <= i <= b for a, b in spans) for i in spills),
+            "hgmma": sorted(set(re.findall(r"HGMMA\.(\d+x\d+x\d+)", "\n".join(lines))))}
+
+
+def machine_code(cubin: bytes) -> str:
+    """wgmma shapes and spill instructions (inside loops / in all) of a compiled kernel."""
+    n = spill_counts(cubin)
+    return (f"HGMMA {','.join(n['hgmma']) or '-'} | spill instrs in loops {n['in_loops']} of {n['all']}, "
+            f"among wgmma {n['in_mma_spans']}")
 
 
 LINES: list[str] = []  # every printed line, for --json

@@ -2,28 +2,32 @@
 
 Why a second forward: Triton gives a dot whose result feeds another dot the warp layout [8, 1], so with 64 heads
 (M = 64) and 8 warps both warpgroups compute the same S = q kv^T (docs/KERNELS.md, "Why the forward's S is computed
-twice"). Gluon states layouts instead of inferring them, which allows FlashMLA's division of the work:
+twice"). Gluon states layouts and lets warpgroups run different code (``gl.warp_specialize``), which allows the
+schedule of FlashMLA's sparse prefill on Hopper ("seesaw"), one token (its 64 heads) per program:
 
-- S [64 heads, BLOCK_N slots] is split by slots over the two warpgroups (``warps_per_cta = [4, 2]``): each computes
-  64 x BLOCK_N/2 against the whole q, which stays in shared memory for the token's life.
-- The row max and row sum combine the two halves (a reduction across warpgroups); P goes to the PV product's
-  operand layout (each warpgroup needs all of P) and O [64, D] is split by features: each warpgroup accumulates
-  64 x D/2 from its half of the gathered rows' columns.
-- The rows of blocks j + 1 .. j + STAGES - 1 are being gathered by ``cp.async`` into a ring of STAGES shared-memory
-  buffers while block j is computed (64-slot blocks leave room for two buffers beside q, 32-slot blocks for four).
+- Three warpgroups. A producer gathers the slots' rows by ``cp.async`` into two 64-row buffers, a half of D at a
+  time, each half with its own READY / FREE mbarriers, so a half is refilled as soon as its last reader is done.
+- Blocks go in pairs: consumer WG0 computes S = q K^T [64 heads, 64 slots] of the pair's first block, WG1 of the
+  second, each against the whole q (in shared memory for the token's life) and each as one full 64 x 64 wgmma tile
+  (no reduction across warpgroups). O [64, D] is split by features: WG0 accumulates the left half from both blocks,
+  WG1 the right half; each takes its own P from registers and the other's through shared memory.
+- The softmax max is handed over once a pair: WG0's new max to WG1, which takes the pair's max and hands it back;
+  WG0 rescales its P and O to it. While one warpgroup runs its softmax the other's MMAs keep the tensor cores busy.
 
-The selected mass, the sink, the window and -1 masks, RoPE on q (rotated in registers before q is stored to shared
-memory: no scratch) and on the output (turned back before its one rounding), and the LSE follow the Triton kernel;
-the selected blocks' p are staged in the token's output rows and their running max in shared memory.
+The selected mass, the sink, the window and -1 masks (a per-slot logit bias the producer publishes with each
+block), RoPE on q (rotated in registers before q is stored to shared memory: no scratch) and on the output (turned
+back before its one rounding), and the LSE follow the Triton kernel; the selected blocks' p are staged in the
+token's output rows and their max in shared memory, and each consumer sums the mass of the blocks it computed.
 
 Gluon runs only on the GPU (the interpreter cannot run it): the CPU tests compile it for sm_90a
-(``kernels.hopper_compile``); the GPU check (``bench/bench_kernels.py check``) compares it with the fp32 reference.
+(``kernels.hopper_compile``) and hold it to its shared memory and its MMA loops to no spills; the GPU check
+(``bench/bench_kernels.py check``) compares it with the fp32 reference.
 """
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from kernels import triton_attention as tri
@@ -31,15 +35,8 @@ from kernels.triton_common import rotate_split_pairs
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_H = 64  # heads are the MMA's M: one token's heads fill one wgmma (64 rows)
-# Slots per block (half of them per warpgroup in S) and gather buffers; shared memory: q 64 KB + STAGES x BLOCK_N KB.
-# 32-slot blocks with 3 or 4 buffers were slower at 64K (25.8 and 26.2 ms against 21.3: S's wgmma is then
-# 64 x 16 per warpgroup, and q is read from shared memory twice as often; bench_attention_gluon_v10.json).
-# An L2 prefetch of the block after next (one cp.async.bulk.prefetch.L2 per row) was slower: 24.5 against 21.3 ms
-# (bench_attention_prefetch_ablation.json, code d987d55).
-_CONFIGS = [triton.Config(dict(BLOCK_N=64, STAGES=2), num_warps=8)]
-# Stages the benchmark switches off to see what the rest costs ("gather": no rows copied after the first block, so
-# the blocks compute on whatever the buffers hold: 19.4 ms against 21.3, so the copies are not what limits the
-# kernel); empty in real use.
+# Stages the benchmark switches off to see what the rest costs ("gather": the producer copies no rows, so the
+# blocks compute on whatever the buffers hold); empty in real use.
 ABLATE: set[str] = set()
 
 # The Triton helpers that only compute (row offsets, validity, pair rotation), run as Gluon functions: their
@@ -57,156 +54,281 @@ def _block_rows(IDX, start, tok, b, t, win_lo, T, S, comp_offset, D: gl.constexp
 
 
 @gluon.jit
-def _gather(KV, buffer, offset, valid, D: gl.constexpr, LOAD: gl.constexpr):
-    """Start the copy of the rows at ``offset`` into ``buffer`` (invalid rows become zeros) as one cp.async group
-    (empty when no row is valid)."""
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
-    async_copy.async_copy_global_to_shared(buffer, KV + offset[:, None] + dims[None, :], mask=valid[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _load_q(Q, ROT, tok, H, D: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, LOAD: gl.constexpr):
-    """The token's q [BLOCK_H, D] (padded heads 0) with its last ROPE features rotated by the token's RoPE."""
+def _load_q(Q, ROT, tok, H, col0: gl.constexpr, COLS: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
+            LOAD: gl.constexpr):
+    """Columns col0..col0+COLS of the token's q [BLOCK_H, D] (padded heads 0), those among the last ROPE features
+    rotated by the token's RoPE."""
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
+    dims = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LOAD))
     rows = Q + (tok * H + heads[:, None]).to(gl.int64) * D
     live = (heads < H)[:, None]
     q = gl.load(rows + dims[None, :], mask=live, other=0.0)
-    if ROPE:
-        tail = (dims >= D - ROPE)[None, :]
-        angle = tok * ROPE + (dims - (D - ROPE)) // 2 * 2
-        cos = gl.load(ROT + angle, mask=dims >= D - ROPE, other=1.0)
-        sin = gl.load(ROT + angle + 1, mask=dims >= D - ROPE, other=0.0)
-        partner = gl.load(rows + (dims ^ 1)[None, :], mask=live & tail, other=0.0).to(gl.float32)
-        signed_sin = gl.where(dims % 2 == 0, -sin, sin)  # even: x cos - x' sin; odd: x' sin + x cos
-        rotated = q.to(gl.float32) * cos[None, :] + partner * signed_sin[None, :]
-        q = gl.where(tail, rotated.to(q.dtype), q)
+    if ROPE > 0:
+        if col0 + COLS > D - ROPE:
+            tail = (dims >= D - ROPE)[None, :]
+            angle = tok * ROPE + (dims - (D - ROPE)) // 2 * 2
+            cos = gl.load(ROT + angle, mask=dims >= D - ROPE, other=1.0)
+            sin = gl.load(ROT + angle + 1, mask=dims >= D - ROPE, other=0.0)
+            partner = gl.load(rows + (dims ^ 1)[None, :], mask=live & tail, other=0.0).to(gl.float32)
+            signed_sin = gl.where(dims % 2 == 0, -sin, sin)  # even: x cos - x' sin; odd: x' sin + x cos
+            rotated = q.to(gl.float32) * cos[None, :] + partner * signed_sin[None, :]
+            q = gl.where(tail, rotated.to(q.dtype), q)
     return q
 
 
-@gluon.jit
-def _selected_mass(STAGE, stage_head_stride, block_max, lse2, MASS, H, K: gl.constexpr, K_P: gl.constexpr,
-                   BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-    """MASS[slot] = sum over heads of the staged p [H, K] (at STAGE, heads ``stage_head_stride`` apart), each
-    selected block's times exp2(its running max - lse2), from one load of the whole tile ([heads, blocks, slots];
-    blocks past K are masked, so ``block_max``'s rows for them are never used)."""
-    TILE: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (BLOCK_N // 8), BLOCK_N // 8], [num_warps, 1, 1],
-                                          [2, 1, 0])
-    BY_BLOCK: gl.constexpr = gl.SliceLayout(2, TILE)  # [heads, blocks]
-    BY_SLOT: gl.constexpr = gl.SliceLayout(0, TILE)  # [blocks, slots of a block]
-    slots = (gl.arange(0, K_P // BLOCK_N, layout=gl.SliceLayout(1, BY_SLOT))[:, None] * BLOCK_N
-             + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, BY_SLOT))[None, :])
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, BY_BLOCK))[:, None, None]
-    p = gl.load(STAGE + heads * stage_head_stride + slots[None, :, :], mask=(heads < H) & (slots < K)[None, :, :],
-                other=0.0)
-    rows = block_max._reinterpret(gl.float32, [K_P // BLOCK_N, BLOCK_H], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    maxima = gl.convert_layout(gl.permute(rows.load(gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])),
-                                          (1, 0)), BY_BLOCK)
-    to_final = gl.exp2(maxima - gl.convert_layout(lse2, gl.SliceLayout(1, BY_BLOCK))[:, None])
-    gl.store(MASS + slots, gl.sum(p.to(gl.float32) * to_final[:, :, None], 0), mask=slots < K)
+# Barriers (one array): READY / FREE per buffer half (index 2 * buffer + half), then the consumers' hand-overs.
+_READY, _FREE, _MAX, _P, _L, _DONE, _VALID = (gl.constexpr(i) for i in (0, 4, 8, 10, 12, 14, 16))
+_N_BARRIERS = gl.constexpr(18)
+PRODUCER_WARPS = gl.constexpr(4)
+# Registers per thread: 12 warps share the SM's 64K (kernel limit 168 = 504 a triple); a consumer holds its O half
+# [64, D/2] fp32 (128 registers at D = 512), S [64, 64] fp32 and P; the producer only row offsets and addresses.
+CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(216), gl.constexpr(72), 168
 
 
-@triton.autotune(configs=_CONFIGS, key=["H", "D", "W", "K"])
 @gluon.jit
-def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride,
-                stage_head_stride, T, S, H, scale_log2, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
-                K_P: gl.constexpr, BLOCK_H: gl.constexpr, ROPE: gl.constexpr, MASS_PASS: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SKIP_GATHER: gl.constexpr, num_warps: gl.constexpr):
-    """Out, LSE and selected mass of one token (``triton_attention._fwd_kernel``'s arguments). The running max after
-    each selected block is kept in shared memory, one row per block of K_P (K padded to a power of two)."""
-    gl.static_assert(BLOCK_H == 64 and num_warps == 8, "one wgmma M of heads, two warpgroups")
+def _opaque_zero(i):
+    """0, computed in the loop by an instruction the compiler cannot see through. Indexing the shared buffers with
+    it makes their wgmma descriptors loop-variant: otherwise LLVM hoists all of them out of the loop (S alone takes
+    32 k-steps x 2 64-bit descriptors) and ptxas spills them to local memory (390 spill instructions in the loop)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _stage_block(STAGE, stage_token_stride, stage_head_stride, block_max, p, m, start, tok, H, W: gl.constexpr,
+                 K: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Stage a selected block's p (fp16, in the token's output rows) and the max it is relative to."""
+    S_L: gl.constexpr = p.type.layout
+    heads = gl.arange(0, p.shape[0], layout=gl.SliceLayout(1, S_L))
+    slots = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    stage = STAGE + tok * stage_token_stride + heads[:, None] * stage_head_stride
+    gl.store(stage + (slots - W)[None, :], p.to(STAGE.dtype.element_ty),
+             mask=(heads < H)[:, None] & (slots < W + K)[None, :])
+    block_max.index((start - W) // BLOCK_N).store(m)
+
+
+@gluon.jit
+def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.constexpr, BLOCK_H: gl.constexpr,
+                     ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, SKIP_GATHER: gl.constexpr,
+                     WG: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1): computes S and P of the pair's block WG, and O's columns WG*D/2.. from both
+    blocks (its own P from registers, the other's through shared memory). Per pair: WG0's max goes to WG1, which
+    takes the pair's max (both blocks) and hands it back; WG0 rescales its P and O to it, so both halves of O, both
+    P and both partial row sums are relative to one max after every pair."""
+    (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
+     H, scale_log2, tok, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
+    HALF: gl.constexpr = D // 2
     W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    N_BLOCKS: gl.constexpr = (W_P + K + BLOCK_N - 1) // BLOCK_N
-    # 16-byte pieces of rows, a warp on 4 rows x 128 bytes: a thread holds the row ids of BLOCK_N / 32 rows only.
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                  instr_shape=[16, BLOCK_N // 2, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16])
+    N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     ROW: gl.constexpr = gl.SliceLayout(1, S_L)
-    COL: gl.constexpr = gl.SliceLayout(0, S_L)
+    O_ROW: gl.constexpr = gl.SliceLayout(1, O_L)
     dtype: gl.constexpr = Q.dtype.element_ty
-    operand: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_H, D], operand)
-    kv_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], operand)
-    block_max = gl.allocate_shared_memory(gl.float32, [K_P // BLOCK_N, BLOCK_H],
-                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
-
-    tok = gl.program_id(0).to(gl.int64)  # flat b*T + t
-    b = tok // T
-    t = tok - b * T
-    win_lo = gl.load(WIN_LO + tok)
-    rows: gl.constexpr = gl.SliceLayout(1, LOAD)
-    for i in gl.static_range(STAGES - 1):
-        first_offset, first_valid = _block_rows(IDX, W - W_P + i * BLOCK_N, tok, b, t, win_lo, T, S, comp_offset, D,
-                                                W, K, BLOCK_N, rows)
-        _gather(KV, kv_smem.index(i), first_offset, first_valid, D, LOAD)
-    q_smem.store(_load_q(Q, ROT, tok, H, D, ROPE, BLOCK_H, LOAD))
-
     heads = gl.arange(0, BLOCK_H, layout=ROW)
     hmask = heads < H
     m = gl.load(SINK + heads, mask=hmask, other=0.0).to(gl.float32) * LOG2E
-    l = gl.full([BLOCK_H], 1.0, gl.float32, ROW)
-    acc = gl.zeros([BLOCK_H, D], gl.float32, O_L)
-    stage = STAGE + tok * stage_token_stride + heads[:, None] * stage_head_stride
-    # Row ids are loaded one block before they are used (the gather's and the mask's), so that their latency is
-    # spent while a block computes.
-    next_offset, next_valid = _block_rows(IDX, W - W_P + (STAGES - 1) * BLOCK_N, tok, b, t, win_lo, T, S,
-                                          comp_offset, D, W, K, BLOCK_N, rows)
-    _, valid_next = _block_rows(IDX, W - W_P, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N, COL)
-    for j in range(N_BLOCKS):
-        start = W - W_P + j * BLOCK_N
-        async_copy.wait_group(STAGES - 2)  # groups complete in order: block j's rows have landed
-        fence_async_shared()  # the rows (and, at j = 0, q) are read by wgmma through the async proxy
-        gl.thread_barrier()  # every thread's copies have landed; both warpgroups are done with block j - 1
-        kv = kv_smem.index(j % STAGES)
-        s = warpgroup_mma(q_smem, kv.permute((1, 0)), gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L), use_acc=False,
-                          is_async=True)
-        # Block j + STAGES - 1 into the buffer block j - 1 used (past the last block: an empty group).
-        if SKIP_GATHER:
-            async_copy.commit_group()
-        else:
-            _gather(KV, kv_smem.index((j + STAGES - 1) % STAGES), next_offset, next_valid, D, LOAD)
-        valid = valid_next
-        next_offset, next_valid = _block_rows(IDX, start + STAGES * BLOCK_N, tok, b, t, win_lo, T, S, comp_offset,
-                                              D, W, K, BLOCK_N, rows)
-        _, valid_next = _block_rows(IDX, start + BLOCK_N, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N,
-                                    COL)
+    l = gl.full([BLOCK_H], 1.0 - WG, gl.float32, ROW)  # the sink's term, counted once (by WG0)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
+    for i in range(N_PAIRS):
+        phase = i & 1
+        start = W - W_P + (2 * i + WG) * BLOCK_N
+        zero = _opaque_zero(i)
+        q = q_smem.index(zero)
+        own = kv_smem.index(WG + zero)
+        own_v = own.slice(WG * HALF, HALF, dim=1)
+        other_v = kv_smem.index(1 - WG + zero).slice(WG * HALF, HALF, dim=1)
+        # S = q K^T by halves of D, each issued once its half of the rows has landed: first the half this
+        # warpgroup frees first (WG0: left, WG1: right), so that S starts while the other half is still landing.
+        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_L)
+        for h in gl.static_range(2):  # the half of D: WG0 takes 0 then 1, WG1 1 then 0
+            mbarrier.wait(bars.index(_READY + 2 * WG + (h + WG) % 2), phase)
+            fence_async_shared()  # rows written by cp.async (generic proxy) are read by wgmma (async proxy)
+            s = warpgroup_mma(q.slice((h + WG) % 2 * HALF, HALF, dim=1),
+                              own.slice((h + WG) % 2 * HALF, HALF, dim=1).permute((1, 0)), s, use_acc=h > 0,
+                              is_async=True)
+        mbarrier.wait(bars.index(_VALID + WG), phase)
+        bias = bias_smem.index(WG).load(gl.SliceLayout(0, S_L))
         s = warpgroup_mma_wait(0, deps=(s, ))
-        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, 1))
+        s = s * scale_log2 + bias[None, :]
+        if WG == 0:
+            m_new = gl.maximum(m, gl.max(s, 1))
+        else:
+            mbarrier.wait(bars.index(_MAX), phase)
+            m_new = gl.maximum(row_smem.index(0).load(ROW), gl.max(s, 1))
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(s - m_new[:, None])
         l = l * alpha + gl.sum(p, 1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_L), kv, acc, is_async=True)
-        m = m_new
+        acc = acc * gl.convert_layout(alpha, O_ROW)[:, None]
+        row_smem.index(WG).store(m_new)
+        mbarrier.arrive(bars.index(_MAX + WG), count=1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_L), own_v, acc, is_async=True)
+        if WG == 0:  # to the pair's max, which WG1 took from both blocks
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(bars.index(_FREE + 0), count=1)  # block 0's left half: read by S and this PV
+            mbarrier.wait(bars.index(_MAX + 1), phase)
+            m_pair = row_smem.index(1).load(ROW)
+            rescale = gl.exp2(m_new - m_pair)
+            p = p * rescale[:, None]
+            l = l * rescale
+            acc = acc * gl.convert_layout(rescale, O_ROW)[:, None]
+            m_new = m_pair
+        p_smem.index(WG).store(p.to(dtype))
+        fence_async_shared()  # P is read by the other warpgroup's wgmma
+        mbarrier.arrive(bars.index(_P + WG), count=1)
+        mbarrier.wait(bars.index(_P + 1 - WG), phase)
+        acc = warpgroup_mma(p_smem.index(1 - WG), other_v, acc, is_async=True)
         if MASS_PASS:
-            if start >= W:
-                slots = start + gl.arange(0, BLOCK_N, layout=COL)
-                gl.store(stage + (slots - W)[None, :], p.to(STAGE.dtype.element_ty),
-                         mask=hmask[:, None] & (slots < W + K)[None, :])
-                block_max.index((start - W) // BLOCK_N).store(m)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if (start >= W) & (start < W + K):
+                _stage_block(STAGE, stage_token_stride, stage_head_stride, block_max, p, m_new, start, tok, H, W, K,
+                             BLOCK_N)
+        if WG == 0:
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(bars.index(_FREE + 2), count=1)  # block 1's left half
+        else:
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(bars.index(_FREE + 3), count=1)  # block 1's right half
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(bars.index(_FREE + 1), count=1)  # block 0's right half
+        m = m_new
 
+    # Row sums: each warpgroup summed its own blocks' P.
+    row_smem.index(2 + WG).store(l)
+    mbarrier.arrive(bars.index(_L + WG), count=1)
+    mbarrier.wait(bars.index(_L + 1 - WG), 0)
+    l = l + row_smem.index(3 - WG).load(ROW)
     lse2 = m + gl.log2(l)
-    gl.store(LSE + tok * H + heads, lse2 / LOG2E, mask=hmask)
-    out = acc / gl.convert_layout(l, gl.SliceLayout(1, O_L))[:, None]  # before the epilogue: frees acc's registers
-    if ROPE:  # back to q's frame: the conjugate rotation of the output's pairs, still in fp32
-        even, odd = gl.split(gl.reshape(out, [BLOCK_H, D // 2, 2]))
-        pair = gl.arange(0, D // 2, layout=gl.SliceLayout(0, even.type.layout))[None, :] - (D - ROPE) // 2
-        out = gl.reshape(_rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, True), [BLOCK_H, D])
+    if WG == 1:
+        gl.store(LSE + tok * H + heads, lse2 / LOG2E, mask=hmask)
+    out = acc / gl.convert_layout(l, O_ROW)[:, None]
+    if ROPE > 0:
+        if (WG + 1) * HALF > D - ROPE:  # back to q's frame: the conjugate rotation of the tail's pairs, in fp32
+            even, odd = gl.split(gl.reshape(out, [BLOCK_H, HALF // 2, 2]))
+            pair = (gl.arange(0, HALF // 2, layout=gl.SliceLayout(0, even.type.layout))[None, :]
+                    + (WG * HALF - (D - ROPE)) // 2)
+            out = gl.reshape(_rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, True), [BLOCK_H, HALF])
     out = out.to(OUT.dtype.element_ty)
     if MASS_PASS:
-        gl.thread_barrier()  # the stage is read back by other threads of this program
-        _selected_mass(STAGE + tok * stage_token_stride, stage_head_stride, block_max, lse2, MASS + tok * K, H, K, K_P,
-                       BLOCK_H, BLOCK_N, num_warps)
-        gl.thread_barrier()  # every thread has read the stage before the output overwrites it
+        gl.thread_barrier()  # this warpgroup's staged p is read by its other threads
+        _selected_mass_of(WG, STAGE + tok * stage_token_stride, stage_head_stride, block_max, lse2, MASS + tok * K, H,
+                          W, K, N_PAIRS, BLOCK_H, BLOCK_N)
+        # The stage lies in the output rows: both warpgroups read theirs before either writes its output.
+        mbarrier.arrive(bars.index(_DONE + WG), count=1)
+        mbarrier.wait(bars.index(_DONE + 1 - WG), 0)
     OUT_L: gl.constexpr = out.type.layout
     out_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUT_L))
-    dims = gl.arange(0, D, layout=gl.SliceLayout(0, OUT_L))
+    dims = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT_L))
     gl.store(OUT + (tok * H + out_heads[:, None]) * D + dims[None, :], out, mask=(out_heads < H)[:, None])
+
+
+@gluon.jit
+def _selected_mass_of(WG: gl.constexpr, STAGE, stage_head_stride, block_max, lse2, MASS, H, W: gl.constexpr,
+                      K: gl.constexpr, N_PAIRS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
+    """MASS of the selected blocks warpgroup WG staged (its blocks 2r + WG): per block, the sum over heads of p
+    times exp2(the block's max - lse2). The blocks' loads are independent (unrolled), so they are issued together."""
+    # Heads within a warp (the sum over them stays in registers and shuffles), the warps side by side on slots.
+    TILE: gl.constexpr = gl.BlockedLayout([BLOCK_H // 16, 8], [16, 2], [1, 4], [1, 0])
+    W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, TILE))
+    lse2 = gl.convert_layout(lse2, gl.SliceLayout(1, TILE))
+    for r in gl.static_range(N_PAIRS):
+        if (2 * r + WG) * BLOCK_N >= W_P:
+            if (2 * r + WG) * BLOCK_N < W_P + K:
+                first = (2 * r + WG) * BLOCK_N - W_P  # the block's first selected slot
+                slots = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, TILE))
+                p = gl.load(STAGE + heads[:, None] * stage_head_stride + slots[None, :],
+                            mask=(heads < H)[:, None] & (slots < K)[None, :], other=0.0)
+                weight = gl.exp2(block_max.index(first // BLOCK_N).load(gl.SliceLayout(1, TILE)) - lse2)
+                gl.store(MASS + slots, gl.sum(p.to(gl.float32) * weight[:, None], 0), mask=slots < K)
+
+
+@gluon.jit
+def _producer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.constexpr, BLOCK_H: gl.constexpr,
+                     ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, SKIP_GATHER: gl.constexpr,
+                     WG: gl.constexpr):
+    """The producer warpgroup: gathers each pair's two blocks by cp.async, a buffer half at a time in the order
+    the consumers free them (block 0 left, block 1 right, block 0 right, block 1 left); each half's READY barrier
+    completes when every producer thread's copies have landed (one arrival per thread)."""
+    (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
+     H, scale_log2, tok, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
+    HALF: gl.constexpr = D // 2
+    W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+    PIECES: gl.constexpr = min(16, HALF // 8)  # 16-byte pieces of a row per thread row
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // PIECES, PIECES], [PRODUCER_WARPS, 1], [1, 0])
+    ROWS: gl.constexpr = gl.SliceLayout(1, LOAD)
+    b = tok // T
+    t = tok - b * T
+    win_lo = gl.load(WIN_LO + tok)
+    for i in range(N_PAIRS):
+        phase = (i & 1) ^ 1  # a fresh barrier's previous phase counts as complete: the first pair does not wait
+        start = W - W_P + 2 * i * BLOCK_N
+        offset0, valid0 = _block_rows(IDX, start, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N, ROWS)
+        offset1, valid1 = _block_rows(IDX, start + BLOCK_N, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N,
+                                      ROWS)
+        _gather_half(KV, kv_smem, bars, 0, 0, offset0, valid0, phase, HALF, LOAD, SKIP_GATHER)
+        _publish_bias(bias_smem, bars, 0, valid0)
+        _gather_half(KV, kv_smem, bars, 1, 1, offset1, valid1, phase, HALF, LOAD, SKIP_GATHER)
+        _publish_bias(bias_smem, bars, 1, valid1)
+        _gather_half(KV, kv_smem, bars, 0, 1, offset0, valid0, phase, HALF, LOAD, SKIP_GATHER)
+        _gather_half(KV, kv_smem, bars, 1, 0, offset1, valid1, phase, HALF, LOAD, SKIP_GATHER)
+
+
+@gluon.jit
+def _publish_bias(bias_smem, bars, buffer: gl.constexpr, valid):
+    """The slots' logit bias (0, or -inf where the slot is empty) of the block now landing in ``buffer``; written
+    once its consumer has freed the buffer's first half, i.e. after it read the previous bias."""
+    bias_smem.index(buffer).store(gl.where(valid, 0.0, float("-inf")))
+    mbarrier.arrive(bars.index(_VALID + buffer), count=1)
+
+
+@gluon.jit
+def _gather_half(KV, kv_smem, bars, buffer: gl.constexpr, half: gl.constexpr, offset, valid, phase,
+                 HALF: gl.constexpr, LOAD: gl.constexpr, SKIP_GATHER: gl.constexpr):
+    """Wait until the consumers are done with half ``half`` of ``buffer``, then copy the rows' columns there
+    (invalid rows become zeros) and let READY track the copies."""
+    mbarrier.wait(bars.index(_FREE + 2 * buffer + half), phase)
+    dims = half * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, LOAD))
+    if not SKIP_GATHER:
+        async_copy.async_copy_global_to_shared(kv_smem.index(buffer).slice(half * HALF, HALF, dim=1),
+                                               KV + offset[:, None] + dims[None, :], mask=valid[:, None])
+    async_copy.mbarrier_arrive(bars.index(_READY + 2 * buffer + half), increment_count=False)
+
+
+@triton.autotune(configs=[triton.Config({}, num_warps=4, maxnreg=KERNEL_MAXNREG)], key=["H", "D", "W", "K"])
+@gluon.jit
+def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride,
+                       stage_head_stride, T, S, H, scale_log2, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
+                       K_P: gl.constexpr, BLOCK_H: gl.constexpr, ROPE: gl.constexpr, MASS_PASS: gl.constexpr,
+                       SKIP_GATHER: gl.constexpr, num_warps: gl.constexpr):
+    """``_fwd_kernel``'s contract with the seesaw schedule: q is loaded (and rotated) by the first warpgroup into
+    shared memory, then the two consumers and the producer run as warp-specialized partitions."""
+    gl.static_assert(BLOCK_H == 64 and num_warps == 4, "one wgmma M of heads per consumer warpgroup")
+    BLOCK_N: gl.constexpr = 64
+    operand: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D], operand)  # [1, ...]: see _opaque_zero
+    kv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], operand)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], operand)
+    rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    row_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], rows)  # the two maxima, the two row sums
+    block_max = gl.allocate_shared_memory(gl.float32, [K_P // BLOCK_N, BLOCK_H], rows)
+    bias_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], rows)  # 0 or -inf per slot of each buffer
+    bars = gl.allocate_shared_memory(gl.int64, [32, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(_N_BARRIERS):
+        mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32 if i < _FREE else 1)
+    tok = gl.program_id(0).to(gl.int64)  # flat b*T + t
+    QC: gl.constexpr = min(D, 64)  # q in column chunks: few registers in the one warpgroup that loads it
+    QLOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QC // 8), QC // 8], [num_warps, 1], [1, 0])
+    for c in gl.static_range(D // QC):
+        q_smem.index(0).slice(c * QC, QC, dim=1).store(_load_q(Q, ROT, tok, H, c * QC, QC, D, ROPE, BLOCK_H, QLOAD))
+    fence_async_shared()  # q is read by wgmma
+    args = (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride,
+            T, S, H, scale_log2, tok, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars)
+    gl.warp_specialize([(_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 0)),
+                        (_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 1)),
+                        (_producer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 1))],
+                       [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -219,5 +341,5 @@ def usable(q: torch.Tensor) -> bool:
 
 
 def launch(grid, *args, **constexprs):
-    """``triton_attention._fwd_kernel``'s launch (same arguments; the block shape is autotuned)."""
+    """``triton_attention._fwd_kernel``'s launch (same arguments)."""
     _fwd_kernel[grid](*args, **constexprs, SKIP_GATHER="gather" in ABLATE)
