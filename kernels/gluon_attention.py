@@ -77,12 +77,19 @@ def _load_q(Q, ROT, tok, H, col0: gl.constexpr, COLS: gl.constexpr, D: gl.conste
 
 
 # Barriers (one array): READY / FREE per buffer half (index 2 * buffer + half), then the consumers' hand-overs.
-_READY, _FREE, _MAX, _P, _L, _DONE, _VALID = (gl.constexpr(i) for i in (0, 4, 8, 10, 12, 14, 16))
-_N_BARRIERS = gl.constexpr(18)
+_READY, _FREE, _MAX, _P, _L, _DONE, _VALID, _Q, _Q_FREE = (gl.constexpr(i) for i in (0, 4, 8, 10, 12, 14, 16, 18,
+                                                                                      19))
+_N_BARRIERS = gl.constexpr(20)
 PRODUCER_WARPS = gl.constexpr(4)
 # Registers per thread: 12 warps share the SM's 64K (kernel limit 168 = 504 a triple); a consumer holds its O half
 # [64, D/2] fp32 (128 registers at D = 512), S [64, 64] fp32 and P; the producer only row offsets and addresses.
 CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(216), gl.constexpr(72), 168
+
+
+@gluon.jit
+def _tokens_of_program(n_tokens):
+    """How many of the tokens pid, pid + programs, ... below n_tokens this program takes."""
+    return (n_tokens - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
 
 
 @gluon.jit
@@ -108,14 +115,34 @@ def _stage_block(STAGE, stage_token_stride, stage_head_stride, block_max, p, m, 
 
 @gluon.jit
 def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.constexpr, BLOCK_H: gl.constexpr,
-                     ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, SKIP_GATHER: gl.constexpr,
-                     WG: gl.constexpr):
-    """Consumer warpgroup WG (0 or 1): computes S and P of the pair's block WG, and O's columns WG*D/2.. from both
-    blocks (its own P from registers, the other's through shared memory). Per pair: WG0's max goes to WG1, which
-    takes the pair's max (both blocks) and hands it back; WG0 rescales its P and O to it, so both halves of O, both
-    P and both partial row sums are relative to one max after every pair."""
+              ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, SKIP_GATHER: gl.constexpr,
+              WG: gl.constexpr):
+    """Consumer warpgroup WG (0 or 1) over the program's tokens: computes S and P of each pair's block WG, and O's
+    columns WG*D/2.. from both blocks (its own P from registers, the other's through shared memory)."""
     (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
-     H, scale_log2, tok, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
+     H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, D // 2, 16])
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+    sink = gl.load(SINK + heads, mask=heads < H, other=0.0).to(gl.float32) * LOG2E
+    for it in range(_tokens_of_program(n_tokens)):
+        tok = (gl.program_id(0) + it * gl.num_programs(0)).to(gl.int64)
+        l = gl.full([BLOCK_H], 1.0 - WG, gl.float32, sink.type.layout)  # the sink's term, counted once (by WG0)
+        acc = gl.zeros([BLOCK_H, D // 2], gl.float32, O_L)
+        mbarrier.wait(bars.index(_Q), it & 1)  # the producer has stored this token's q
+        m, l, acc = _token_pairs(it, tok, sink, l, acc, args, D, W, K, BLOCK_H, MASS_PASS, BLOCK_N, WG)
+        _token_epilogue(it, tok, m, l, acc, args, D, W, K, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, WG)
+
+
+@gluon.jit
+def _token_pairs(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, BLOCK_H: gl.constexpr,
+                 MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr):
+    """Consumer WG's part of one token's pairs of blocks: (m, l, acc) after the last pair. Per pair: WG0's max goes
+    to WG1, which takes the pair's max (both blocks) and hands it back; WG0 rescales its P and O to it, so both halves
+    of O, both P and both partial row sums are relative to one max after every pair."""
+    (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
+     H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
     HALF: gl.constexpr = D // 2
     W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
@@ -125,13 +152,8 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.c
     ROW: gl.constexpr = gl.SliceLayout(1, S_L)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_L)
     dtype: gl.constexpr = Q.dtype.element_ty
-    heads = gl.arange(0, BLOCK_H, layout=ROW)
-    hmask = heads < H
-    m = gl.load(SINK + heads, mask=hmask, other=0.0).to(gl.float32) * LOG2E
-    l = gl.full([BLOCK_H], 1.0 - WG, gl.float32, ROW)  # the sink's term, counted once (by WG0)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
     for i in range(N_PAIRS):
-        phase = i & 1
+        phase = (it * N_PAIRS + i) & 1  # the barriers' phases run on over the program's tokens
         start = W - W_P + (2 * i + WG) * BLOCK_N
         zero = _opaque_zero(i)
         q = q_smem.index(zero)
@@ -150,6 +172,7 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.c
         mbarrier.wait(bars.index(_VALID + WG), phase)
         bias = bias_smem.index(WG).load(gl.SliceLayout(0, S_L))
         s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(bars.index(_Q_FREE), count=1, pred=i == N_PAIRS - 1)  # the token's last S has read q
         s = s * scale_log2 + bias[None, :]
         if WG == 0:
             m_new = gl.maximum(m, gl.max(s, 1))
@@ -191,11 +214,28 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.c
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(bars.index(_FREE + 1), count=1)  # block 0's right half
         m = m_new
+    return m, l, acc
 
+
+@gluon.jit
+def _token_epilogue(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
+                    BLOCK_H: gl.constexpr, ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    WG: gl.constexpr):
+    """Consumer WG's end of a token: the row sums of both warpgroups, LSE, the mass of its blocks, its half of the
+    output."""
+    (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
+     H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
+    HALF: gl.constexpr = D // 2
+    W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+    ROW: gl.constexpr = m.type.layout
+    O_ROW: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    heads = gl.arange(0, BLOCK_H, layout=ROW)
+    hmask = heads < H
     # Row sums: each warpgroup summed its own blocks' P.
     row_smem.index(2 + WG).store(l)
     mbarrier.arrive(bars.index(_L + WG), count=1)
-    mbarrier.wait(bars.index(_L + 1 - WG), 0)
+    mbarrier.wait(bars.index(_L + 1 - WG), it & 1)
     l = l + row_smem.index(3 - WG).load(ROW)
     lse2 = m + gl.log2(l)
     if WG == 1:
@@ -214,7 +254,7 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.c
                           W, K, N_PAIRS, BLOCK_H, BLOCK_N)
         # The stage lies in the output rows: both warpgroups read theirs before either writes its output.
         mbarrier.arrive(bars.index(_DONE + WG), count=1)
-        mbarrier.wait(bars.index(_DONE + 1 - WG), 0)
+        mbarrier.wait(bars.index(_DONE + 1 - WG), it & 1)
     OUT_L: gl.constexpr = out.type.layout
     out_heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, OUT_L))
     dims = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, OUT_L))
@@ -244,34 +284,46 @@ def _selected_mass_of(WG: gl.constexpr, STAGE, stage_head_stride, block_max, lse
 
 @gluon.jit
 def _producer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.constexpr, BLOCK_H: gl.constexpr,
-                     ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, SKIP_GATHER: gl.constexpr,
-                     WG: gl.constexpr):
+              ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, SKIP_GATHER: gl.constexpr,
+              WG: gl.constexpr):
     """The producer warpgroup: gathers each pair's two blocks by cp.async, a buffer half at a time in the order
     the consumers free them (block 0 left, block 1 right, block 0 right, block 1 left); each half's READY barrier
     completes when every producer thread's copies have landed (one arrival per thread)."""
     (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
-     H, scale_log2, tok, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
+     H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
     HALF: gl.constexpr = D // 2
     W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+    QC: gl.constexpr = min(D, 32)  # q in column chunks: few registers
+    QLOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QC // 8), QC // 8], [PRODUCER_WARPS, 1], [1, 0])
     PIECES: gl.constexpr = min(16, HALF // 8)  # 16-byte pieces of a row per thread row
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // PIECES, PIECES], [PRODUCER_WARPS, 1], [1, 0])
     ROWS: gl.constexpr = gl.SliceLayout(1, LOAD)
-    b = tok // T
-    t = tok - b * T
-    win_lo = gl.load(WIN_LO + tok)
-    for i in range(N_PAIRS):
-        phase = (i & 1) ^ 1  # a fresh barrier's previous phase counts as complete: the first pair does not wait
-        start = W - W_P + 2 * i * BLOCK_N
-        offset0, valid0 = _block_rows(IDX, start, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N, ROWS)
-        offset1, valid1 = _block_rows(IDX, start + BLOCK_N, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N,
-                                      ROWS)
-        _gather_half(KV, kv_smem, bars, 0, 0, offset0, valid0, phase, HALF, LOAD, SKIP_GATHER)
-        _publish_bias(bias_smem, bars, 0, valid0)
-        _gather_half(KV, kv_smem, bars, 1, 1, offset1, valid1, phase, HALF, LOAD, SKIP_GATHER)
-        _publish_bias(bias_smem, bars, 1, valid1)
-        _gather_half(KV, kv_smem, bars, 0, 1, offset0, valid0, phase, HALF, LOAD, SKIP_GATHER)
-        _gather_half(KV, kv_smem, bars, 1, 0, offset1, valid1, phase, HALF, LOAD, SKIP_GATHER)
+    for it in range(_tokens_of_program(n_tokens)):
+        tok = (gl.program_id(0) + it * gl.num_programs(0)).to(gl.int64)
+        b = tok // T
+        t = tok - b * T
+        win_lo = gl.load(WIN_LO + tok)
+        # q (its RoPE tail rotated) once both consumers' last S of the previous token has read the old one; a fresh
+        # barrier's previous phase counts as complete, so the first token does not wait (nor does the first pair).
+        mbarrier.wait(bars.index(_Q_FREE), (it & 1) ^ 1)
+        for c in gl.static_range(D // QC):
+            q_smem.index(0).slice(c * QC, QC, dim=1).store(_load_q(Q, ROT, tok, H, c * QC, QC, D, ROPE, BLOCK_H,
+                                                                   QLOAD))
+        fence_async_shared()  # q is read by wgmma
+        mbarrier.arrive(bars.index(_Q), count=1)
+        for i in range(N_PAIRS):
+            phase = ((it * N_PAIRS + i) & 1) ^ 1
+            start = W - W_P + 2 * i * BLOCK_N
+            offset0, valid0 = _block_rows(IDX, start, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N, ROWS)
+            offset1, valid1 = _block_rows(IDX, start + BLOCK_N, tok, b, t, win_lo, T, S, comp_offset, D, W, K,
+                                          BLOCK_N, ROWS)
+            _gather_half(KV, kv_smem, bars, 0, 0, offset0, valid0, phase, HALF, LOAD, SKIP_GATHER)
+            _publish_bias(bias_smem, bars, 0, valid0)
+            _gather_half(KV, kv_smem, bars, 1, 1, offset1, valid1, phase, HALF, LOAD, SKIP_GATHER)
+            _publish_bias(bias_smem, bars, 1, valid1)
+            _gather_half(KV, kv_smem, bars, 0, 1, offset0, valid0, phase, HALF, LOAD, SKIP_GATHER)
+            _gather_half(KV, kv_smem, bars, 1, 0, offset1, valid1, phase, HALF, LOAD, SKIP_GATHER)
 
 
 @gluon.jit
@@ -298,11 +350,12 @@ def _gather_half(KV, kv_smem, bars, buffer: gl.constexpr, half: gl.constexpr, of
 @triton.autotune(configs=[triton.Config({}, num_warps=4, maxnreg=KERNEL_MAXNREG)], key=["H", "D", "W", "K"])
 @gluon.jit
 def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride,
-                       stage_head_stride, T, S, H, scale_log2, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
-                       K_P: gl.constexpr, BLOCK_H: gl.constexpr, ROPE: gl.constexpr, MASS_PASS: gl.constexpr,
-                       SKIP_GATHER: gl.constexpr, num_warps: gl.constexpr):
-    """``_fwd_kernel``'s contract with the seesaw schedule: q is loaded (and rotated) by the first warpgroup into
-    shared memory, then the two consumers and the producer run as warp-specialized partitions."""
+                stage_head_stride, T, S, H, scale_log2, n_tokens, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
+                K_P: gl.constexpr, BLOCK_H: gl.constexpr, ROPE: gl.constexpr, MASS_PASS: gl.constexpr,
+                SKIP_GATHER: gl.constexpr, num_warps: gl.constexpr):
+    """``triton_attention._fwd_kernel``'s contract (plus ``n_tokens`` = B*T) with the seesaw schedule, persistent:
+    each program takes tokens pid, pid + programs, ...; the producer loads the next token's q and gathers its first
+    pair while the consumers finish the last token (its row sums, mass and output)."""
     gl.static_assert(BLOCK_H == 64 and num_warps == 4, "one wgmma M of heads per consumer warpgroup")
     BLOCK_N: gl.constexpr = 64
     operand: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -316,15 +369,10 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     bias_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], rows)  # 0 or -inf per slot of each buffer
     bars = gl.allocate_shared_memory(gl.int64, [32, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(_N_BARRIERS):
-        mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32 if i < _FREE else 1)
-    tok = gl.program_id(0).to(gl.int64)  # flat b*T + t
-    QC: gl.constexpr = min(D, 64)  # q in column chunks: few registers in the one warpgroup that loads it
-    QLOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QC // 8), QC // 8], [num_warps, 1], [1, 0])
-    for c in gl.static_range(D // QC):
-        q_smem.index(0).slice(c * QC, QC, dim=1).store(_load_q(Q, ROT, tok, H, c * QC, QC, D, ROPE, BLOCK_H, QLOAD))
-    fence_async_shared()  # q is read by wgmma
+        # READY: one cp.async arrival per producer thread; Q_FREE: one per consumer; the rest: one arrival.
+        mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32 if i < _FREE else (2 if i == _Q_FREE else 1))
     args = (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride,
-            T, S, H, scale_log2, tok, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars)
+            T, S, H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars)
     gl.warp_specialize([(_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 0)),
                         (_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 1)),
                         (_producer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 1))],
@@ -341,5 +389,8 @@ def usable(q: torch.Tensor) -> bool:
 
 
 def launch(grid, *args, **constexprs):
-    """``triton_attention._fwd_kernel``'s launch (same arguments)."""
-    _fwd_kernel[grid](*args, **constexprs, SKIP_GATHER="gather" in ABLATE)
+    """``triton_attention._fwd_kernel``'s launch (same arguments; ``grid`` is one program per token): one program
+    per SM at most, each taking every programs-th token."""
+    n_tokens = grid[0]
+    programs = min(n_tokens, torch.cuda.get_device_properties(args[1].device).multi_processor_count)
+    _fwd_kernel[(programs, )](*args, n_tokens, **constexprs, SKIP_GATHER="gather" in ABLATE)

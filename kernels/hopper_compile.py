@@ -74,7 +74,7 @@ def specs() -> list[KernelSpec]:
                      stage_head_stride=i32, scale_log2="fp32", **rows)
     out = [
         KernelSpec(attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
-        KernelSpec(gluon_attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, SKIP_GATHER=False,
+        KernelSpec(gluon_attn._fwd_kernel, dict(fwd_types, n_tokens=i32), dict(K_P=attn._padded_k(512), MASS_PASS=True, SKIP_GATHER=False,
                                                            **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
                                               tok0=i32, scale="fp32", **rows), shape),
@@ -97,7 +97,7 @@ def specs() -> list[KernelSpec]:
                    dict(STARTS=(0, 4096, 12288), ENDS=(4096, 12288, 20480), BLOCK=cast.BLOCK)),
     ]
     for D, W, K, rope_dim in ((128, 32, 100, 32), (64, 16, 0, 0)):  # K not a power of two; window only, no RoPE
-        out.append(KernelSpec(gluon_attn._fwd_kernel, fwd_types,
+        out.append(KernelSpec(gluon_attn._fwd_kernel, dict(fwd_types, n_tokens=i32),
                               dict(D=D, W=W, K=K, K_P=attn._padded_k(K), BLOCK_H=64, ROPE=rope_dim, MASS_PASS=K > 0,
                                    SKIP_GATHER=False)))
     for D, rope_dim in ((768, 0), (512, 64)):  # q_norm; kv_norm + the window-KV rotation
