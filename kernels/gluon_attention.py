@@ -54,25 +54,21 @@ def _block_rows(IDX, start, tok, b, t, win_lo, T, S, comp_offset, D: gl.constexp
 
 
 @gluon.jit
-def _load_q(Q, ROT, tok, H, col0: gl.constexpr, COLS: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr,
-            LOAD: gl.constexpr):
+def _load_q(Q, ROT, tok, H, col0: gl.constexpr, COLS: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr,
+            BLOCK_H: gl.constexpr, LOAD: gl.constexpr):
     """Columns col0..col0+COLS of the token's q [BLOCK_H, D] (padded heads 0), those among the last ROPE features
-    rotated by the token's RoPE."""
+    rotated by the token's RoPE (in fp32, as the output is turned back)."""
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
     dims = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LOAD))
-    rows = Q + (tok * H + heads[:, None]).to(gl.int64) * D
-    live = (heads < H)[:, None]
-    q = gl.load(rows + dims[None, :], mask=live, other=0.0)
+    q = gl.load(Q + (tok * H + heads[:, None]).to(gl.int64) * D + dims[None, :], mask=(heads < H)[:, None],
+                other=0.0)
     if ROPE > 0:
         if col0 + COLS > D - ROPE:
-            tail = (dims >= D - ROPE)[None, :]
-            angle = tok * ROPE + (dims - (D - ROPE)) // 2 * 2
-            cos = gl.load(ROT + angle, mask=dims >= D - ROPE, other=1.0)
-            sin = gl.load(ROT + angle + 1, mask=dims >= D - ROPE, other=0.0)
-            partner = gl.load(rows + (dims ^ 1)[None, :], mask=live & tail, other=0.0).to(gl.float32)
-            signed_sin = gl.where(dims % 2 == 0, -sin, sin)  # even: x cos - x' sin; odd: x' sin + x cos
-            rotated = q.to(gl.float32) * cos[None, :] + partner * signed_sin[None, :]
-            q = gl.where(tail, rotated.to(q.dtype), q)
+            even, odd = gl.split(gl.reshape(q.to(gl.float32), [BLOCK_H, COLS // 2, 2]))
+            pair = (gl.arange(0, COLS // 2, layout=gl.SliceLayout(0, even.type.layout))[None, :]
+                    + (col0 - (D - ROPE)) // 2)
+            q = gl.reshape(_rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, False), [BLOCK_H, COLS])
+            q = q.to(Q.dtype.element_ty)
     return q
 
 
