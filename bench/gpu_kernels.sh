@@ -19,7 +19,8 @@
 # Timed on an H200 (2026-11-30, code 780c444, one call): check 92 s, bench 131 s, CSA2 step 119 s (62 s with the
 # kernels already compiled on that machine; a fresh machine once ran past 150 s), dense 72 s, kept attention 49 s,
 # ncu 27 s; the attention bench was left out of that call.
-# The caps keep the first four within BUDGET whatever happens; CSA2_CODE=<commit> labels the result files.
+# The caps keep the first four within BUDGET whatever happens; CSA2_CODE=<commit> (required on the GPU) labels the
+# result files.
 # The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are installed first when present.
 set -uo pipefail
 : "${OUT:?set OUT to the directory for the results}"
@@ -28,6 +29,10 @@ mkdir -p "$OUT"
 SMOKE=${SMOKE:-0}
 BUDGET=${BUDGET:-530}
 KEEP=${KEEP:-4}
+if [ "$SMOKE" != 1 ] && [ -z "${CSA2_CODE:-}" ]; then  # the GPU copy's .git can be stale (bench/result_meta.py)
+  echo "error: set CSA2_CODE=<commit> so that the result files name the code they measured" >&2
+  exit 2
+fi
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} OUT
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def code_version() -> str | None:
-    """``CSA2_CODE`` if set (the GPU machine gets a copy of the tree without .git), else the checkout's commit."""
+    """``CSA2_CODE`` if set, else the checkout's commit. Set it on the GPU machine: its copy of the tree may carry a
+    stale .git (2026-12-01: files measured at a later commit said ``a76f82a-dirty``, the session's first)."""
     if os.environ.get("CSA2_CODE"):
         return os.environ["CSA2_CODE"]
     try:
