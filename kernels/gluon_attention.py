@@ -370,12 +370,13 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     row_smem = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], rows)  # the two maxima, the two row sums
     block_max = gl.allocate_shared_memory(gl.float32, [K_P // BLOCK_N, BLOCK_H], rows)
     bias_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], rows)  # 0 or -inf per slot of each buffer
-    bars = gl.allocate_shared_memory(gl.int64, [32, 1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [32, 1], mbarrier.MBarrierLayout())  # _N_BARRIERS, to a power of 2
     for i in gl.static_range(_N_BARRIERS):
         # READY: one cp.async arrival per producer thread; Q_FREE: one per consumer; the rest: one arrival.
         mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32 if i < _FREE else (2 if i == _Q_FREE else 1))
     args = (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride,
             T, S, H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars)
+    # Worker partitions share one signature: each takes every shape argument, used or not.
     gl.warp_specialize([(_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 0)),
                         (_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 1)),
                         (_producer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 1))],
