@@ -118,43 +118,42 @@ def _stage_block(STAGE, stage_token_stride, stage_head_stride, block_max, p, m, 
 
 @gluon.jit
 def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.constexpr, BLOCK_H: gl.constexpr,
-              ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, SKIP_GATHER: gl.constexpr,
-              WG: gl.constexpr):
+              ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, W_P: gl.constexpr,
+              N_PAIRS: gl.constexpr, SKIP_GATHER: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG (0 or 1) over the program's tokens: computes S and P of each pair's block WG, and O's
     columns WG*D/2.. from both blocks (its own P from registers, the other's through shared memory)."""
     (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
      H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
-    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, D // 2, 16])
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
     sink = gl.load(SINK + heads, mask=heads < H, other=0.0).to(gl.float32) * LOG2E
     for it in range(_tokens_of_program(n_tokens)):
         tok = (gl.program_id(0) + it * gl.num_programs(0)).to(gl.int64)
-        l = gl.full([BLOCK_H], 1.0 - WG, gl.float32, sink.type.layout)  # the sink's term, counted once (by WG0)
-        acc = gl.zeros([BLOCK_H, D // 2], gl.float32, O_L)
         mbarrier.wait(bars.index(_Q), it & 1)  # the producer has stored this token's q
-        m, l, acc = _token_pairs(it, tok, sink, l, acc, args, D, W, K, BLOCK_H, MASS_PASS, BLOCK_N, WG)
-        _token_epilogue(it, tok, m, l, acc, args, D, W, K, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, WG)
+        m, l, acc = _token_pairs(it, tok, sink, args, D, W, K, BLOCK_H, MASS_PASS, BLOCK_N, W_P, N_PAIRS, WG)
+        _token_epilogue(it, tok, m, l, acc, args, D, W, K, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, W_P, N_PAIRS, WG)
 
 
 @gluon.jit
-def _token_pairs(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, BLOCK_H: gl.constexpr,
-                 MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr):
-    """Consumer WG's part of one token's pairs of blocks: (m, l, acc) after the last pair. Per pair: WG0's max goes
+def _token_pairs(it, tok, sink, args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, BLOCK_H: gl.constexpr,
+                 MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, W_P: gl.constexpr, N_PAIRS: gl.constexpr,
+                 WG: gl.constexpr):
+    """Consumer WG's part of one token's pairs of blocks, from the sink's logits (log2, one per head, in S's row
+    layout): (m, l, acc) after the last pair. Per pair: WG0's max goes
     to WG1, which takes the pair's max (both blocks) and hands it back; WG0 rescales its P and O to it, so both halves
     of O, both P and both partial row sums are relative to one max after every pair."""
     (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
      H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
     HALF: gl.constexpr = D // 2
-    W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
-    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    ROW: gl.constexpr = sink.type.layout
+    S_L: gl.constexpr = ROW.parent
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-    ROW: gl.constexpr = gl.SliceLayout(1, S_L)
     O_ROW: gl.constexpr = gl.SliceLayout(1, O_L)
     dtype: gl.constexpr = Q.dtype.element_ty
+    m = sink
+    l = gl.full([BLOCK_H], 1.0 - WG, gl.float32, ROW)  # the sink's term, counted once (by WG0)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_L)
     for i in range(N_PAIRS):
         phase = (it * N_PAIRS + i) & 1  # the barriers' phases run on over the program's tokens
         start = W - W_P + (2 * i + WG) * BLOCK_N
@@ -223,14 +222,12 @@ def _token_pairs(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, K: 
 @gluon.jit
 def _token_epilogue(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
                     BLOCK_H: gl.constexpr, ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr,
-                    WG: gl.constexpr):
+                    W_P: gl.constexpr, N_PAIRS: gl.constexpr, WG: gl.constexpr):
     """Consumer WG's end of a token: the row sums of both warpgroups, LSE, the mass of its blocks, its half of the
     output."""
     (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
      H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
     HALF: gl.constexpr = D // 2
-    W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
     ROW: gl.constexpr = m.type.layout
     O_ROW: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     heads = gl.arange(0, BLOCK_H, layout=ROW)
@@ -254,7 +251,7 @@ def _token_epilogue(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, 
     if MASS_PASS:
         gl.thread_barrier()  # this warpgroup's staged p is read by its other threads
         _selected_mass_of(WG, STAGE + tok * stage_token_stride, stage_head_stride, block_max, lse2, MASS + tok * K, H,
-                          W, K, N_PAIRS, BLOCK_H, BLOCK_N)
+                          W_P, K, N_PAIRS, BLOCK_H, BLOCK_N)
         # The stage lies in the output rows: both warpgroups read theirs before either writes its output.
         mbarrier.arrive(bars.index(_DONE + WG), count=1)
         mbarrier.wait(bars.index(_DONE + 1 - WG), it & 1)
@@ -265,13 +262,12 @@ def _token_epilogue(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, 
 
 
 @gluon.jit
-def _selected_mass_of(WG: gl.constexpr, STAGE, stage_head_stride, block_max, lse2, MASS, H, W: gl.constexpr,
+def _selected_mass_of(WG: gl.constexpr, STAGE, stage_head_stride, block_max, lse2, MASS, H, W_P: gl.constexpr,
                       K: gl.constexpr, N_PAIRS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
     """MASS of the selected blocks warpgroup WG staged (its blocks 2r + WG): per block, the sum over heads of p
     times exp2(the block's max - lse2). The blocks' loads are independent (unrolled), so they are issued together."""
     # Heads within a warp (the sum over them stays in registers and shuffles), the warps side by side on slots.
     TILE: gl.constexpr = gl.BlockedLayout([BLOCK_H // 16, 8], [16, 2], [1, 4], [1, 0])
-    W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, TILE))
     lse2 = gl.convert_layout(lse2, gl.SliceLayout(1, TILE))
     for r in gl.static_range(N_PAIRS):
@@ -287,16 +283,14 @@ def _selected_mass_of(WG: gl.constexpr, STAGE, stage_head_stride, block_max, lse
 
 @gluon.jit
 def _producer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.constexpr, BLOCK_H: gl.constexpr,
-              ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, SKIP_GATHER: gl.constexpr,
-              WG: gl.constexpr):
+              ROPE: gl.constexpr, MASS_PASS: gl.constexpr, BLOCK_N: gl.constexpr, W_P: gl.constexpr,
+              N_PAIRS: gl.constexpr, SKIP_GATHER: gl.constexpr, WG: gl.constexpr):
     """The producer warpgroup: gathers each pair's two blocks by cp.async, a buffer half at a time in the order
     the consumers free them (block 0 left, block 1 right, block 0 right, block 1 left); each half's READY barrier
     completes when every producer thread's copies have landed (one arrival per thread)."""
     (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride, T, S,
      H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars) = args
     HALF: gl.constexpr = D // 2
-    W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
     QC: gl.constexpr = min(D, 32)  # q in column chunks: few registers
     QLOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (QC // 8), QC // 8], [PRODUCER_WARPS, 1], [1, 0])
     PIECES: gl.constexpr = min(16, HALF // 8)  # 16-byte pieces of a row per thread row
@@ -361,6 +355,8 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     pair while the consumers finish the last token (its row sums, mass and output)."""
     gl.static_assert(BLOCK_H == 64 and num_warps == 4, "one wgmma M of heads per consumer warpgroup")
     BLOCK_N: gl.constexpr = 64
+    W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # the window's slots start a block: first at W - W_P
+    N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)  # pairs of blocks a token takes
     operand: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D], operand)  # [1, ...]: see _opaque_zero
@@ -377,10 +373,11 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     args = (KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offset, stage_token_stride, stage_head_stride,
             T, S, H, scale_log2, n_tokens, q_smem, kv_smem, p_smem, row_smem, block_max, bias_smem, bars)
     # Worker partitions share one signature: each takes every shape argument, used or not.
-    gl.warp_specialize([(_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 0)),
-                        (_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 1)),
-                        (_producer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, SKIP_GATHER, 1))],
-                       [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, W_P, N_PAIRS, SKIP_GATHER, 0)),
+        (_consumer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, W_P, N_PAIRS, SKIP_GATHER, 1)),
+        (_producer, (args, D, W, K, K_P, BLOCK_H, ROPE, MASS_PASS, BLOCK_N, W_P, N_PAIRS, SKIP_GATHER, 1)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def usable(q: torch.Tensor) -> bool:
