@@ -4,9 +4,9 @@ The CPU tests run the kernels through Triton's interpreter, which executes their
 (and cannot run Gluon at all), so a kernel can pass all of them and still fail to compile on the GPU (2026-11-30: a
 ``tl.constexpr`` name bound inside ``static_range`` stopped every 64K training step). ``specs()`` gives each kernel
 the argument types and constexprs of a real launch at the ``small`` model's shapes; ``compile_for_hopper`` runs
-Triton's compiler with the ptxas shipped in the triton wheel. ``python -m kernels.hopper_compile`` compiles the first config of each and exits 1
-naming those that fail (a CPU test runs it); ``bench/kernels_compile_report.py`` compiles every autotune config and
-reads their resources. Both need ``TRITON_INTERPRET`` unset: under the interpreter a kernel is not compilable.
+Triton's compiler with the ptxas shipped in the triton wheel. ``python -m kernels.hopper_compile`` compiles the
+first config of each and exits 1 naming those that fail (a CPU test runs it); ``bench/kernels_compile_report.py``
+compiles every autotune config and reads their resources. Both need ``TRITON_INTERPRET`` unset: under the interpreter a kernel is not compilable.
 """
 import sys
 from types import SimpleNamespace
@@ -72,10 +72,11 @@ def specs() -> list[KernelSpec]:
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     fwd_types = dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16", stage_token_stride=i32,
                      stage_head_stride=i32, scale_log2="fp32", **rows)
+    gluon_fwd_types = dict(fwd_types, n_tokens=i32)  # the persistent kernel also takes B*T
     out = [
         KernelSpec(attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
-        KernelSpec(gluon_attn._fwd_kernel, dict(fwd_types, n_tokens=i32), dict(K_P=attn._padded_k(512), MASS_PASS=True, SKIP_GATHER=False,
-                                                           **shape)),
+        KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True,
+                                                                  SKIP_GATHER=False, **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
                                               tok0=i32, scale="fp32", **rows), shape),
         KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, ROT=f32, DQ=bf, tok0=i32, **rows), shape),
@@ -97,7 +98,7 @@ def specs() -> list[KernelSpec]:
                    dict(STARTS=(0, 4096, 12288), ENDS=(4096, 12288, 20480), BLOCK=cast.BLOCK)),
     ]
     for D, W, K, rope_dim in ((128, 32, 100, 32), (64, 16, 0, 0)):  # K not a power of two; window only, no RoPE
-        out.append(KernelSpec(gluon_attn._fwd_kernel, dict(fwd_types, n_tokens=i32),
+        out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types,
                               dict(D=D, W=W, K=K, K_P=attn._padded_k(K), BLOCK_H=64, ROPE=rope_dim, MASS_PASS=K > 0,
                                    SKIP_GATHER=False)))
     for D, rope_dim in ((768, 0), (512, 64)):  # q_norm; kv_norm + the window-KV rotation
