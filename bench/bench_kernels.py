@@ -164,11 +164,6 @@ def check_attention():
     check_attention_case("attention_m2", n([[500, 1037]], [[9, 26]]), 2, H, D, W, K, True)
     check_attention_case("attention_window_only", n([[300, 724]], [[5, 20]]), 1, H, D, W, 0, False)
     check_attention_case("attention_m1_48_heads", n([[400, 621]], [[10, 27]]), 1, n(48, 3), D, W, K, True)
-    if not SMOKE:  # every config of the Gluon forward, not only the one the autotuner keeps at these shapes
-        from kernels import gluon_attention
-        for config in each_config(gluon_attention._fwd_kernel):
-            check_attention_case(f"attention_m1_gluon_{config_name(config)}", n([[700, 1348]], [[10, 27]]), 1, H, D,
-                                 W, K, True)
     with overridden(triton_attention, "FORWARD_IMPL", "triton"):  # the fallback forward stays checked too
         check_attention_case("attention_m1_triton_forward", n([[700, 1348]], [[10, 27]]), 1, H, D, W, K, True)
 
@@ -441,13 +436,8 @@ def bench_attention():
         triton_attention.ABLATE.clear()
     if res["fwd_impl"] == "gluon":  # the Gluon forward without its row gathers (blocks computed on stale rows)
         from kernels import gluon_attention
-        gluon_attention.ABLATE.add("gather")
-        try:
+        with overridden(gluon_attention, "ABLATE", {"gather"}):
             res["fwd_ms_without_gather"] = ms(lambda: triton_ops.sparse_attention(*args))
-        finally:
-            gluon_attention.ABLATE.clear()
-        res["gluon_fwd_kernel_configs_ms"] = per_config_ms(gluon_attention._fwd_kernel,
-                                                           lambda: triton_ops.sparse_attention(*args))
     # The backward with 1 GiB chunks of partial rows instead of 4 GiB: the memory / time trade of the chunk size.
     chunk_bytes = triton_attention.PARTIAL_CHUNK_BYTES
     triton_attention.PARTIAL_CHUNK_BYTES = chunk_bytes // 4
