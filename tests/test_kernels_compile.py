@@ -43,7 +43,7 @@ def test_gluon_forward_fits_one_sm_without_spills():
     """q and two KV buffers must fit one SM's shared memory, and a consumer's O half (128 registers a thread) leaves
     little room: a spill among its wgmma would slow every block silently. (ptxas reports ~200 bytes, none among the
     wgmma: values the worker warps keep across their register reallocation, some per token in the consumers' token
-    loop, and the producer's; with the descriptors hoisted out of the pair loop, i.e. without ``_opaque_zero``, 72
+    loop, and the producer's; with the descriptors hoisted out of the pair loop, i.e. without ``_opaque_zero``, 73
     spill instructions fall among the wgmma.)"""
     shared, spills = run_compiler("-c", GLUON_FORWARD_RESOURCES).strip().split("\n", 1)
     assert int(shared) <= SM90_SHARED_BYTES, shared
