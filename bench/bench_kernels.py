@@ -147,7 +147,8 @@ def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
         errs["selected_mass"] = rel_err(mass, ref_mass)
     for k in grads:
         errs["d" + k] = rel_err(grads[k], ref_grads[k])
-    RESULTS[name] = {"forward": forward_impl(data["q"].to(BF16)), "rel_err": errs,
+    RESULTS[name] = {"forward": forward_impl(data["q"].to(BF16)), "dkv": dkv_impl(data["q"].to(BF16), W, K),
+                     "rel_err": errs,
                      "backward_bitwise_reproducible": reproducible,
                      "pass": all(e < 1e-2 for e in errs.values()) and reproducible}
 
@@ -157,6 +158,11 @@ def forward_impl(q) -> str:
     return "gluon" if triton_attention.gluon_forward_applies(q) else "triton"
 
 
+def dkv_impl(q, window, k) -> str:
+    """Which kernel the backward's dKV step runs for q: the Gluon one where it applies, else Triton's."""
+    return "gluon" if triton_attention.gluon_dkv_applies(q, window, k) else "triton"
+
+
 @section
 def check_attention():
     H, D, W, K = n(64, 4), n(512, 32), n(128, 8), n(512, 16)
@@ -164,8 +170,10 @@ def check_attention():
     check_attention_case("attention_m2", n([[500, 1037]], [[9, 26]]), 2, H, D, W, K, True)
     check_attention_case("attention_window_only", n([[300, 724]], [[5, 20]]), 1, H, D, W, 0, False)
     check_attention_case("attention_m1_48_heads", n([[400, 621]], [[10, 27]]), 1, n(48, 3), D, W, K, True)
-    with overridden(triton_attention, "FORWARD_IMPL", "triton"):  # the fallback forward stays checked too
+    with overridden(triton_attention, "FORWARD_IMPL", "triton"):  # the fallback kernels stay checked too
         check_attention_case("attention_m1_triton_forward", n([[700, 1348]], [[10, 27]]), 1, H, D, W, K, True)
+    with overridden(triton_attention, "DKV_IMPL", "triton"):
+        check_attention_case("attention_m1_triton_dkv", n([[700, 1348]], [[10, 27]]), 1, H, D, W, K, True)
 
 
 def pick_quality(picks, ref_picks, table):
@@ -388,8 +396,9 @@ def autotune_choices() -> dict:
     """Each autotuned attention kernel's chosen config and every config's time (ms) on its first call."""
     kernels = {name: getattr(triton_attention, name) for name in ATTENTION_AUTOTUNED}
     if not SMOKE:
-        from kernels import gluon_attention
+        from kernels import gluon_attention, gluon_dkv
         kernels["gluon_fwd_kernel"] = gluon_attention._fwd_kernel
+        kernels["gluon_bwd_dkv_kernel"] = gluon_dkv._bwd_dkv_kernel
     choices = {}
     for name, kernel in kernels.items():
         timings = getattr(kernel, "configs_timings", None) or {}
@@ -417,7 +426,8 @@ def bench_attention():
         fwd_triton = ms(lambda: triton_ops.sparse_attention(*args))
     bwd = ms(backward)
     flops = 4 * T * H * (W + K) * D
-    res = {"fwd_impl": forward_impl(args[0]), "fwd_ms": fwd, "bwd_ms": bwd, "fwd_tflops": flops / fwd / 1e9,
+    res = {"fwd_impl": forward_impl(args[0]), "dkv_impl": dkv_impl(args[0], W, K), "fwd_ms": fwd, "bwd_ms": bwd,
+           "fwd_tflops": flops / fwd / 1e9,
            "bwd_tflops": 2.5 * flops / bwd / 1e9, "fwd_ms_triton_kernel": fwd_triton,
            "fwd_tflops_triton_kernel": flops / fwd_triton / 1e9, "flops_fwd": flops, "flops_bwd": 2.5 * flops,
            "bwd_bitwise_reproducible": reproducible, "autotune": autotune_choices()}
@@ -428,6 +438,11 @@ def bench_attention():
         res["bwd_ms_without_dkv_reduce"] = stages["bwd_dkv"] + stages.get("bwd_dq", 0.0)
         res["bwd_reduce_and_other_ms"] = sum(stages.get(k, 0.0) for k in ("bwd_window_reduce", "bwd_entry_reduce",
                                                                            "other"))
+    if res["dkv_impl"] == "gluon":  # the backward with the Triton dKV kernel, in the same call
+        with overridden(triton_attention, "DKV_IMPL", "triton"):
+            backward()  # autotunes it
+            res["bwd_ms_triton_dkv"] = ms(backward)
+            res["bwd_device_ms_by_stage_triton_dkv"] = device_ms_by_stage(backward, reps=3)
     # Stage ablation: the forward without the selected-mass epilogue and its in-loop p stores (mass then wrong).
     triton_attention.ABLATE.add("mass_pass")
     try:

@@ -30,46 +30,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from kernels import triton_attention as tri
-from kernels.triton_common import rotate_split_pairs
+from kernels.gluon_common import (BLOCK_H, LOG2E, block_rows, head_cols, hopper_heads_dtype, opaque_zero, rope_tail,
+                                  rotate_split_pairs, tokens_of_program)
 
-LOG2E = gl.constexpr(1.4426950408889634)
-BLOCK_H = 64  # heads are the MMA's M: one token's heads fill one wgmma (64 rows)
 # Stages the benchmark switches off to see what the rest costs ("gather": the producer copies no rows, so the
 # blocks compute on whatever the buffers hold); empty in real use.
 ABLATE: set[str] = set()
-
-# The Triton helpers that only compute (row offsets, validity, pair rotation), run as Gluon functions: their
-# tensors take the layouts of the tensors they are given.
-_slot_rows = gluon.jit(tri._slot_rows.fn)
-_rotate_split_pairs = gluon.jit(rotate_split_pairs.fn)
-
-
-@gluon.jit
-def _block_rows(IDX, start, tok, b, t, win_lo, T, S, comp_offset, D: gl.constexpr, W: gl.constexpr,
-                K: gl.constexpr, BLOCK_N: gl.constexpr, SLOTS: gl.constexpr):
-    """Row offsets and validity of block ``start``'s slots, laid out as ``SLOTS`` (a 1-D layout)."""
-    slots = start + gl.arange(0, BLOCK_N, layout=SLOTS)
-    return _slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D, W, K)
 
 
 @gluon.jit
 def _load_q(Q, ROT, tok, H, col0: gl.constexpr, COLS: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr,
             BLOCK_H: gl.constexpr, LOAD: gl.constexpr):
-    """Columns col0..col0+COLS of the token's q [BLOCK_H, D] (padded heads 0), those among the last ROPE features
-    rotated by the token's RoPE (in fp32, as the output is turned back)."""
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
-    dims = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, LOAD))
-    q = gl.load(Q + (tok * H + heads[:, None]).to(gl.int64) * D + dims[None, :], mask=(heads < H)[:, None],
-                other=0.0)
-    if ROPE > 0:
-        if col0 + COLS > D - ROPE:
-            even, odd = gl.split(gl.reshape(q.to(gl.float32), [BLOCK_H, COLS // 2, 2]))
-            pair = (gl.arange(0, COLS // 2, layout=gl.SliceLayout(0, even.type.layout))[None, :]
-                    + (col0 - (D - ROPE)) // 2)
-            q = gl.reshape(_rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, False), [BLOCK_H, COLS])
-            q = q.to(Q.dtype.element_ty)
-    return q
+    """Columns col0..col0+COLS of the token's q [BLOCK_H, D] (padded heads 0), its RoPE tail rotated."""
+    return rope_tail(head_cols(Q, tok, H, col0, COLS, D, BLOCK_H, LOAD), ROT, tok, col0, D, ROPE)
 
 
 # Barriers (one array): READY / FREE per buffer half (index 2 * buffer + half), then the consumers' hand-overs.
@@ -80,20 +53,6 @@ PRODUCER_WARPS = gl.constexpr(4)
 # Registers per thread: 12 warps share the SM's 64K (kernel limit 168 = 504 a triple); a consumer holds its O half
 # [64, D/2] fp32 (128 registers at D = 512), S [64, 64] fp32 and P; the producer only row offsets and addresses.
 CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(216), gl.constexpr(72), 168
-
-
-@gluon.jit
-def _tokens_of_program(n_tokens):
-    """How many of the tokens pid, pid + programs, ... below n_tokens this program takes."""
-    return (n_tokens - gl.program_id(0) + gl.num_programs(0) - 1) // gl.num_programs(0)
-
-
-@gluon.jit
-def _opaque_zero(i):
-    """0, computed in the loop by an instruction the compiler cannot see through. Indexing the shared buffers with
-    it makes their wgmma descriptors loop-variant: otherwise LLVM hoists all of them out of the loop (S alone takes
-    32 k-steps x 2 64-bit descriptors) and ptxas spills them to local memory (390 spill instructions in the loop)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -127,7 +86,7 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.c
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
     sink = gl.load(SINK + heads, mask=heads < H, other=0.0).to(gl.float32) * LOG2E
-    for it in range(_tokens_of_program(n_tokens)):
+    for it in range(tokens_of_program(n_tokens)):
         tok = (gl.program_id(0) + it * gl.num_programs(0)).to(gl.int64)
         mbarrier.wait(bars.index(_Q), it & 1)  # the producer has stored this token's q
         m, l, acc = _token_pairs(it, tok, sink, args, D, W, K, BLOCK_H, MASS_PASS, BLOCK_N, W_P, N_PAIRS, WG)
@@ -157,7 +116,7 @@ def _token_pairs(it, tok, sink, args, D: gl.constexpr, W: gl.constexpr, K: gl.co
     for i in range(N_PAIRS):
         phase = (it * N_PAIRS + i) & 1  # the barriers' phases run on over the program's tokens
         start = W - W_P + (2 * i + WG) * BLOCK_N
-        zero = _opaque_zero(i)
+        zero = opaque_zero(i)
         q = q_smem.index(zero)
         own = kv_smem.index(WG + zero)
         own_v = own.slice(WG * HALF, HALF, dim=1)
@@ -246,7 +205,7 @@ def _token_epilogue(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, 
             even, odd = gl.split(gl.reshape(out, [BLOCK_H, HALF // 2, 2]))
             pair = (gl.arange(0, HALF // 2, layout=gl.SliceLayout(0, even.type.layout))[None, :]
                     + (WG * HALF - (D - ROPE)) // 2)
-            out = gl.reshape(_rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, True), [BLOCK_H, HALF])
+            out = gl.reshape(rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, True), [BLOCK_H, HALF])
     out = out.to(OUT.dtype.element_ty)
     if MASS_PASS:
         gl.thread_barrier()  # this warpgroup's staged p is read by its other threads
@@ -296,7 +255,7 @@ def _producer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.c
     PIECES: gl.constexpr = min(16, HALF // 8)  # 16-byte pieces of a row per thread row
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // PIECES, PIECES], [PRODUCER_WARPS, 1], [1, 0])
     ROWS: gl.constexpr = gl.SliceLayout(1, LOAD)
-    for it in range(_tokens_of_program(n_tokens)):
+    for it in range(tokens_of_program(n_tokens)):
         tok = (gl.program_id(0) + it * gl.num_programs(0)).to(gl.int64)
         b = tok // T
         t = tok - b * T
@@ -312,8 +271,8 @@ def _producer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, K_P: gl.c
         for i in range(N_PAIRS):
             phase = ((it * N_PAIRS + i) & 1) ^ 1
             start = W - W_P + 2 * i * BLOCK_N
-            offset0, valid0 = _block_rows(IDX, start, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N, ROWS)
-            offset1, valid1 = _block_rows(IDX, start + BLOCK_N, tok, b, t, win_lo, T, S, comp_offset, D, W, K,
+            offset0, valid0 = block_rows(IDX, start, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N, ROWS)
+            offset1, valid1 = block_rows(IDX, start + BLOCK_N, tok, b, t, win_lo, T, S, comp_offset, D, W, K,
                                           BLOCK_N, ROWS)
             _gather_half(KV, kv_smem, bars, 0, 0, offset0, valid0, phase, HALF, LOAD, SKIP_GATHER)
             _publish_bias(bias_smem, bars, 0, valid0)
@@ -359,7 +318,7 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     N_PAIRS: gl.constexpr = (W_P + K + 2 * BLOCK_N - 1) // (2 * BLOCK_N)  # pairs of blocks a token takes
     operand: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D], operand)  # [1, ...]: see _opaque_zero
+    q_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_H, D], operand)  # [1, ...]: see opaque_zero
     kv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], operand)
     p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_H, BLOCK_N], operand)
     rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -384,9 +343,7 @@ def usable(q: torch.Tensor) -> bool:
     """The Gluon forward runs on Hopper for 33-64 heads (padded to 64, one wgmma M, as ``triton_attention._block_h``
     pads them), D a power of two from 64 to 512 (O's D/2 columns per warpgroup are one wgmma N <= 256) and 16-bit
     inputs."""
-    H, D = q.shape[-2:]
-    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and 32 < H <= BLOCK_H
-            and D in (64, 128, 256, 512) and q.dtype in (torch.bfloat16, torch.float16))
+    return hopper_heads_dtype(q) and q.shape[-1] in (64, 128, 256, 512)
 
 
 def launch(grid, *args, **constexprs):

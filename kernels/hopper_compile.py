@@ -12,12 +12,15 @@ import sys
 from types import SimpleNamespace
 from typing import NamedTuple
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
 
 from kernels import gluon_attention as gluon_attn
+from kernels import gluon_dkv
 from kernels import triton_attention as attn
 from kernels import triton_cast as cast
 from kernels import triton_dkv as dkv
@@ -56,6 +59,13 @@ def compile_for_hopper(spec: KernelSpec, config: triton.Config):
     return triton.compile(source(fn, signature, constexprs, aligned), target=HOPPER, options=options)
 
 
+def dkv_descriptors(H: int, D: int, slots: int) -> dict:
+    """Type strings of the Gluon dKV step's TMA descriptors (their block shapes and layouts), from descriptors over
+    stand-in CPU tensors (a descriptor's type carries no address)."""
+    part, ds = (torch.empty(shape, dtype=torch.bfloat16) for shape in ((1, slots, D), (1, H, slots)))
+    return dict(zip(("part_desc", "ds_desc"), map(mangle_type, gluon_dkv.descriptors(part, ds))))
+
+
 def specs() -> list[KernelSpec]:
     """Each kernel at the launch shapes of the ``small`` model (H=64, d=512, top-512, window 128, 128-dim indexer), and
     the Gluon forward also at other shapes it accepts (``gluon_attention.usable``: no GPU test runs them)."""
@@ -79,6 +89,9 @@ def specs() -> list[KernelSpec]:
                                                                   SKIP_GATHER=False, **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
                                               tok0=i32, scale="fp32", **rows), shape),
+        KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, LSE=f32, DSINK=f32, tok0=i32,
+                                                   scale="fp32", n_tokens=i32, **dkv_descriptors(64, 512, 128 + 512),
+                                                   **rows), dict(D=512, W=128, K=512, ROPE=64)),
         KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, ROT=f32, DQ=bf, tok0=i32, **rows), shape),
         KernelSpec(dkv._window_reduce_kernel, dict(PART=bf, DKV=f32, tok0=i32, n_tok=i32, row0=i32, n_rows=i32), chunk),
         KernelSpec(dkv._entry_reduce_kernel, dict(PART=bf, ORDER=i64, OFFSETS=i64, DKV=f32), chunk),

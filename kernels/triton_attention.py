@@ -50,6 +50,9 @@ ABLATE: set[str] = set()
 # warpgroups split S instead of both computing it), the Triton kernel elsewhere; "triton" forces the Triton one (the
 # benchmark times both).
 FORWARD_IMPL = "gluon"
+# The backward's dKV step, likewise: "gluon" runs kernels/gluon_dkv.py where it applies (warp-specialized, a ring
+# of gathers), "triton" forces ``_bwd_dkv_kernel``.
+DKV_IMPL = "gluon"
 # Partial dKV rows of one backward chunk (bf16 at real width: 655 KB per token, 6,553 tokens per chunk).
 PARTIAL_CHUNK_BYTES = 4 << 30
 
@@ -448,6 +451,14 @@ def gluon_forward_applies(q: torch.Tensor) -> bool:
     return gluon_attention.usable(q)
 
 
+def gluon_dkv_applies(q: torch.Tensor, window: int, k: int) -> bool:
+    """Whether the backward's dKV step for q runs the Gluon kernel (``DKV_IMPL``, a GPU, ``gluon_dkv.usable``)."""
+    if DKV_IMPL != "gluon" or INTERPRET or not q.is_cuda:
+        return False
+    from kernels import gluon_dkv
+    return gluon_dkv.usable(q, window, k)
+
+
 @_sparse_attention_fwd.register_fake
 def _(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, scale, window):
     B, T, H, _ = q.shape
@@ -481,14 +492,20 @@ def _sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv_window: torch.
     chunk = min(B * T, max(1, PARTIAL_CHUNK_BYTES // ((W + K) * D * q.element_size())))
     chunk_part = new_output((chunk, W + K, D), q.dtype, q.device)  # both buffers reused by every chunk
     chunk_ds = new_output((chunk, H, W + K), q.dtype, q.device)
-    # the dKV kernel's scratch: the rotated tails of each token's [q; dO]
-    chunk_rope = new_output((chunk, 2 * _block_h(H), rope), q.dtype, q.device) if rope else q
+    use_gluon = gluon_dkv_applies(q, W, K)
+    # the Triton dKV kernel's scratch: the rotated tails of each token's [q; dO] (the Gluon one turns them on chip)
+    chunk_rope = new_output((chunk, 2 * _block_h(H), rope), q.dtype, q.device) if rope and not use_gluon else q
     shape = dict(D=D, W=W, K=K, BLOCK_H=_block_h(H), ROPE=rope)
     for tok0 in range(0, B * T, chunk):
         n = min(chunk, B * T - tok0)
         part = chunk_part[:n]
-        _bwd_dkv_kernel[(n,)](kv_window, q, dout, out, win_lo, idx, sink, rot, chunk_rope, lse, part, chunk_ds,
-                              dsink, tok0, comp_offset, T, S, H, scale, **shape)
+        if use_gluon:
+            from kernels import gluon_dkv
+            gluon_dkv.launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, chunk_ds[:n], dsink, tok0,
+                             comp_offset, T, S, H, scale, D=D, W=W, K=K, ROPE=rope)
+        else:
+            _bwd_dkv_kernel[(n,)](kv_window, q, dout, out, win_lo, idx, sink, rot, chunk_rope, lse, part, chunk_ds,
+                                  dsink, tok0, comp_offset, T, S, H, scale, **shape)
         _bwd_dq_kernel[(n,)](kv_window, win_lo, idx, chunk_ds, rot, dq, tok0, comp_offset, T, S, H, **shape)
         triton_dkv.reduce_window(part, dkvw, tok0, W)
         if K:
