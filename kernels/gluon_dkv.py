@@ -35,24 +35,28 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.gluon_common import (BLOCK_H, LOG2E, block_rows, head_cols, hopper_heads_dtype, opaque_zero, rope_tail,
                                   tokens_of_program)
 
+# Stages the benchmark switches off to see what the rest costs; empty in real use.
+ABLATE: set[str] = set()
+_ABLATIONS = ("operands", "gather", "stores", "partial")
 BLOCK_N = gl.constexpr(32)  # slots per block: two 32-row buffers beside q and dO are what one SM's shared memory holds
 FEATURES = gl.constexpr(64)  # features per partial-rows wgmma (its M) and per staged TMA store
 HEADS = gl.constexpr(BLOCK_H)
-# Barriers (one array): READY / FREE / VALID per buffer, then the token's operands loaded and released.
-_READY, _FREE, _VALID, _Q, _Q_FREE = (gl.constexpr(i) for i in (0, 2, 4, 6, 7))
-_N_BARRIERS = gl.constexpr(8)
+# Barriers (one array): READY / FREE / VALID per buffer, then the token's operands: landed by TMA, ready for the
+# consumers (RoPE turned, delta stored), released by both.
+_READY, _FREE, _VALID, _LANDED, _Q, _Q_FREE = (gl.constexpr(i) for i in (0, 2, 4, 6, 7, 8))
+_N_BARRIERS = gl.constexpr(9)
 PRODUCER_WARPS = gl.constexpr(4)
 # Registers per thread (12 warps share the SM's 64K): a consumer holds S, dP, P and dS [64, 32] (16 each) and two
 # partial-row accumulators; the producer loads q, dO and O in [64, 32] chunks and the gathers' row offsets.
-CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(176), gl.constexpr(152), 168
+CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(184), gl.constexpr(136), 168
 
 
 @gluon.jit
 def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.constexpr, W_P: gl.constexpr,
-              N_BLOCKS: gl.constexpr, WG: gl.constexpr):
+              N_BLOCKS: gl.constexpr, WG: gl.constexpr, SKIP: gl.constexpr):
     """Consumer warpgroup WG over the program's tokens: blocks WG, WG + 2, ... of each, and dsink (WG 0)."""
-    (KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, part_desc, ds_desc, tok0, comp_offset, T, S, H, scale,
-     n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
+    (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset, T,
+     S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     ROW: gl.constexpr = gl.SliceLayout(1, S_L)
     MINE: gl.constexpr = (N_BLOCKS - WG + 1) // 2
@@ -70,25 +74,30 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.
             gl.store(DSINK + tok * H + heads, -gl.exp2(sink2 - lse2) * delta, mask=hmask)
         for j in range(MINE):
             _block(args, it * MINE + j, row, W - W_P + (2 * j + WG) * BLOCK_N, lse2, delta, opaque_zero(j), D, WG,
-                   S_L)
+                   S_L, SKIP)
         mbarrier.arrive(bars.index(_Q_FREE), count=1)  # this warpgroup's last MMA has read q and dO
 
 
 @gluon.jit
-def _block(args, n, row, start, lse2, delta, zero, D: gl.constexpr, WG: gl.constexpr, S_L: gl.constexpr):
+def _block(args, n, row, start, lse2, delta, zero, D: gl.constexpr, WG: gl.constexpr, S_L: gl.constexpr,
+           SKIP: gl.constexpr):
     """One block of slots (``start``..) in buffer WG, this consumer's n-th over the program's tokens (its barrier
     phase): dS out, its partial rows out."""
-    (KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, part_desc, ds_desc, tok0, comp_offset, T, S, H, scale,
-     n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
-    dtype: gl.constexpr = Q.dtype.element_ty
+    (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset, T,
+     S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
+    dtype: gl.constexpr = q_desc.dtype
     phase = n & 1
-    q = q_smem.index(zero)  # the opaque zero keeps the descriptors in the loop (see gluon_common.opaque_zero)
-    do = do_smem.index(zero)
-    kv_t = kv_smem.index(WG + zero).permute((1, 0))
+    kv_t = kv_smem.index(WG + zero).permute((1, 0))  # the opaque zero keeps the descriptors in the loop
     mbarrier.wait(bars.index(_READY + WG), phase)
     fence_async_shared()  # rows written by cp.async (generic proxy) are read by wgmma (async proxy)
-    s = warpgroup_mma(q, kv_t, gl.zeros([HEADS, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
-    dp = warpgroup_mma(do, kv_t, gl.zeros([HEADS, BLOCK_N], gl.float32, S_L), use_acc=False, is_async=True)
+    s = gl.zeros([HEADS, BLOCK_N], gl.float32, S_L)
+    dp = gl.zeros([HEADS, BLOCK_N], gl.float32, S_L)
+    for c in gl.static_range(D // FEATURES):  # K = D, a q / dO tile at a time
+        s = warpgroup_mma(_tile(q_smem, c), kv_t.slice(c * FEATURES, FEATURES, dim=0), s, use_acc=c > 0,
+                          is_async=True)
+    for c in gl.static_range(D // FEATURES):
+        dp = warpgroup_mma(_tile(do_smem, c), kv_t.slice(c * FEATURES, FEATURES, dim=0), dp, use_acc=c > 0,
+                           is_async=True)
     mbarrier.wait(bars.index(_VALID + WG), phase)
     bias = bias_smem.index(WG).load(gl.SliceLayout(0, S_L))
     s, dp = warpgroup_mma_wait(0, deps=(s, dp))
@@ -102,22 +111,24 @@ def _block(args, n, row, start, lse2, delta, zero, D: gl.constexpr, WG: gl.const
     p_tile.reshape([HEADS, BLOCK_N]).store(p.to(dtype))
     fence_async_shared()  # read by TMA and wgmma (async proxy)
     tma.async_copy_shared_to_global(ds_desc, [row, 0, start], ds_tile)
-    _partial_rows(q, do, ds_tile.reshape([HEADS, BLOCK_N]), p_tile.reshape([HEADS, BLOCK_N]),
-                  stage_smem, 2 * WG, part_desc, row, start, D, S_L)
+    if (SKIP & 8) == 0:
+        _partial_rows(q_smem, do_smem, zero, ds_tile.reshape([HEADS, BLOCK_N]), p_tile.reshape([HEADS, BLOCK_N]),
+                      stage_smem, 2 * WG, part_desc, row, start, D, S_L, SKIP)
 
 
 @gluon.jit
-def _partial_rows(q, do, ds_tile, p_tile, stage_smem, stage0, part_desc, row, start, D: gl.constexpr,
-                  ACC_L: gl.constexpr):
+def _partial_rows(q_smem, do_smem, zero, ds_tile, p_tile, stage_smem, stage0, part_desc, row, start, D: gl.constexpr,
+                  ACC_L: gl.constexpr, SKIP: gl.constexpr):
     """The block's partial dKV rows, 64 features at a time: dKV^T [64, 32] = q^T dS + dO^T P (K = the heads), the next
     pair of wgmma in flight while one result is staged (transposed, in staging tiles stage0 and stage0 + 1 by turns)
     and stored by TMA."""
-    dtype: gl.constexpr = q.dtype
+    dtype: gl.constexpr = ds_tile.dtype
     STEPS: gl.constexpr = D // FEATURES
-    acc = _features_mma(q, do, ds_tile, p_tile, 0, ACC_L)
+    acc = _features_mma(_tile(q_smem, 0), _tile(do_smem, 0), ds_tile, p_tile, ACC_L)
     for m in gl.static_range(STEPS):
         if m + 1 < STEPS:
-            following = _features_mma(q, do, ds_tile, p_tile, (m + 1) * FEATURES, ACC_L)
+            following = _features_mma(_tile(q_smem, m + 1), _tile(do_smem, m + 1), ds_tile, p_tile,
+                                      ACC_L)
             acc = warpgroup_mma_wait(2, deps=(acc, ))  # this step's pair is done, the next one's still running
         else:
             acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -125,80 +136,113 @@ def _partial_rows(q, do, ds_tile, p_tile, stage_smem, stage0, part_desc, row, st
         tma.store_wait(1)  # the store two steps back has read this staging tile
         tile.reshape([BLOCK_N, FEATURES]).permute((1, 0)).store(acc.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(part_desc, [row, start, m * FEATURES], tile)
+        if (SKIP & 4) == 0:
+            tma.async_copy_shared_to_global(part_desc, [row, start, m * FEATURES], tile)
         if m + 1 < STEPS:
             acc = following
 
 
 @gluon.jit
-def _features_mma(q, do, ds_tile, p_tile, col0: gl.constexpr, ACC_L: gl.constexpr):
-    """Issue q[:, col0:+64]^T dS + dO[:, col0:+64]^T P, A read feature-major from the head-major q and dO tiles."""
-    acc = warpgroup_mma(q.slice(col0, FEATURES, dim=1).permute((1, 0)), ds_tile,
-                        gl.zeros([FEATURES, BLOCK_N], gl.float32, ACC_L), use_acc=False, is_async=True)
-    return warpgroup_mma(do.slice(col0, FEATURES, dim=1).permute((1, 0)), p_tile, acc, is_async=True)
+def _features_mma(q_tile, do_tile, ds_tile, p_tile, ACC_L: gl.constexpr):
+    """Issue q_tile^T dS + do_tile^T P (64 features), A read feature-major from the head-major q and dO tiles."""
+    acc = warpgroup_mma(q_tile.permute((1, 0)), ds_tile, gl.zeros([FEATURES, BLOCK_N], gl.float32, ACC_L),
+                        use_acc=False, is_async=True)
+    return warpgroup_mma(do_tile.permute((1, 0)), p_tile, acc, is_async=True)
+
+
+@gluon.jit
+def _tile(tiles, c):
+    """Features 64c..64c+63 of a token's q or dO ([heads, 64]): the TMA box (one 128-byte swizzle span). Indexed
+    through an opaque zero made at each use, so that its wgmma descriptors are made there too (made once for all
+    tiles, they stay live across the block and spill)."""
+    return tiles.index(c + opaque_zero(c)).reshape([HEADS, FEATURES])
 
 
 @gluon.jit
 def _producer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.constexpr, W_P: gl.constexpr,
-              N_BLOCKS: gl.constexpr, WG: gl.constexpr):
+              N_BLOCKS: gl.constexpr, WG: gl.constexpr, SKIP: gl.constexpr):
     """The producer warpgroup: per token, gathers its first two blocks (their buffers free up while the consumers
     finish the previous token), then its q, dO and delta once both consumers are done with the previous ones, then
     the remaining blocks as the consumers free the buffers."""
-    (KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, part_desc, ds_desc, tok0, comp_offset, T, S, H, scale,
-     n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
+    (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset, T,
+     S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
     PIECES: gl.constexpr = min(16, D // 8)  # 16-byte pieces of a row per thread row
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // PIECES, PIECES], [PRODUCER_WARPS, 1], [1, 0])
     FIRST: gl.constexpr = min(2, N_BLOCKS)
+    programs = gl.num_programs(0)
+    delta = _delta(DOUT, OUT, tok0 + gl.program_id(0).to(gl.int64), H, D)
     for it in range(tokens_of_program(n_tokens)):
-        tok = tok0 + (gl.program_id(0) + it * gl.num_programs(0)).to(gl.int64)
+        row = gl.program_id(0) + it * programs
+        tok = tok0 + row.to(gl.int64)
         b = tok // T
         t = tok - b * T
         win_lo = gl.load(WIN_LO + tok)
         for i in gl.static_range(FIRST):
-            _gather_block(args, it, i, tok, b, t, win_lo, D, W, K, W_P, N_BLOCKS, LOAD)
+            _gather_block(args, it, i, tok, b, t, win_lo, D, W, K, W_P, N_BLOCKS, LOAD, SKIP)
         # A fresh barrier's previous phase counts as complete, so the first token does not wait.
         mbarrier.wait(bars.index(_Q_FREE), (it & 1) ^ 1)
-        _load_operands(args, tok, D, ROPE)
+        delta_smem.store(delta)
+        if (SKIP & 1) == 0:
+            _load_operands(args, it, tok0 + row, tok, D, ROPE)
         mbarrier.arrive(bars.index(_Q), count=1)
         for i in range(FIRST, N_BLOCKS):
-            _gather_block(args, it, i, tok, b, t, win_lo, D, W, K, W_P, N_BLOCKS, LOAD)
+            _gather_block(args, it, i, tok, b, t, win_lo, D, W, K, W_P, N_BLOCKS, LOAD, SKIP)
+        # The next token's delta (from global memory only) while the consumers finish this token's last blocks.
+        delta = _delta(DOUT, OUT, tok0 + gl.minimum(row + programs, n_tokens - 1).to(gl.int64), H, D)
 
 
 @gluon.jit
-def _load_operands(args, tok, D: gl.constexpr, ROPE: gl.constexpr):
-    """The token's q and dO (RoPE tails turned forward) into shared memory, in [64, 32] column chunks (few
-    registers), and delta = rowsum(dO O) from the unrotated rows."""
-    (KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, part_desc, ds_desc, tok0, comp_offset, T, S, H, scale,
-     n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
-    COLS: gl.constexpr = min(D, 32)
+def _delta(DOUT, OUT, tok, H, D: gl.constexpr):
+    """delta = rowsum(dO O) of the token's heads (padded heads 0), from the unrotated rows in [64, 128] chunks."""
+    COLS: gl.constexpr = min(D, 128)
     CHUNK: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (COLS // 8), COLS // 8], [PRODUCER_WARPS, 1], [1, 0])
     delta = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, CHUNK))
     for c in gl.static_range(D // COLS):
-        q = head_cols(Q, tok, H, c * COLS, COLS, D, HEADS, CHUNK)
-        q_smem.index(0).slice(c * COLS, COLS, dim=1).store(rope_tail(q, ROT, tok, c * COLS, D, ROPE))
         do = head_cols(DOUT, tok, H, c * COLS, COLS, D, HEADS, CHUNK)
         delta += gl.sum(do.to(gl.float32) * head_cols(OUT, tok, H, c * COLS, COLS, D, HEADS, CHUNK).to(gl.float32),
                         1)
-        do_smem.index(0).slice(c * COLS, COLS, dim=1).store(rope_tail(do, ROT, tok, c * COLS, D, ROPE))
-    delta_smem.store(delta)
+    return delta
+
+
+@gluon.jit
+def _load_operands(args, it, tok32, tok, D: gl.constexpr, ROPE: gl.constexpr):
+    """The token's q and dO into shared memory by TMA (heads past H read 0), then their RoPE tails turned forward
+    in place."""
+    (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset, T,
+     S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
+    TILES: gl.constexpr = D // FEATURES
+    mbarrier.expect(bars.index(_LANDED), 2 * TILES * q_desc.block_type.nbytes)
+    for c in gl.static_range(TILES):
+        tma.async_copy_global_to_shared(q_desc, [tok32, 0, c * FEATURES], bars.index(_LANDED), q_smem.index(c))
+        tma.async_copy_global_to_shared(do_desc, [tok32, 0, c * FEATURES], bars.index(_LANDED), do_smem.index(c))
+    mbarrier.wait(bars.index(_LANDED), it & 1)
+    if ROPE > 0:
+        TILE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        for c in gl.static_range(TILES):
+            if (c + 1) * FEATURES > D - ROPE:
+                q_tile = _tile(q_smem, c)
+                q_tile.store(rope_tail(q_tile.load(TILE_L), ROT, tok, c * FEATURES, D, ROPE))
+                do_tile = _tile(do_smem, c)
+                do_tile.store(rope_tail(do_tile.load(TILE_L), ROT, tok, c * FEATURES, D, ROPE))
     fence_async_shared()  # q and dO are read by wgmma
 
 
 @gluon.jit
 def _gather_block(args, it, i, tok, b, t, win_lo, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
-                  W_P: gl.constexpr, N_BLOCKS: gl.constexpr, LOAD: gl.constexpr):
+                  W_P: gl.constexpr, N_BLOCKS: gl.constexpr, LOAD: gl.constexpr, SKIP: gl.constexpr):
     """Block i of the token into buffer i % 2 once its consumer has freed it: the rows by cp.async (invalid rows
     become zeros; READY completes when every producer thread's copies have landed), then the slots' bias."""
-    (KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, part_desc, ds_desc, tok0, comp_offset, T, S, H, scale,
-     n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
+    (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset, T,
+     S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars) = args
     buffer = i % 2
     uses = it * ((N_BLOCKS - buffer + 1) // 2) + i // 2  # the buffer's fills before this one
     offset, valid = block_rows(IDX, W - W_P + i * BLOCK_N, tok, b, t, win_lo, T, S, comp_offset, D, W, K, BLOCK_N,
                                gl.SliceLayout(1, LOAD))
     mbarrier.wait(bars.index(_FREE + buffer), (uses & 1) ^ 1)
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
-    async_copy.async_copy_global_to_shared(kv_smem.index(buffer), KV + offset[:, None] + dims[None, :],
-                                           mask=valid[:, None])
+    if (SKIP & 2) == 0:
+        async_copy.async_copy_global_to_shared(kv_smem.index(buffer), KV + offset[:, None] + dims[None, :],
+                                               mask=valid[:, None])
     async_copy.mbarrier_arrive(bars.index(_READY + buffer), increment_count=False)
     bias_smem.index(buffer).store(gl.where(valid, 0.0, float("-inf")))
     mbarrier.arrive(bars.index(_VALID + buffer), count=1)
@@ -206,18 +250,18 @@ def _gather_block(args, it, i, tok, b, t, win_lo, D: gl.constexpr, W: gl.constex
 
 @triton.autotune(configs=[triton.Config({}, num_warps=4, maxnreg=KERNEL_MAXNREG)], key=["H", "D", "W", "K"])
 @gluon.jit(do_not_specialize=["tok0"])  # one compiled kernel for every chunk
-def _bwd_dkv_kernel(KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, part_desc, ds_desc, tok0, comp_offset, T, S,
-                    H, scale, n_tokens, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.constexpr,
-                    num_warps: gl.constexpr):
+def _bwd_dkv_kernel(KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0,
+                    comp_offset, T, S, H, scale, n_tokens, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.constexpr,
+                    SKIP: gl.constexpr, num_warps: gl.constexpr):
     """Tokens tok0 + r for r = pid, pid + programs, ... below n_tokens: their partial rows PART[r] and dS rows DS[r]
     (through ``part_desc`` [tokens, W + K, D] and ``ds_desc`` [tokens, H, W + K]), and dsink."""
     gl.static_assert(num_warps == 4 and D % FEATURES == 0, "one wgmma M of heads per consumer warpgroup")
     W_P: gl.constexpr = (W + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # the window's slots start a block: first at W - W_P
     N_BLOCKS: gl.constexpr = (W_P + K + BLOCK_N - 1) // BLOCK_N
     operand: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [1, HEADS, D], operand)  # [1, ...]: see gluon_common.opaque_zero
-    do_smem = gl.allocate_shared_memory(dtype, [1, HEADS, D], operand)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [D // FEATURES, 1, HEADS, FEATURES], q_desc.layout)  # TMA boxes
+    do_smem = gl.allocate_shared_memory(dtype, [D // FEATURES, 1, HEADS, FEATURES], q_desc.layout)
     kv_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], operand)
     ds_smem = gl.allocate_shared_memory(dtype, [2, 1, HEADS, BLOCK_N], ds_desc.layout)  # per consumer
     p_smem = gl.allocate_shared_memory(dtype, [2, 1, HEADS, BLOCK_N], ds_desc.layout)
@@ -225,17 +269,18 @@ def _bwd_dkv_kernel(KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, part_d
     rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     delta_smem = gl.allocate_shared_memory(gl.float32, [HEADS], rows)
     bias_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N], rows)  # 0 or -inf per slot of each buffer
-    bars = gl.allocate_shared_memory(gl.int64, [_N_BARRIERS, 1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())  # _N_BARRIERS, to a power of 2
     for i in gl.static_range(_N_BARRIERS):
         # READY: one cp.async arrival per producer thread; Q_FREE: one per consumer; the rest: one arrival.
         mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32 if i < _FREE else (2 if i == _Q_FREE else 1))
-    args = (KV, Q, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, part_desc, ds_desc, tok0, comp_offset, T, S, H,
-            scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem, bars)
+    args = (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset,
+            T, S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem,
+            bars)
     # Worker partitions share one signature: each takes every shape argument, used or not.
     gl.warp_specialize([
-        (_consumer, (args, D, W, K, ROPE, W_P, N_BLOCKS, 0)),
-        (_consumer, (args, D, W, K, ROPE, W_P, N_BLOCKS, 1)),
-        (_producer, (args, D, W, K, ROPE, W_P, N_BLOCKS, 1)),
+        (_consumer, (args, D, W, K, ROPE, W_P, N_BLOCKS, 0, SKIP)),
+        (_consumer, (args, D, W, K, ROPE, W_P, N_BLOCKS, 1, SKIP)),
+        (_producer, (args, D, W, K, ROPE, W_P, N_BLOCKS, 1, SKIP)),
     ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -246,13 +291,16 @@ def usable(q: torch.Tensor, window: int, k: int) -> bool:
     return hopper_heads_dtype(q) and D % FEATURES.value == 0 and D <= 512 and (window + k) % 8 == 0
 
 
-def descriptors(part: torch.Tensor, ds: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """TMA descriptors of a chunk's partial rows [tokens, W + K, D] (stored [1, 32, 64] at a time) and dS rows
+def descriptors(q: torch.Tensor, dout: torch.Tensor, part: torch.Tensor, ds: torch.Tensor) -> list[TensorDescriptor]:
+    """TMA descriptors, in the kernel's order, of q and dO [tokens, H, D] (read [1, 64 heads, 64] at a time; heads
+    past H read 0), of a chunk's partial rows [tokens, W + K, D] (stored [1, 32, 64] at a time) and of its dS rows
     [tokens, H, W + K] ([1, 64 heads, 32] at a time; heads past H are clipped)."""
-    dtype = gl.bfloat16 if part.dtype == torch.bfloat16 else gl.float16
-    part_box, ds_box = [1, BLOCK_N.value, FEATURES.value], [1, BLOCK_H, BLOCK_N.value]
-    return (TensorDescriptor.from_tensor(part, part_box, gl.NVMMASharedLayout.get_default_for(part_box, dtype)),
-            TensorDescriptor.from_tensor(ds, ds_box, gl.NVMMASharedLayout.get_default_for(ds_box, dtype)))
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    head_box = [1, BLOCK_H, FEATURES.value]
+    boxes = (head_box, head_box, [1, BLOCK_N.value, FEATURES.value], [1, BLOCK_H, BLOCK_N.value])
+    tensors = (q.view(-1, *q.shape[-2:]), dout.view(-1, *dout.shape[-2:]), part, ds)
+    return [TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+            for t, box in zip(tensors, boxes)]
 
 
 def launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink, tok0, comp_offset, T, S, H, scale,
@@ -261,5 +309,7 @@ def launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink
     every programs-th token."""
     n_tokens = part.shape[0]
     programs = min(n_tokens, torch.cuda.get_device_properties(q.device).multi_processor_count)
-    _bwd_dkv_kernel[(programs, )](kv_window, q, dout, out, win_lo, idx, sink, rot, lse, dsink, *descriptors(part, ds),
-                                  tok0, comp_offset, T, S, H, scale, n_tokens, **constexprs)
+    _bwd_dkv_kernel[(programs, )](kv_window, dout, out, win_lo, idx, sink, rot, lse, dsink,
+                                  *descriptors(q, dout, part, ds), tok0, comp_offset, T, S, H, scale, n_tokens,
+                                  **constexprs,
+                                  SKIP=sum(1 << i for i, name in enumerate(_ABLATIONS) if name in ABLATE))

@@ -62,8 +62,10 @@ def compile_for_hopper(spec: KernelSpec, config: triton.Config):
 def dkv_descriptors(H: int, D: int, slots: int) -> dict:
     """Type strings of the Gluon dKV step's TMA descriptors (their block shapes and layouts), from descriptors over
     stand-in CPU tensors (a descriptor's type carries no address)."""
-    part, ds = (torch.empty(shape, dtype=torch.bfloat16) for shape in ((1, slots, D), (1, H, slots)))
-    return dict(zip(("part_desc", "ds_desc"), map(mangle_type, gluon_dkv.descriptors(part, ds))))
+    q, dout, part, ds = (torch.empty(shape, dtype=torch.bfloat16) for shape in ((1, H, D), (1, H, D), (1, slots, D),
+                                                                               (1, H, slots)))
+    return dict(zip(("q_desc", "do_desc", "part_desc", "ds_desc"),
+                    map(mangle_type, gluon_dkv.descriptors(q, dout, part, ds))))
 
 
 def specs() -> list[KernelSpec]:
@@ -89,9 +91,9 @@ def specs() -> list[KernelSpec]:
                                                                   SKIP_GATHER=False, **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
                                               tok0=i32, scale="fp32", **rows), shape),
-        KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, LSE=f32, DSINK=f32, tok0=i32,
+        KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(DOUT=bf, OUT=bf, SINK=f32, ROT=f32, LSE=f32, DSINK=f32, tok0=i32,
                                                    scale="fp32", n_tokens=i32, **dkv_descriptors(64, 512, 128 + 512),
-                                                   **rows), dict(D=512, W=128, K=512, ROPE=64)),
+                                                   **rows), dict(D=512, W=128, K=512, ROPE=64, SKIP=0)),
         KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, ROT=f32, DQ=bf, tok0=i32, **rows), shape),
         KernelSpec(dkv._window_reduce_kernel, dict(PART=bf, DKV=f32, tok0=i32, n_tok=i32, row0=i32, n_rows=i32), chunk),
         KernelSpec(dkv._entry_reduce_kernel, dict(PART=bf, ORDER=i64, OFFSETS=i64, DKV=f32), chunk),
