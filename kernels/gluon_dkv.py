@@ -112,26 +112,25 @@ def _block(args, n, row, start, lse2, delta, zero, D: gl.constexpr, WG: gl.const
     fence_async_shared()  # read by TMA and wgmma (async proxy)
     tma.async_copy_shared_to_global(ds_desc, [row, 0, start], ds_tile)
     if (SKIP & 8) == 0:
-        _partial_rows(q_smem, do_smem, zero, ds_tile.reshape([HEADS, BLOCK_N]), p_tile.reshape([HEADS, BLOCK_N]),
+        _partial_rows(q_smem, do_smem, ds_tile.reshape([HEADS, BLOCK_N]), p_tile.reshape([HEADS, BLOCK_N]),
                       stage_smem, 2 * WG, part_desc, row, start, D, S_L, SKIP)
 
 
 @gluon.jit
-def _partial_rows(q_smem, do_smem, zero, ds_tile, p_tile, stage_smem, stage0, part_desc, row, start, D: gl.constexpr,
+def _partial_rows(q_smem, do_smem, ds_tile, p_tile, stage_smem, stage0, part_desc, row, start, D: gl.constexpr,
                   ACC_L: gl.constexpr, SKIP: gl.constexpr):
-    """The block's partial dKV rows, 64 features at a time: dKV^T [64, 32] = q^T dS + dO^T P (K = the heads), the next
-    pair of wgmma in flight while one result is staged (transposed, in staging tiles stage0 and stage0 + 1 by turns)
-    and stored by TMA."""
+    """The block's partial dKV rows, 64 features at a time: dKV^T [64, 32] = q^T dS + dO^T P (K = the heads). Two
+    more pairs of wgmma stay in flight while one result is staged (transposed, in staging tiles stage0 and
+    stage0 + 1 by turns) and stored by TMA, so the tensor cores do not wait on the staging."""
     dtype: gl.constexpr = ds_tile.dtype
     STEPS: gl.constexpr = D // FEATURES
-    acc = _features_mma(_tile(q_smem, 0), _tile(do_smem, 0), ds_tile, p_tile, ACC_L)
+    acc = _features_mma(q_smem, do_smem, ds_tile, p_tile, 0, ACC_L)
+    if STEPS > 1:
+        second = _features_mma(q_smem, do_smem, ds_tile, p_tile, 1, ACC_L)
     for m in gl.static_range(STEPS):
-        if m + 1 < STEPS:
-            following = _features_mma(_tile(q_smem, m + 1), _tile(do_smem, m + 1), ds_tile, p_tile,
-                                      ACC_L)
-            acc = warpgroup_mma_wait(2, deps=(acc, ))  # this step's pair is done, the next one's still running
-        else:
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if m + 2 < STEPS:
+            third = _features_mma(q_smem, do_smem, ds_tile, p_tile, m + 2, ACC_L)
+        acc = warpgroup_mma_wait(2 * min(STEPS - 1 - m, 2), deps=(acc, ))  # two wgmma (one pair) a step
         tile = stage_smem.index(stage0 + m % 2)
         tma.store_wait(1)  # the store two steps back has read this staging tile
         tile.reshape([BLOCK_N, FEATURES]).permute((1, 0)).store(acc.to(dtype))
@@ -139,15 +138,18 @@ def _partial_rows(q_smem, do_smem, zero, ds_tile, p_tile, stage_smem, stage0, pa
         if (SKIP & 4) == 0:
             tma.async_copy_shared_to_global(part_desc, [row, start, m * FEATURES], tile)
         if m + 1 < STEPS:
-            acc = following
+            acc = second
+        if m + 2 < STEPS:
+            second = third
 
 
 @gluon.jit
-def _features_mma(q_tile, do_tile, ds_tile, p_tile, ACC_L: gl.constexpr):
-    """Issue q_tile^T dS + do_tile^T P (64 features), A read feature-major from the head-major q and dO tiles."""
-    acc = warpgroup_mma(q_tile.permute((1, 0)), ds_tile, gl.zeros([FEATURES, BLOCK_N], gl.float32, ACC_L),
+def _features_mma(q_smem, do_smem, ds_tile, p_tile, m: gl.constexpr, ACC_L: gl.constexpr):
+    """Issue q_m^T dS + dO_m^T P for features 64m..64m+63, A read feature-major from the head-major q and dO
+    tiles."""
+    acc = warpgroup_mma(_tile(q_smem, m).permute((1, 0)), ds_tile, gl.zeros([FEATURES, BLOCK_N], gl.float32, ACC_L),
                         use_acc=False, is_async=True)
-    return warpgroup_mma(do_tile.permute((1, 0)), p_tile, acc, is_async=True)
+    return warpgroup_mma(_tile(do_smem, m).permute((1, 0)), p_tile, acc, is_async=True)
 
 
 @gluon.jit
