@@ -124,7 +124,8 @@ def rope_rotation(B, T, rope_dim):
 
 def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
     """Kernel vs reference on one geometry; the backward runs in chunks of ~T/3 tokens (rows receiving from two
-    chunks) and twice, to check that dkv is bitwise reproducible (fixed-order reduction, no atomics)."""
+    chunks) and twice, to check that dkv is bitwise reproducible (fixed-order reduction, no atomics); and the
+    forward without the selected mass (a recomputed layer's) gives bitwise the same output and LSE."""
     data, win_lo, topk, rotation = attention_inputs(doc_lens, m, H, D, W, K, with_selected)
     B, T = win_lo.shape
     triton_attention.PARTIAL_CHUNK_BYTES = (T // 3 + 5) * (W + K) * D * torch.tensor([], dtype=BF16).element_size()
@@ -147,10 +148,73 @@ def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
         errs["selected_mass"] = rel_err(mass, ref_mass)
     for k in grads:
         errs["d" + k] = rel_err(grads[k], ref_grads[k])
+    same_without_mass = same_output_without_mass(data, win_lo, topk, rotation, D ** -0.5, W)
     RESULTS[name] = {"forward": forward_impl(data["q"].to(BF16)), "dkv": dkv_impl(data["q"].to(BF16), W, K),
-                     "rel_err": errs,
-                     "backward_bitwise_reproducible": reproducible,
-                     "pass": all(e < 1e-2 for e in errs.values()) and reproducible}
+                     "rel_err": errs, "backward_bitwise_reproducible": reproducible,
+                     "out_and_lse_bitwise_without_mass": same_without_mass,
+                     "pass": all(e < 1e-2 for e in errs.values()) and reproducible and same_without_mass}
+
+
+def dkv_step_inputs(T, H, D, W, K):
+    """The backward's dKV step on its own: the inputs of ``_sparse_attention_bwd``'s first chunk (all T tokens) at
+    one geometry, and a function running the Gluon or the Triton kernel into fresh NaN-filled PART, DS and dsink."""
+    q, kv_window, win_lo, kv_comp, topk, sink, scale, window, rotation = attention_problem(T, H, D, W, K)
+    q, kv_window, kv_comp, sink = (x.detach() for x in (q, kv_window, kv_comp, sink))
+    if K == 0:
+        kv_comp, topk = None, None
+    pairs = torch.view_as_real(rotation.contiguous())
+    with torch.no_grad():
+        out, lse, _ = triton_attention._sparse_attention_fwd(q, kv_window, win_lo, kv_comp, topk, sink, pairs, scale,
+                                                             window, False)
+    dout = torch.randn_like(out)
+    S, comp_offset = triton_attention._compressed_rows(kv_window, kv_comp)
+    idx = topk if topk is not None else win_lo
+    rot, rope = triton_attention._rope_args(pairs, q)
+    outputs = [torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+               for shape, dtype in (((T, W + K, D), q.dtype), ((T, H, W + K), q.dtype), ((1, T, H), torch.float32))]
+
+    def run(impl: str):
+        part, ds, dsink = outputs
+        if impl == "gluon":
+            from kernels import gluon_dkv
+            gluon_dkv.launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink, 0, comp_offset, T,
+                             S, H, scale, D=D, W=W, K=K, ROPE=rope)
+        else:
+            scratch = torch.empty((T, 2 * triton_attention._block_h(H), rope), dtype=q.dtype, device=DEV)
+            triton_attention._bwd_dkv_kernel[(T,)](kv_window, q, dout, out, win_lo, idx, sink, rot, scratch, lse, part,
+                                                   ds, dsink, 0, comp_offset, T, S, H, scale, D=D, W=W, K=K,
+                                                   BLOCK_H=triton_attention._block_h(H), ROPE=rope)
+        return [x.clone() for x in outputs]
+    return run
+
+
+@section
+def check_dkv_step():
+    """The Gluon dKV step against the Triton kernel on identical inputs: the partial rows, dS rows and dsink each
+    writes (NaN-filled first), at 64 and 48 heads and without selection. The end-to-end check goes through the
+    reductions; this one names the output that differs."""
+    if SMOKE:
+        RESULTS["dkv_step"] = {"skipped": "the Gluon kernel runs only on a Hopper GPU"}
+        return
+    res = {}
+    for name, shape in (("h64", (1000, 64, 512, 128, 512)), ("h48", (1000, 48, 512, 128, 512)),
+                        ("window_only", (700, 64, 512, 128, 0))):
+        run = dkv_step_inputs(*shape)
+        want, got = run("triton"), run("gluon")
+        res[name] = {out: {"rel_err": rel_err(g.float(), w.float()), "nan": int(torch.isnan(g).sum())}
+                     for out, g, w in zip(("part", "ds", "dsink"), got, want)}
+    RESULTS["dkv_step"] = {**res, "pass": all(r["rel_err"] < 1e-3 and r["nan"] == 0 for case in res.values()
+                                              for r in case.values())}
+
+
+def same_output_without_mass(data, win_lo, topk, rotation, scale, window) -> bool:
+    """Whether the bf16 forward op gives bitwise the same (out, LSE) with and without its selected-mass pass."""
+    args = [data["q"].to(BF16), data["kv_window"].to(BF16), win_lo,
+            data["kv_comp"].to(BF16) if data.get("kv_comp") is not None else None, topk, data["sink"],
+            torch.view_as_real(rotation.contiguous()) if rotation is not None else None, scale, window]
+    with torch.no_grad():
+        (out, lse, _), (out_nm, lse_nm, _) = (triton_attention._sparse_attention_fwd(*args, m) for m in (True, False))
+    return torch.equal(out, out_nm) and torch.equal(lse, lse_nm)
 
 
 def forward_impl(q) -> str:
@@ -476,6 +540,23 @@ def bench_attention():
 
 
 @section
+def bench_dkv_step():
+    """The backward's dKV step alone at T = 16,384 (every token in one launch): the Gluon kernel, the Triton one,
+    and the Gluon kernel with each of its stages switched off (``gluon_dkv.ABLATE``: the stage's cost is the time
+    it saves; the outputs are then wrong)."""
+    if SMOKE:
+        RESULTS["dkv_step_16k"] = {"skipped": "the Gluon kernel runs only on a Hopper GPU"}
+        return
+    from kernels import gluon_dkv
+    run = dkv_step_inputs(16384, 64, 512, 128, 512)
+    res = {"tokens": 16384, "gluon_ms": ms(lambda: run("gluon")), "triton_ms": ms(lambda: run("triton"))}
+    for stage in gluon_dkv.STAGES:
+        with overridden(gluon_dkv, "ABLATE", {stage}):
+            res[f"gluon_ms_without_{stage}"] = ms(lambda: run("gluon"))
+    RESULTS["dkv_step_16k"] = res
+
+
+@section
 def bench_sdpa_cudnn():
     """Dense causal SDPA at T = 65,536, 64 heads x 128, bf16, through cuDNN (the dense baseline)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -662,8 +743,9 @@ def main():
                                                     "usual order (bench_indexer needs bench_matmul's rate)")
     args = parser.parse_args()
     sections = {"check": [check_indexer, check_indexer_ties, check_index_logits, check_rope, check_norm_and_cast,
-                          check_attention],  # the newest kernels first: a cut run keeps their results
-                "bench": [bench_matmul, bench_attention, bench_sdpa_cudnn, bench_indexer, bench_index_logits]}
+                          check_attention, check_dkv_step],  # the newest kernels first: a cut run keeps their results
+                "bench": [bench_matmul, bench_attention, bench_dkv_step, bench_sdpa_cudnn, bench_indexer,
+                          bench_index_logits]}
     by_name = {fn.__name__: fn for fn in sections[args.mode]}
     chosen = args.only.split(",") if args.only else list(by_name)
     unknown = [name for name in chosen if name not in by_name]

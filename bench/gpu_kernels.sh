@@ -11,7 +11,7 @@
 #   3. train_step_csa2_65536.json   whole step, per-layer-mode times, Reuse-layer launches (torch profiler)
 #   4. train_step_dense_65536.json  the dense-attention model                           -> train/
 #   5. train_step_csa2_keep4_65536.json  csa2 with parallel.keep_attention_layers=$KEEP (default 4)
-#   6. bench_attention.json  bench_kernels.py bench: sparse attention and cuDNN SDPA at 64K (unchanged since v6)
+#   6. bench_attention.json  bench_kernels.py bench: sparse attention at 64K, the dKV step alone at 16K, cuDNN SDPA
 #   7. ncu_attention.json    bench/ncu_attention.py: Nsight Compute metrics of the attention kernels (why they take
 #                            what they take); ncu_attention_details.csv, the .ncu-rep report
 # Stage logs end up in logs.txt (one file: a device call returns at most 8); ncu_attention adds three files of its own.
@@ -83,7 +83,7 @@ stage train_dense 110 python3 bench/train_step.py --variant dense --steps 1 --wa
 stage train_csa2_keep 80 python3 bench/train_step.py --variant csa2 --steps 1 --warmup 1 --no-detail \
   --out "$OUT/train_step_csa2_keep${KEEP}_$T.json" "${TRAIN[@]}" parallel.keep_attention_layers=$KEEP
 stage bench_attention 120 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench_attention.json" \
-  --only bench_matmul,bench_attention,bench_sdpa_cudnn
+  --only bench_matmul,bench_attention,bench_dkv_step,bench_sdpa_cudnn
 stage ncu_attention 150 python3 bench/ncu_attention.py "${KERNELS[@]}" --out "$OUT"
 echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"
 # A device call returns at most 8 files: the stage logs go into one (2026-12-01, a call lost its step files to them).

@@ -4,11 +4,13 @@
 ``index_logits``, ``rope``, ``rms_norm`` and ``cast`` (signatures in docs/DESIGN.md). ``auto`` picks Triton on CUDA devices, the
 reference elsewhere.
 """
+import contextlib
+import threading
 from functools import partial
 from types import ModuleType
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from kernels import reference
 
@@ -33,6 +35,34 @@ def checkpoint_policy(keep_attention: bool):
 
 def _policy(saved: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op.name() in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_recompute = threading.local()  # the backward runs a recomputation on the thread that runs that backward
+
+
+def recomputing() -> bool:
+    """Whether a recomputed layer (``checkpoint_contexts``) is being run again for its backward. Its outputs
+    then serve only the gradients, so what has none (the selected mass: the indexer loss's detached target, read in
+    the forward) need not be made again."""
+    return getattr(_recompute, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _recomputation(policy_context):
+    """The selective policy's recomputation context, with ``recomputing()`` true inside it."""
+    with policy_context:
+        _recompute.depth = getattr(_recompute, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _recompute.depth -= 1
+
+
+def checkpoint_contexts(keep_attention: bool):
+    """``context_fn`` of a recomputed layer's non-reentrant checkpoint: the selective policy
+    (``checkpoint_policy``) in both passes, and ``recomputing()`` true during the recomputation."""
+    forward, recompute = create_selective_checkpoint_contexts(checkpoint_policy(keep_attention))
+    return forward, _recomputation(recompute)
 
 
 def ops(backend: str, device: torch.device) -> ModuleType:

@@ -6,9 +6,11 @@ for a ring of gathers, and its 255 registers allow one program per SM: it waits 
 issue slots 18%, tensor pipe 29%; 41.5 ms of the backward's 67 at 64K). The partial rows need no hand-over between
 warpgroups, so the forward's split (``gluon_attention``) becomes two independent consumers:
 
-- A producer warpgroup loads each token's q and dO (their RoPE tails turned forward: the step works in the rotated
-  frame, as the Triton kernel does) into shared memory with delta = rowsum(dO O), and gathers the slots' rows in
-  32-row blocks by ``cp.async`` into two buffers (32 KB each), publishing each block's -inf / 0 slot bias.
+- A producer warpgroup loads each token's q and dO into shared memory by TMA, as [64 heads, 64 features] tiles, and
+  turns their RoPE tails forward in place (the step works in the rotated frame, as the Triton kernel does); it
+  computes the next token's delta = rowsum(dO O) from global memory while the consumers finish the current token,
+  and gathers the slots' rows in 32-row blocks by ``cp.async`` into two buffers (32 KB each), publishing each
+  block's -inf / 0 slot bias.
 - Consumer warpgroup c takes blocks c, c + 2, ... whole: S = q K^T and dP = dO K^T (wgmma 64 heads x 32 slots,
   K = D), after which the block's rows are not read again, so its buffer goes back to the producer at once and the
   next gather runs under the rest of the block. P = exp2(S - lse) and dS = P (dP - delta) scale stay in registers;
@@ -35,9 +37,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from kernels.gluon_common import (BLOCK_H, LOG2E, block_rows, head_cols, hopper_heads_dtype, opaque_zero, rope_tail,
                                   tokens_of_program)
 
-# Stages the benchmark switches off to see what the rest costs; empty in real use.
+# Stages the benchmark switches off to see what each costs (``bench_kernels.py bench_dkv_step``; the outputs are then
+# wrong): the producer's TMA loads of q and dO, its row gathers, the consumers' TMA stores of the partial rows, and
+# the partial rows altogether (their wgmma, staging and stores). The kernel takes them as the bits of SKIP.
+STAGES = ("operands", "gather", "stores", "partial_rows")
 ABLATE: set[str] = set()
-_ABLATIONS = ("operands", "gather", "stores", "partial")
 BLOCK_N = gl.constexpr(32)  # slots per block: two 32-row buffers beside q and dO are what one SM's shared memory holds
 FEATURES = gl.constexpr(64)  # features per partial-rows wgmma (its M) and per staged TMA store
 HEADS = gl.constexpr(BLOCK_H)
@@ -314,4 +318,4 @@ def launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink
     _bwd_dkv_kernel[(programs, )](kv_window, dout, out, win_lo, idx, sink, rot, lse, dsink,
                                   *descriptors(q, dout, part, ds), tok0, comp_offset, T, S, H, scale, n_tokens,
                                   **constexprs,
-                                  SKIP=sum(1 << i for i, name in enumerate(_ABLATIONS) if name in ABLATE))
+                                  SKIP=sum(1 << i for i, stage in enumerate(STAGES) if stage in ABLATE))

@@ -85,15 +85,16 @@ def specs() -> list[KernelSpec]:
     fwd_types = dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16", stage_token_stride=i32,
                      stage_head_stride=i32, scale_log2="fp32", **rows)
     gluon_fwd_types = dict(fwd_types, n_tokens=i32)  # the persistent kernel also takes B*T
+    dkv_types = dict(DOUT=bf, OUT=bf, SINK=f32, ROT=f32, LSE=f32, DSINK=f32, tok0=i32, scale="fp32", n_tokens=i32,
+                     **rows)
     out = [
         KernelSpec(attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
         KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True,
                                                                   SKIP_GATHER=False, **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
                                               tok0=i32, scale="fp32", **rows), shape),
-        KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(DOUT=bf, OUT=bf, SINK=f32, ROT=f32, LSE=f32, DSINK=f32, tok0=i32,
-                                                   scale="fp32", n_tokens=i32, **dkv_descriptors(64, 512, 128 + 512),
-                                                   **rows), dict(D=512, W=128, K=512, ROPE=64, SKIP=0)),
+        KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(dkv_types, **dkv_descriptors(64, 512, 128 + 512)),
+                   dict(D=512, W=128, K=512, ROPE=64, SKIP=0)),
         KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, ROT=f32, DQ=bf, tok0=i32, **rows), shape),
         KernelSpec(dkv._window_reduce_kernel, dict(PART=bf, DKV=f32, tok0=i32, n_tok=i32, row0=i32, n_rows=i32), chunk),
         KernelSpec(dkv._entry_reduce_kernel, dict(PART=bf, ORDER=i64, OFFSETS=i64, DKV=f32), chunk),
@@ -112,10 +113,16 @@ def specs() -> list[KernelSpec]:
         KernelSpec(untuned(cast._cast_kernel, num_warps=4), dict(SRC=(f32, f32, f32), OUT=bf),
                    dict(STARTS=(0, 4096, 12288), ENDS=(4096, 12288, 20480), BLOCK=cast.BLOCK)),
     ]
+    # the recomputation's forward (no selected mass) at the small model's shapes
+    out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=False,
+                                                                         SKIP_GATHER=False, **shape)))
     for D, W, K, rope_dim in ((128, 32, 100, 32), (64, 16, 0, 0)):  # K not a power of two; window only, no RoPE
         out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types,
                               dict(D=D, W=W, K=K, K_P=attn._padded_k(K), BLOCK_H=64, ROPE=rope_dim, MASS_PASS=K > 0,
                                    SKIP_GATHER=False)))
+    for D, W, K, rope_dim in ((128, 40, 96, 32), (64, 16, 0, 0)):  # W not a multiple of 32; window only, no RoPE
+        out.append(KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(dkv_types, **dkv_descriptors(64, D, W + K)),
+                              dict(D=D, W=W, K=K, ROPE=rope_dim, SKIP=0)))
     for D, rope_dim in ((768, 0), (512, 64)):  # q_norm; kv_norm + the window-KV rotation
         block_d, block_r, warps = nrm._launch_shape(D)
         norm_shape = dict(D=D, BLOCK_D=block_d, ROPE=rope_dim, BLOCK_R=block_r)

@@ -65,11 +65,13 @@ def window_slots(win_lo: torch.Tensor, window: int) -> tuple[torch.Tensor, torch
     return positions, positions >= win_lo.unsqueeze(-1)
 
 
-def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int, rotation=None):
+def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int, rotation=None,
+                     with_mass: bool = True):
     """Attention of each query over its sliding window and its selected compressed entries, with a sink.
 
-    Returns (out [B,T,H,D] in q's dtype, selected_mass [B,T,K] fp32 without grad). ``selected_mass`` is the
-    head-summed probability on each selected slot: the indexer-loss target before normalisation. With a
+    Returns (out [B,T,H,D] in q's dtype, selected_mass [B,T,K] fp32 without grad; None without selection or
+    ``with_mass``). ``selected_mass`` is the head-summed probability on each selected slot: the indexer-loss target
+    before normalisation. With a
     ``rotation`` ([B,T,rope_dim/2] complex, as ``rope`` takes it) q's last rope_dim features are rotated first and
     the output's rotated back (by the conjugate) last: the layer's RoPE, which the Triton kernels do on the fly.
 
@@ -80,7 +82,7 @@ def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float
     if rotation is not None:
         rope_dim = 2 * rotation.shape[-1]
         out, selected_mass = sparse_attention(rope(q, rotation, rope_dim), kv_window, win_lo, kv_comp, topk_idx,
-                                              sink, scale, window)
+                                              sink, scale, window, with_mass=with_mass)
         return rope(out, rotation.conj(), rope_dim), selected_mass
     _, T, H, D = q.shape
     slots, valid = window_slots(win_lo, window)  # [B,T,n]: the rows each query reads, token positions then entries
@@ -90,7 +92,7 @@ def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float
     rows = kv_window if topk_idx is None else torch.cat([kv_window, kv_comp], dim=1)
     attend = _attend_all_rows if _all_rows_hold_fewer(rows.shape[1], slots.shape[-1], H, D) else _attend_gathered_rows
     out, probs = attend(q, rows, slots, valid, sink, scale)
-    return out, (probs[..., window:] if topk_idx is not None else None)
+    return out, (probs[..., window:] if topk_idx is not None and with_mass else None)
 
 
 def _all_rows_hold_fewer(n_rows: int, n_slots: int, heads: int, dim: int) -> bool:

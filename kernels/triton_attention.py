@@ -407,11 +407,12 @@ def _check(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation):
 @torch.library.custom_op(SPARSE_ATTENTION_OP, mutates_args=())
 def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torch.Tensor,
                           kv_comp: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor], sink: torch.Tensor,
-                          rotation: Optional[torch.Tensor], scale: float,
-                          window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          rotation: Optional[torch.Tensor], scale: float, window: int,
+                          with_mass: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [B,T,H,D], lse [B,T,H] fp32 natural log incl. the sink, selected mass [B,T,K] fp32; K = 0 without
-    selection). ``rotation`` (cos, sin pairs [B,T,rope_dim/2,2] fp32, or None): RoPE on q's tail as it is loaded,
-    its inverse on the output's as it is stored."""
+    selection or ``with_mass``, whose kernel then skips the staging and the mass epilogue). ``rotation`` (cos, sin
+    pairs [B,T,rope_dim/2,2] fp32, or None): RoPE on q's tail as it is loaded, its inverse on the output's as it is
+    stored."""
     _check(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation)
     B, T, H, D = q.shape
     q, kv_window, win_lo = q.contiguous(), kv_window.contiguous(), win_lo.contiguous()
@@ -421,8 +422,8 @@ def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torc
     K = topk_idx.shape[-1] if topk_idx is not None else 0
     out = new_output(q.shape, q.dtype, q.device)
     lse = new_output((B, T, H), torch.float32, q.device)
-    mass = new_output((B, T, K), torch.float32, q.device)
-    mass_pass = K > 0 and "mass_pass" not in ABLATE
+    mass = new_output((B, T, K if with_mass else 0), torch.float32, q.device)
+    mass_pass = K > 0 and with_mass and "mass_pass" not in ABLATE
     # p in [0, 1] is staged in fp16 (11 bits; bf16 keeps 8), fp32 for fp32 inputs (the CPU tests' 1e-4 bound): the
     # same element size as out, so the token's output rows hold its [H, K] tile when K <= D.
     p_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
@@ -460,9 +461,9 @@ def gluon_dkv_applies(q: torch.Tensor, window: int, k: int) -> bool:
 
 
 @_sparse_attention_fwd.register_fake
-def _(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, scale, window):
+def _(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, scale, window, with_mass):
     B, T, H, _ = q.shape
-    K = topk_idx.shape[-1] if topk_idx is not None else 0
+    K = topk_idx.shape[-1] if topk_idx is not None and with_mass else 0
     return q.new_empty(q.shape), q.new_empty((B, T, H), dtype=torch.float32), q.new_empty((B, T, K),
                                                                                           dtype=torch.float32)
 
@@ -522,7 +523,7 @@ def _(dout, q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, out, lse, s
 
 
 def _setup_context(ctx, inputs, output):
-    q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, scale, window = inputs
+    q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, scale, window, _ = inputs
     out, lse, _ = output
     ctx.save_for_backward(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, out, lse)
     ctx.scale, ctx.window = scale, window
@@ -534,17 +535,19 @@ def _backward(ctx, dout, _dlse, _dmass):
     q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, out, lse = ctx.saved_tensors
     dq, dkvw, dkvc, dsink = _sparse_attention_bwd(dout, q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, out,
                                                   lse, ctx.scale, ctx.window)
-    return dq, dkvw, None, (dkvc if kv_comp is not None else None), None, dsink, None, None, None
+    return dq, dkvw, None, (dkvc if kv_comp is not None else None), None, dsink, None, None, None, None
 
 
 _sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int, rotation=None):
+def sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int, rotation=None,
+                     with_mass: bool = True):
     """Same contract as ``kernels.reference.sparse_attention``: (out, selected_mass or None)."""
     if rotation is not None and rotation.dtype != torch.complex64:
         raise ValueError(f"sparse_attention: Triton takes a complex64 rotation, got {rotation.dtype}")
     pairs = torch.view_as_real(rotation.contiguous()) if rotation is not None else None
-    out, _, mass = _sparse_attention_fwd(q, kv_window, win_lo, kv_comp, topk_idx, sink, pairs, scale, window)
-    return out, (mass.detach() if topk_idx is not None else None)
+    out, _, mass = _sparse_attention_fwd(q, kv_window, win_lo, kv_comp, topk_idx, sink, pairs, scale, window,
+                                         with_mass)
+    return out, (mass.detach() if topk_idx is not None and with_mass else None)
 

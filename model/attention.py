@@ -140,7 +140,8 @@ class Attention(nn.Module):
             kv_comp = self.rotary(latent, entries, out_dtype=q.dtype)
         rotation = self.rotary.rotation(tokens, torch.promote_types(q.dtype, torch.float32))
         out, selected_mass = ops.sparse_attention(q, kv_window, geometry.window_lo, kv_comp, topk, self.attn_sink,
-                                                  args.head_dim ** -0.5, args.window_size, rotation)
+                                                  args.head_dim ** -0.5, args.window_size, rotation,
+                                                  with_mass=not kernels.recomputing())
         if topk is not None:
             produced["selected_mass"] = selected_mass
             if collect_recall:

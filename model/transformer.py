@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 import kernels
 
@@ -46,14 +46,14 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, state: SharedState) -> torch.Tensor:
         """Runs the layer on the forward's shared state. With ``recompute`` the layer is a non-reentrant
         checkpoint: its shared inputs are explicit arguments, so recomputation in backward sees the same tensors
-        even after the state has dropped them. The checkpoint is selective (``kernels.checkpoint_policy``): the
+        even after the state has dropped them. The checkpoint is selective (``kernels.checkpoint_contexts``): the
         indexer's selection is saved, and with ``keep_attention`` the sparse-attention op's outputs too; the rest of
-        the layer is recomputed."""
+        the layer is recomputed, without the selected mass (only the forward reads it)."""
         plan = self.attn.plan
         run = self._compute
         if self.recompute:
-            saving = partial(create_selective_checkpoint_contexts, kernels.checkpoint_policy(self.keep_attention))
-            run = partial(checkpoint, self._compute, use_reentrant=False, context_fn=saving)
+            contexts = partial(kernels.checkpoint_contexts, self.keep_attention)
+            run = partial(checkpoint, self._compute, use_reentrant=False, context_fn=contexts)
         x, produced = run(x, state.geometry, state.reads(plan), state.collect_recall)
         state.write(plan, produced)
         return x

@@ -153,6 +153,49 @@ def test_selective_checkpoint_keeps_attention(seed, monkeypatch):
         assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
 
 
+class MassPassRecorder:
+    """Stands in for a forward kernel: records each launch's MASS_PASS, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.mass_passes = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.mass_passes.append(kwargs["MASS_PASS"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_recomputation_skips_the_selected_mass(seed, monkeypatch, keep_attention):
+    """A layer recomputed through ``kernels.checkpoint_contexts`` (as ``model.transformer.Block`` runs it) asks for
+    no selected mass when it runs again (``kernels.recomputing()``): the recomputed forward kernel skips the mass
+    pass, the forward's mass is whole, the flag is off again after the backward, and the gradients are bitwise
+    those without checkpointing (out and LSE do not depend on the mass pass). Kept attention is not run again."""
+    win_lo, vis_lo, vis_hi = packed_geometry([[9, 8]], 1, 4)
+    H, D, W, K = 4, 16, 4, 6
+    leaves = [torch.randn(1, 17, H, D, requires_grad=True), torch.randn(1, 17, D, requires_grad=True),
+              torch.randn(1, 17, D, requires_grad=True), torch.randn(H, requires_grad=True)]
+    topk_idx = random_topk(vis_lo, vis_hi, K)
+    masses = []
+
+    def layer(q, kv_window, kv_comp, sink):
+        out, mass = triton_ops.sparse_attention(q, kv_window, win_lo, kv_comp, topk_idx, sink, D ** -0.5, W,
+                                                with_mass=not kernels.recomputing())
+        masses.append(mass)
+        return (out.float() ** 2).sum()
+
+    recorder = MassPassRecorder(triton_attention._fwd_kernel)
+    monkeypatch.setattr(triton_attention, "_fwd_kernel", recorder)
+    want = torch.autograd.grad(layer(*leaves), leaves)
+    contexts = partial(kernels.checkpoint_contexts, keep_attention)
+    grads = torch.autograd.grad(checkpoint(layer, *leaves, use_reentrant=False, context_fn=contexts), leaves)
+    assert recorder.mass_passes == [True, True] + ([] if keep_attention else [False]), seed
+    assert masses[1].shape == (1, 17, K) and masses[2] is None, seed
+    assert not kernels.recomputing()
+    assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
+
+
 @pytest.mark.parametrize("keep_attention", [False, True])
 def test_selective_checkpoint_saves_the_selection(seed, monkeypatch, keep_attention):
     """A recomputed layer's checkpoint (``kernels.checkpoint_policy``) saves the indexer's selection: the selection
