@@ -80,6 +80,7 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.
             _block(args, it * MINE + j, row, W - W_P + (2 * j + WG) * BLOCK_N, lse2, delta, opaque_zero(j), D, WG,
                    S_L, SKIP)
         mbarrier.arrive(bars.index(_Q_FREE), count=1)  # this warpgroup's last MMA has read q and dO
+    tma.store_wait(0)  # the last stores have read their tiles before the program (and its shared memory) ends
 
 
 @gluon.jit

@@ -15,12 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SM90_SHARED_BYTES = 227 * 1024  # the most one CTA may use on an H100/H200 SM
 
-# The Gluon forward at the small model's shapes, compiled: its shared memory, then its spill instructions.
-GLUON_FORWARD_RESOURCES = """
-import json
+# A Gluon kernel (module, kernel name) at the small model's shapes, compiled: its shared memory, then its spill
+# instructions.
+GLUON_RESOURCES = """
+import json, sys
 from bench.kernels_compile_report import spill_counts
-from kernels import gluon_attention, hopper_compile
-spec = next(s for s in hopper_compile.specs() if s.kernel is gluon_attention._fwd_kernel)
+from kernels import hopper_compile
+import kernels.{module} as module
+spec = next(s for s in hopper_compile.specs() if s.kernel is module.{kernel})
 kernel = hopper_compile.compile_for_hopper(spec, spec.kernel.configs[0])
 print(kernel.metadata.shared)
 print(json.dumps(spill_counts(kernel.asm["cubin"])))
@@ -45,6 +47,18 @@ def test_gluon_forward_fits_one_sm_without_spills():
     wgmma: values the worker warps keep across their register reallocation, some per token in the consumers' token
     loop, and the producer's; with the descriptors hoisted out of the pair loop, i.e. without ``_opaque_zero``, 73
     spill instructions fall among the wgmma.)"""
-    shared, spills = run_compiler("-c", GLUON_FORWARD_RESOURCES).strip().split("\n", 1)
+    assert_fits_without_mma_spills("gluon_attention", "_fwd_kernel")
+
+
+def test_gluon_dkv_fits_one_sm_without_spills():
+    """q, dO, two 32-row buffers and each consumer's dS, P and staging tiles must fit one SM (230 KB of the 227 KiB
+    an SM grants a block: 2 KB to spare), and no spill may fall among a consumer's wgmma. (With each q / dO tile's
+    descriptor made once instead of at its use, i.e. ``_tile`` without its opaque zero, 65 spill instructions fall
+    among each consumer's wgmma.)"""
+    assert_fits_without_mma_spills("gluon_dkv", "_bwd_dkv_kernel")
+
+
+def assert_fits_without_mma_spills(module: str, kernel: str):
+    shared, spills = run_compiler("-c", GLUON_RESOURCES.format(module=module, kernel=kernel)).strip().split("\n", 1)
     assert int(shared) <= SM90_SHARED_BYTES, shared
     assert json.loads(spills)["in_mma_spans"] == 0, spills
