@@ -280,6 +280,9 @@ def _bwd_dkv_kernel(KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, d
     for i in gl.static_range(_N_BARRIERS):
         # READY: one cp.async arrival per producer thread; Q_FREE: one per consumer; the rest: one arrival.
         mbarrier.init(bars.index(i), count=PRODUCER_WARPS * 32 if i < _FREE else (2 if i == _Q_FREE else 1))
+    # The TMA loads complete LANDED through the async proxy, which must see the initialised barriers (CUDA's TMA
+    # examples fence here; without it the copies may update a stale barrier left by an earlier kernel).
+    fence_async_shared()
     args = (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset,
             T, S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, p_smem, stage_smem, delta_smem, bias_smem,
             bars)
