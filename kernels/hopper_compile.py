@@ -70,7 +70,8 @@ def dkv_descriptors(H: int, D: int, slots: int) -> dict:
 
 def specs() -> list[KernelSpec]:
     """Each kernel at the launch shapes of the ``small`` model (H=64, d=512, top-512, window 128, 128-dim indexer), and
-    the Gluon forward also at other shapes it accepts (``gluon_attention.usable``: no GPU test runs them)."""
+    the Gluon kernels also at other shapes they accept (``gluon_attention.usable``, ``gluon_dkv.usable``: no GPU test
+    runs them)."""
     if INTERPRET:
         raise RuntimeError("kernels.hopper_compile needs TRITON_INTERPRET unset: interpreted kernels do not compile")
     bf, f32, i64, i32 = "*bf16", "*fp32", "*i64", "i32"
