@@ -21,10 +21,11 @@ warpgroups, so the forward's split (``gluon_attention``) becomes two independent
   whole 128-byte lines without a register exchange.
 - The two consumers' blocks are independent: one's softmax and stores run under the other's MMAs.
 
-Shared memory at D = 512: q and dO 128 KB, two buffers 64 KB, per consumer dS, P and two staging tiles 16 KB:
-208 KB. Every TMA store is clipped to the tensor, so slots before 0 or past W + K and padded heads write nothing.
-Gluon runs only on the GPU: the CPU tests compile it (``kernels.hopper_compile``); ``bench/bench_kernels.py check``
-compares it with the fp32 reference.
+Shared memory at D = 512: q and dO 128 KiB, two buffers 64 KiB, per consumer dS, P and two staging tiles 16 KiB:
+225 KiB with the barriers, of the 227 KiB a block may take. Every TMA store is clipped to the tensor, so slots
+before 0 or past W + K and padded heads write nothing. Gluon runs only on the GPU: the CPU tests compile it
+(``kernels.hopper_compile``); ``bench/bench_kernels.py check`` compares it with the fp32 reference and with the
+Triton kernel.
 """
 import torch
 import triton
@@ -42,6 +43,7 @@ from kernels.gluon_common import (BLOCK_H, LOG2E, block_rows, head_cols, hopper_
 # the partial rows altogether (their wgmma, staging and stores). The kernel takes them as the bits of SKIP.
 STAGES = ("operands", "gather", "stores", "partial_rows")
 ABLATE: set[str] = set()
+_SKIP_OPERANDS, _SKIP_GATHER, _SKIP_STORES, _SKIP_PARTIAL_ROWS = (gl.constexpr(1 << i) for i in range(len(STAGES)))
 BLOCK_N = gl.constexpr(32)  # slots per block: two 32-row buffers beside q and dO are what one SM's shared memory holds
 FEATURES = gl.constexpr(64)  # features per partial-rows wgmma (its M) and per staged TMA store
 HEADS = gl.constexpr(BLOCK_H)
@@ -50,8 +52,9 @@ HEADS = gl.constexpr(BLOCK_H)
 _READY, _FREE, _VALID, _LANDED, _Q, _Q_FREE = (gl.constexpr(i) for i in (0, 2, 4, 6, 7, 8))
 _N_BARRIERS = gl.constexpr(9)
 PRODUCER_WARPS = gl.constexpr(4)
-# Registers per thread (12 warps share the SM's 64K): a consumer holds S, dP, P and dS [64, 32] (16 each) and two
-# partial-row accumulators; the producer loads q, dO and O in [64, 32] chunks and the gathers' row offsets.
+# Registers per thread (12 warps share the SM's 64K): a consumer holds S, dP, P and dS [64, 32] (16 each) and three
+# partial-row accumulators; the producer the next token's dO and O in [64, 128] chunks (delta) and the gathers' row
+# offsets.
 CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(184), gl.constexpr(136), 168
 
 
@@ -116,7 +119,7 @@ def _block(args, n, row, start, lse2, delta, zero, D: gl.constexpr, WG: gl.const
     p_tile.reshape([HEADS, BLOCK_N]).store(p.to(dtype))
     fence_async_shared()  # read by TMA and wgmma (async proxy)
     tma.async_copy_shared_to_global(ds_desc, [row, 0, start], ds_tile)
-    if (SKIP & 8) == 0:
+    if (SKIP & _SKIP_PARTIAL_ROWS) == 0:
         _partial_rows(q_smem, do_smem, ds_tile.reshape([HEADS, BLOCK_N]), p_tile.reshape([HEADS, BLOCK_N]),
                       stage_smem, 2 * WG, part_desc, row, start, D, S_L, SKIP)
 
@@ -140,7 +143,7 @@ def _partial_rows(q_smem, do_smem, ds_tile, p_tile, stage_smem, stage0, part_des
         tma.store_wait(1)  # the store two steps back has read this staging tile
         tile.reshape([BLOCK_N, FEATURES]).permute((1, 0)).store(acc.to(dtype))
         fence_async_shared()
-        if (SKIP & 4) == 0:
+        if (SKIP & _SKIP_STORES) == 0:
             tma.async_copy_shared_to_global(part_desc, [row, start, m * FEATURES], tile)
         if m + 1 < STEPS:
             acc = second
@@ -189,7 +192,7 @@ def _producer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.
         # A fresh barrier's previous phase counts as complete, so the first token does not wait.
         mbarrier.wait(bars.index(_Q_FREE), (it & 1) ^ 1)
         delta_smem.store(delta)
-        if (SKIP & 1) == 0:
+        if (SKIP & _SKIP_OPERANDS) == 0:
             _load_operands(args, it, tok0 + row, tok, D, ROPE)
         mbarrier.arrive(bars.index(_Q), count=1)
         for i in range(FIRST, N_BLOCKS):
@@ -247,7 +250,7 @@ def _gather_block(args, it, i, tok, b, t, win_lo, D: gl.constexpr, W: gl.constex
                                gl.SliceLayout(1, LOAD))
     mbarrier.wait(bars.index(_FREE + buffer), (uses & 1) ^ 1)
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, LOAD))
-    if (SKIP & 2) == 0:
+    if (SKIP & _SKIP_GATHER) == 0:
         async_copy.async_copy_global_to_shared(kv_smem.index(buffer), KV + offset[:, None] + dims[None, :],
                                                mask=valid[:, None])
     async_copy.mbarrier_arrive(bars.index(_READY + buffer), increment_count=False)
@@ -258,8 +261,8 @@ def _gather_block(args, it, i, tok, b, t, win_lo, D: gl.constexpr, W: gl.constex
 @triton.autotune(configs=[triton.Config({}, num_warps=4, maxnreg=KERNEL_MAXNREG)], key=["H", "D", "W", "K"])
 @gluon.jit(do_not_specialize=["tok0"])  # one compiled kernel for every chunk
 def _bwd_dkv_kernel(KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0,
-                    comp_offset, T, S, H, scale, n_tokens, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.constexpr,
-                    SKIP: gl.constexpr, num_warps: gl.constexpr):
+                    comp_offset, T, S, H, scale, n_tokens, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr,
+                    ROPE: gl.constexpr, SKIP: gl.constexpr, num_warps: gl.constexpr):
     """Tokens tok0 + r for r = pid, pid + programs, ... below n_tokens: their partial rows PART[r] and dS rows DS[r]
     (through ``part_desc`` [tokens, W + K, D] and ``ds_desc`` [tokens, H, W + K]), and dsink."""
     gl.static_assert(num_warps == 4 and D % FEATURES == 0, "one wgmma M of heads per consumer warpgroup")

@@ -6,7 +6,8 @@ The CPU tests run the kernels through Triton's interpreter, which executes their
 the argument types and constexprs of a real launch at the ``small`` model's shapes; ``compile_for_hopper`` runs
 Triton's compiler with the ptxas shipped in the triton wheel. ``python -m kernels.hopper_compile`` compiles the
 first config of each and exits 1 naming those that fail (a CPU test runs it); ``bench/kernels_compile_report.py``
-compiles every autotune config and reads their resources. Both need ``TRITON_INTERPRET`` unset: under the interpreter a kernel is not compilable.
+compiles every autotune config and reads their resources. Both need ``TRITON_INTERPRET`` unset: under the
+interpreter a kernel is not compilable.
 """
 import sys
 from types import SimpleNamespace
@@ -92,8 +93,8 @@ def specs() -> list[KernelSpec]:
         KernelSpec(attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
         KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True,
                                                                   SKIP_GATHER=False, **shape)),
-        KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf, DS=bf, DSINK=f32,
-                                              tok0=i32, scale="fp32", **rows), shape),
+        KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf,
+                                              DS=bf, DSINK=f32, tok0=i32, scale="fp32", **rows), shape),
         KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(dkv_types, **dkv_descriptors(64, 512, 128 + 512)),
                    dict(D=512, W=128, K=512, ROPE=64, SKIP=0)),
         KernelSpec(attn._bwd_dq_kernel, dict(DS=bf, ROT=f32, DQ=bf, tok0=i32, **rows), shape),

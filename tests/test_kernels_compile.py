@@ -3,8 +3,8 @@
 The interpreter tests (tests/test_kernels.py) run the kernels' arithmetic but never Triton's compiler; a kernel
 that only the compiler rejects passed all of them and stopped every GPU training step (2026-11-30). The Gluon
 kernels (the forward, the backward's dKV step) cannot run under the interpreter at all, so what CI can hold them to
-is here: they compile, and they keep the resources their designs rest on. The compiles run in a fresh process because tests/test_kernels.py turns on
-``TRITON_INTERPRET`` for this whole process.
+is here: they compile, and they keep the resources their designs rest on. The compiles run in a fresh process
+because tests/test_kernels.py turns on ``TRITON_INTERPRET`` for this whole process.
 """
 import json
 import os
@@ -18,7 +18,7 @@ SM90_SHARED_BYTES = 227 * 1024  # the most one CTA may use on an H100/H200 SM
 # A Gluon kernel (module, kernel name) at the small model's shapes, compiled: its shared memory, then its spill
 # instructions.
 GLUON_RESOURCES = """
-import json, sys
+import json
 from bench.kernels_compile_report import spill_counts
 from kernels import hopper_compile
 import kernels.{module} as module
@@ -45,14 +45,14 @@ def test_gluon_forward_fits_one_sm_without_spills():
     """q and two KV buffers must fit one SM's shared memory, and a consumer's O half (128 registers a thread) leaves
     little room: a spill among its wgmma would slow every block silently. (ptxas reports ~200 bytes, none among the
     wgmma: values the worker warps keep across their register reallocation, some per token in the consumers' token
-    loop, and the producer's; with the descriptors hoisted out of the pair loop, i.e. without ``_opaque_zero``, 73
+    loop, and the producer's; with the descriptors hoisted out of the pair loop, i.e. without ``opaque_zero``, 73
     spill instructions fall among the wgmma.)"""
     assert_fits_without_mma_spills("gluon_attention", "_fwd_kernel")
 
 
 def test_gluon_dkv_fits_one_sm_without_spills():
-    """q, dO, two 32-row buffers and each consumer's dS, P and staging tiles must fit one SM (230 KB of the 227 KiB
-    an SM grants a block: 2 KB to spare), and no spill may fall among a consumer's wgmma. (With each q / dO tile's
+    """q, dO, two 32-row buffers and each consumer's dS, P and staging tiles must fit one SM (225 KiB of the 227 KiB
+    an SM grants a block: 2 KiB to spare), and no spill may fall among a consumer's wgmma. (With each q / dO tile's
     descriptor made once instead of at its use, i.e. ``_tile`` without its opaque zero, 65 spill instructions fall
     among each consumer's wgmma.)"""
     assert_fits_without_mma_spills("gluon_dkv", "_bwd_dkv_kernel")
