@@ -174,17 +174,11 @@ def dkv_step_inputs(T, H, D, W, K):
     outputs = [torch.full(shape, float("nan"), dtype=dtype, device=DEV)
                for shape, dtype in (((T, W + K, D), q.dtype), ((T, H, W + K), q.dtype), ((1, T, H), torch.float32))]
 
+    scratch = torch.empty((T, 2 * triton_attention._block_h(H), rope), dtype=q.dtype, device=DEV)
+
     def run(impl: str):
-        part, ds, dsink = outputs
-        if impl == "gluon":
-            from kernels import gluon_dkv
-            gluon_dkv.launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink, 0, comp_offset, T,
-                             S, H, scale, D=D, W=W, K=K, ROPE=rope)
-        else:
-            scratch = torch.empty((T, 2 * triton_attention._block_h(H), rope), dtype=q.dtype, device=DEV)
-            triton_attention._bwd_dkv_kernel[(T,)](kv_window, q, dout, out, win_lo, idx, sink, rot, scratch, lse, part,
-                                                   ds, dsink, 0, comp_offset, T, S, H, scale, D=D, W=W, K=K,
-                                                   BLOCK_H=triton_attention._block_h(H), ROPE=rope)
+        triton_attention.dkv_step(impl == "gluon", *outputs, 0, kv_window, q, dout, out, win_lo, idx, sink, rot, lse,
+                                  scratch, comp_offset, S, scale, W, rope)
         return outputs
     return run, outputs
 

@@ -500,19 +500,31 @@ def _sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv_window: torch.
     for tok0 in range(0, B * T, chunk):
         n = min(chunk, B * T - tok0)
         part = chunk_part[:n]
-        if use_gluon:
-            from kernels import gluon_dkv
-            gluon_dkv.launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, chunk_ds[:n], dsink, tok0,
-                             comp_offset, T, S, H, scale, D=D, W=W, K=K, ROPE=rope)
-        else:
-            _bwd_dkv_kernel[(n,)](kv_window, q, dout, out, win_lo, idx, sink, rot, chunk_rope, lse, part, chunk_ds,
-                                  dsink, tok0, comp_offset, T, S, H, scale, **shape)
+        dkv_step(use_gluon, part, chunk_ds[:n], dsink, tok0, kv_window, q, dout, out, win_lo, idx, sink, rot, lse,
+                 chunk_rope, comp_offset, S, scale, W, rope)
         _bwd_dq_kernel[(n,)](kv_window, win_lo, idx, chunk_ds, rot, dq, tok0, comp_offset, T, S, H, **shape)
         triton_dkv.reduce_window(part, dkvw, tok0, W)
         if K:
             triton_dkv.reduce_selected(part, dkvc, entries[tok0:tok0 + n], W)
     return (dq, dkvw.view(kv_window.shape).to(kv_window.dtype), dkvc.view(B, S, D).to(q.dtype),
             dsink.sum((0, 1)).to(sink.dtype))
+
+
+def dkv_step(gluon: bool, part, ds, dsink, tok0, kv_window, q, dout, out, win_lo, idx, sink, rot, lse, scratch,
+             comp_offset, S, scale, window, rope):
+    """The backward's first step for a chunk of tokens tok0 + [0, n): their partial dKV rows ``part`` [n, W + K, D],
+    dS rows ``ds`` [n, H, W + K] and dsink, by the Gluon kernel (``gluon_dkv``) or ``_bwd_dkv_kernel`` (``scratch``:
+    its [n, 2 BLOCK_H, rope] rotated tails)."""
+    B, T, H, D = q.shape
+    K = part.shape[1] - window
+    if gluon:
+        from kernels import gluon_dkv
+        gluon_dkv.launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink, tok0, comp_offset, T, S,
+                         H, scale, D=D, W=window, K=K, ROPE=rope)
+    else:
+        _bwd_dkv_kernel[(part.shape[0],)](kv_window, q, dout, out, win_lo, idx, sink, rot, scratch, lse, part, ds,
+                                          dsink, tok0, comp_offset, T, S, H, scale, D=D, W=window, K=K,
+                                          BLOCK_H=_block_h(H), ROPE=rope)
 
 
 @_sparse_attention_bwd.register_fake
