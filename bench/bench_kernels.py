@@ -168,7 +168,6 @@ def dkv_step_inputs(T, H, D, W, K):
         out, lse, _ = triton_attention._sparse_attention_fwd(q, kv_window, win_lo, kv_comp, topk, sink, pairs, scale,
                                                              window, False)
     dout = torch.randn_like(out)
-    S, comp_offset = triton_attention._compressed_rows(kv_window, kv_comp)
     idx = topk if topk is not None else win_lo
     rot, rope = triton_attention._rope_args(pairs, q)
     outputs = [torch.full(shape, float("nan"), dtype=dtype, device=DEV)
@@ -177,6 +176,9 @@ def dkv_step_inputs(T, H, D, W, K):
     scratch = torch.empty((T, 2 * triton_attention._block_h(H), rope), dtype=q.dtype, device=DEV)
 
     def run(impl: str):
+        # The kernels reach kv_comp through its offset from kv_window: made here, so that the closure keeps kv_comp
+        # alive (2026-12-01: freed after this function returned, its rows were read from reused memory).
+        S, comp_offset = triton_attention._compressed_rows(kv_window, kv_comp)
         triton_attention.dkv_step(impl == "gluon", *outputs, 0, kv_window, q, dout, out, win_lo, idx, sink, rot, lse,
                                   scratch, comp_offset, S, scale, W, rope)
         return outputs
