@@ -54,6 +54,8 @@ def parse():
     p.add_argument("--steps", type=int, default=2, help="timed steps")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-detail", action="store_true", help="skip the per-layer timing step and the profile")
+    p.add_argument("--kernel-table", action="store_true",
+                   help="profile one more step: device time by kernel over the whole step (where a step goes)")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/train_step_<variant>.json if $OUT)")
     p.add_argument("--all", action="store_true", help="run csa2, dense and reference, each in a subprocess")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "."))
@@ -155,11 +157,34 @@ def run_variant(a) -> dict:
     if a.out_path:
         Path(a.out_path).write_text(json.dumps(res, indent=1, default=str))
     try:
+        if a.kernel_table and cuda:
+            res["kernel_table"] = kernel_table(lambda: train_step(engine, batch()), sync)
         details(a, res, model, sync, cuda, device, precision, probe, capture)
     except Exception as err:  # the step results above stand without the details
         res["details_error"] = f"{type(err).__name__}: {err}"[:500]
         print("details failed:", res["details_error"], flush=True)
     return res
+
+
+def kernel_table(step, sync, top: int = 40) -> dict:
+    """Device time of one whole step by kernel (torch profiler): the ``top`` kernels by total time, with launch
+    counts, and the step's kernel total; what the per-layer times cannot say (which elementwise passes, casts and
+    copies add up across 40 layers)."""
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(); sync()
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            t = totals.setdefault(e.name[:100], [0.0, 0])
+            t[0] += e.device_time_total / 1e3
+            t[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    table = {"device_ms_total": sum(t for t, _ in totals.values()),
+             "kernels": [{"name": n, "ms": round(t, 2), "launches": c} for n, (t, c) in ranked[:top]]}
+    print(json.dumps(table, indent=0), flush=True)
+    return table
 
 
 def capture_reuse_inputs(model):
