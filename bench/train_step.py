@@ -167,12 +167,12 @@ def run_variant(a) -> dict:
 
 
 def kernel_table(step, sync, top: int = 40) -> dict:
-    """Device time of one whole step by kernel (torch profiler): the ``top`` kernels by total time, with launch
-    counts, and the step's kernel total; what the per-layer times cannot say (which elementwise passes, casts and
-    copies add up across 40 layers)."""
+    """Device time of one whole step (torch profiler) by kernel, and by the host op that launched it with its input
+    shapes: the ``top`` of each, with launch counts, and the step's kernel total; what the per-layer times cannot
+    say (which elementwise passes, casts and copies add up across 40 layers, and where they come from)."""
     from torch.profiler import ProfilerActivity, profile
     sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step(); sync()
     totals: dict[str, list] = {}
     for e in prof.events():
@@ -181,8 +181,12 @@ def kernel_table(step, sync, top: int = 40) -> dict:
             t[0] += e.device_time_total / 1e3
             t[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    ops = sorted((e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0),
+                 key=lambda e: -e.self_device_time_total)
     table = {"device_ms_total": sum(t for t, _ in totals.values()),
-             "kernels": [{"name": n, "ms": round(t, 2), "launches": c} for n, (t, c) in ranked[:top]]}
+             "kernels": [{"name": n, "ms": round(t, 2), "launches": c} for n, (t, c) in ranked[:top]],
+             "ops": [{"op": e.key[:80], "shapes": str(e.input_shapes)[:160], "ms": round(e.self_device_time_total / 1e3, 2),
+                      "calls": e.count} for e in ops[:top]]}
     print(json.dumps(table, indent=0), flush=True)
     return table
 

@@ -26,7 +26,8 @@ def test_deepspeed_config_follows_hydra():
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 0.5 and "bf16" not in ds  # bf16 is autocast over fp32 master weights
     assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["torch_adam"] is True
-    assert ds["optimizer"]["params"]["lr"] == 1e-3
+    assert ds["optimizer"]["params"]["lr"] == 1e-3 and "fused" not in ds["optimizer"]["params"]
+    assert deepspeed_config(cfg, microbatches=2, fused_adam=True)["optimizer"]["params"]["fused"] is True
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
 
 

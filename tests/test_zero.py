@@ -169,6 +169,33 @@ def test_rows_of_state_joins_pieces_of_any_split():
         rows_of_state(Shard("w", 3, 6, 0), pieces[:1], torch.device("cpu"))
 
 
+def test_a_fused_adamw_resumes_from_pieces_as_if_uninterrupted():
+    """torch's fused AdamW (the GPU default, train/engine.py) reads ``step`` as an fp32 tensor on the parameter's
+    device: the resumed state must give it that and step exactly as the optimizer that never stopped."""
+    grads = [torch.randn(6, 2, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    w = torch.nn.Parameter(torch.randn(6, 2))
+    start = w.detach().clone()
+
+    def stepped(opt, param, gs):
+        for g in gs:
+            param.grad = g.clone()
+            opt.step()
+
+    whole = torch.optim.AdamW([w], lr=0.1, fused=True)
+    stepped(whole, w, grads[:1])
+    saved = {k: v.clone() for k, v in whole.state[w].items()}
+    after_one = w.detach().clone()
+    stepped(whole, w, grads[1:])
+    resumed = torch.nn.Parameter(after_one)
+    opt = torch.optim.AdamW([resumed], lr=0.1, fused=True)
+    pieces = [{"rows": (0, 4), "state": {k: v[:4] if v.dim() else v for k, v in saved.items()}},
+              {"rows": (4, 6), "state": {k: v[4:] if v.dim() else v for k, v in saved.items()}}]
+    opt.state[resumed] = rows_of_state(Shard("w", 0, 6, 0), pieces, resumed.device, scalars_on_device=True)
+    assert opt.state[resumed]["step"].dtype == torch.float32 and opt.state[resumed]["step"] is not saved["step"]
+    stepped(opt, resumed, grads[1:])
+    assert not torch.equal(w, start) and torch.equal(resumed, w)
+
+
 def test_zero1_is_bitwise_zero_off(replicated, zero):
     _, ranks = zero
     for want, got in zip(replicated, ranks):

@@ -54,11 +54,13 @@ def resolve_precision(name: str, device: torch.device) -> str:
     return name
 
 
-def deepspeed_config(cfg: DictConfig, microbatches: int) -> dict:
+def deepspeed_config(cfg: DictConfig, microbatches: int, fused_adam: bool = False) -> dict:
     """The DeepSpeed JSON config from ``cfg.train``, the batch size of ``cfg.data`` and the ``microbatches`` per
     step of ``parallel/batch.py``'s plan.
 
-    AdamW is torch's (``torch_adam``), so no fused or CPU-Adam extension is built. The schedule is not in here:
+    AdamW is torch's (``torch_adam``), so no DeepSpeed fused or CPU-Adam extension is built; on a GPU it runs as
+    torch's single fused kernel (``fused_adam``: at 3.16 B parameters the default multi-tensor form took 67 ms a step
+    on an H200, ``bench/results/train/train_step_csa2_65536_kernel_table.json``). The schedule is not in here:
     it is ``warmup_cosine`` handed to the engine (DeepSpeed's WarmupCosineLR starts at lr 0). Precision is not
     in here either: bf16 runs under autocast over fp32 master weights (``parallel/stage.py``), so gradients
     and optimizer state stay fp32 and the engine's clipping sees them. ``gradient_clipping`` and
@@ -74,7 +76,8 @@ def deepspeed_config(cfg: DictConfig, microbatches: int) -> dict:
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": float(train.lr), "betas": [float(b) for b in train.betas], "eps": float(train.eps),
-                       "weight_decay": float(train.weight_decay), "torch_adam": True},
+                       "weight_decay": float(train.weight_decay), "torch_adam": True,
+                       **({"fused": True} if fused_adam else {})},
         },
         "steps_per_print": 2**62,  # progress is ours (tqdm, metrics.jsonl); DeepSpeed's would interleave
         "wall_clock_breakdown": False,
@@ -193,7 +196,8 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2P
                                     kept_attention_layers_per_stage(parallel))
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.stage.model.named_parameters()), float(cfg.train.weight_decay))
-    return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches), model_parameters=groups,
+    return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches, fused_adam=device.type == "cuda"),
+                                 model_parameters=groups,
                                  lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                  p2p=parallel.p2p)
 
