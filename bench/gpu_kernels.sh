@@ -8,7 +8,8 @@
 #   1. check.json          bench_kernels.py check: bf16 kernels vs the fp32 reference (new kernels first)
 #   2. bench.json          bench_kernels.py bench: matmul rate, indexer at 64K (full and candidate selection vs
 #                          their GEMM), index logits                                      -> kernels/bench.json
-#   3. train_step_csa2_65536.json   whole step, per-layer-mode times, Reuse-layer launches (torch profiler)
+#   3. train_step_csa2_65536.json   whole step, per-layer-mode times, device time by kernel and by host op over
+#                                   one more step, Reuse-layer launches (torch profiler)
 #   4. train_step_dense_65536.json  the dense-attention model                           -> train/
 #   5. train_step_csa2_keep4_65536.json  csa2 with parallel.keep_attention_layers=$KEEP (default 4)
 #   6. bench_attention.json  bench_kernels.py bench: sparse attention at 64K, the dKV step alone at 16K, cuDNN SDPA
@@ -78,7 +79,7 @@ stage() {  # name cap_seconds command...: run under the smaller of cap and the b
 stage check 200 python3 bench/bench_kernels.py check "${KERNELS[@]}" --out "$OUT/check.json"
 stage bench 140 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench.json" \
   --only bench_matmul,bench_indexer,bench_index_logits
-stage train_csa2 210 python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1 \
+stage train_csa2 210 python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1 --kernel-table \
   --out "$OUT/train_step_csa2_$T.json" "${TRAIN[@]}"
 stage train_dense 110 python3 bench/train_step.py --variant dense --steps 1 --warmup 1 --no-detail \
   --out "$OUT/train_step_dense_$T.json" "${TRAIN[@]}"

@@ -50,8 +50,8 @@ ABLATE: set[str] = set()
 # warpgroups split S instead of both computing it), the Triton kernel elsewhere; "triton" forces the Triton one (the
 # benchmark times both).
 FORWARD_IMPL = "gluon"
-# The backward's dKV step, likewise: "gluon" runs kernels/gluon_dkv.py where it applies (warp-specialized, a ring
-# of gathers), "triton" forces ``_bwd_dkv_kernel``.
+# The backward's dKV step, likewise: "gluon" runs kernels/gluon_dkv.py where it applies (warp-specialized, slots as
+# the wgmma M), "triton" forces ``_bwd_dkv_kernel``.
 DKV_IMPL = "gluon"
 # Partial dKV rows of one backward chunk (bf16 at real width: 655 KB per token, 6,553 tokens per chunk).
 PARTIAL_CHUNK_BYTES = 4 << 30

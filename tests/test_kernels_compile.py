@@ -51,10 +51,10 @@ def test_gluon_forward_fits_one_sm_without_spills():
 
 
 def test_gluon_dkv_fits_one_sm_without_spills():
-    """q, dO, two 32-row buffers and each consumer's dS, P and staging tiles must fit one SM (225 KiB of the 227 KiB
-    an SM grants a block: 2 KiB to spare), and no spill may fall among a consumer's wgmma. (With each q / dO tile's
-    descriptor made once instead of at its use, i.e. ``_tile`` without its opaque zero, 65 spill instructions fall
-    among each consumer's wgmma.)"""
+    """q, dO, one 64-row buffer, dS and the staging tiles (consumer 0's also carry P^T over to consumer 1) must fit
+    one SM (225 KiB of the 227 KiB an SM grants a block), and no spill may fall among a consumer's wgmma. (With each
+    q / dO tile's descriptor made once instead of at its use, i.e. ``_tile`` without its opaque zero, 147 spill
+    instructions, 27 of them among the consumers' wgmma.)"""
     assert_fits_without_mma_spills("gluon_dkv", "_bwd_dkv_kernel")
 
 
