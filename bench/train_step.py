@@ -176,7 +176,7 @@ def kernel_table(step, sync, top: int = 40) -> dict:
         step(); sync()
     totals: dict[str, list] = {}
     for e in prof.events():
-        if e.device_type.name == "CUDA":
+        if e.device_type.name == "CUDA" and not e.is_user_annotation:  # ranges such as Optimizer.step: not kernels
             t = totals.setdefault(e.name[:100], [0.0, 0])
             t[0] += e.device_time_total / 1e3
             t[1] += 1

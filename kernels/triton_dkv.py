@@ -84,9 +84,8 @@ def inverse_index(entries: torch.Tensor, n_entries: int) -> tuple[torch.Tensor, 
 
     ``order`` lists the slots (token*K + slot) grouped by entry, in slot order within an entry (stable sort, so
     the reduction order is fixed); entry e owns ``order[offsets[e]:offsets[e+1]]``. Empty slots sort first and
-    belong to no entry. The keys are sorted as int32 (entry ids of a 64K row fit easily): the device radix sort
-    then makes half the passes of an int64 sort."""
-    keys, order = entries.flatten().to(torch.int32).sort(stable=True)
+    belong to no entry."""
+    keys, order = entries.flatten().sort(stable=True)
     offsets = torch.searchsorted(keys, torch.arange(n_entries + 1, device=keys.device, dtype=keys.dtype))
     return order, offsets
 
