@@ -396,6 +396,21 @@ def check_norm_and_cast():
                                 "pass": exact and all(e < 1e-2 for r in res.values() for e in r.values())}
 
 
+@section
+def check_swiglu():
+    """The FFN's SwiGLU in bf16 (the small model's [T, 2 x 4,096] projection): output and gradient against the fp32
+    reference on the same inputs."""
+    h = leaf(torch.randn(1, n(4096, 37), 2 * n(4096, 1029), device=DEV) * 3, BF16)
+    grad = torch.randn(*h.shape[:-1], h.shape[-1] // 2, device=DEV)
+    out = triton_ops.swiglu(h)
+    (dh,) = torch.autograd.grad(out, h, grad.to(BF16))
+    h32 = h.detach().float().requires_grad_()
+    want = reference.swiglu(h32)
+    (want_dh,) = torch.autograd.grad(want, h32, grad)
+    err = {"out": rel_err(out, want), "dh": rel_err(dh, want_dh)}
+    RESULTS["swiglu"] = {"rel_err": err, "pass": all(e < 1e-2 for e in err.values())}
+
+
 # ----------------------------------------------------------------------------------------------- bench
 
 @section
@@ -744,8 +759,9 @@ def main():
     parser.add_argument("--only", default=None, help="comma-separated section names of the mode to run, in their "
                                                     "usual order (bench_indexer needs bench_matmul's rate)")
     args = parser.parse_args()
-    sections = {"check": [check_indexer, check_indexer_ties, check_index_logits, check_rope, check_norm_and_cast,
-                          check_attention, check_dkv_step],  # the newest kernels first: a cut run keeps their results
+    # The newest kernels first: a cut run keeps their results.
+    sections = {"check": [check_swiglu, check_indexer, check_indexer_ties, check_index_logits, check_rope,
+                          check_norm_and_cast, check_attention, check_dkv_step],
                 "bench": [bench_matmul, bench_attention, bench_dkv_step, bench_sdpa_cudnn, bench_indexer,
                           bench_index_logits]}
     by_name = {fn.__name__: fn for fn in sections[args.mode]}

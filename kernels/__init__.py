@@ -1,7 +1,7 @@
 """CSA2 hot ops with one interface and two implementations: Triton (GPU) and the PyTorch reference.
 
 ``ops(backend, device)`` returns the module implementing ``sparse_attention``, ``indexer_select``,
-``index_logits``, ``rope``, ``rms_norm`` and ``cast`` (signatures in docs/DESIGN.md). ``auto`` picks Triton on CUDA devices, the
+``index_logits``, ``rope``, ``rms_norm``, ``cast`` and ``swiglu`` (signatures in docs/DESIGN.md). ``auto`` picks Triton on CUDA devices, the
 reference elsewhere.
 """
 import contextlib

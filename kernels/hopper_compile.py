@@ -29,6 +29,7 @@ from kernels import triton_indexer as idx
 from kernels import triton_norm as nrm
 from kernels import triton_rope as rope
 from kernels import triton_select as sel
+from kernels import triton_swiglu as swiglu
 from kernels.triton_common import INTERPRET
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -132,6 +133,9 @@ def specs() -> list[KernelSpec]:
                               norm_shape))
         out.append(KernelSpec(untuned(nrm._rms_norm_bwd, num_warps=warps),
                               dict(DOUT=bf, RSTD=f32, DX=bf, DW_PART=f32, **norm), norm_shape))
+    swiglu_shape = dict(I=4096, BLOCK=swiglu.BLOCK)  # the small model's inter_dim
+    out.append(KernelSpec(untuned(swiglu._swiglu_fwd_kernel, num_warps=4), dict(H=bf, OUT=bf), swiglu_shape))
+    out.append(KernelSpec(untuned(swiglu._swiglu_bwd_kernel, num_warps=4), dict(H=bf, DOUT=bf, DH=bf), swiglu_shape))
     for conj in (False, True):  # forward rotation; its transpose in the backward
         out.append(KernelSpec(rope._rope_kernel, dict(x=bf, rotation=f32, out=bf, R=i32, H=i32),
                               dict(D=512, DIM=64, BLOCK_REST=512, CONJ=conj)))

@@ -52,6 +52,12 @@ def cast(groups: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Ten
     return [stack_rows([t.to(dtype) for t in group]) for group in groups]
 
 
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the stacked projection h = [gate | up] (last dim 2I): the FFN's w1 and w3 as one GEMM."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Tensors of one trailing shape stacked along dim 0 (one tensor: itself, no copy)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
