@@ -70,6 +70,7 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.
      S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, exchange_smem, stage_smem, delta_smem, bias_smem,
      bars) = args
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEADS, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)  # P^T and dS^T as wgmma A
     HEAD: gl.constexpr = gl.SliceLayout(0, S_L)
     heads = gl.arange(0, HEADS, layout=HEAD)
     hmask = heads < H
@@ -84,26 +85,25 @@ def _consumer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.
         if WG == 0:  # d loss / d sink_h = -p_sink * (dO . O): the sink takes mass from every slot in proportion
             gl.store(DSINK + tok * H + heads, -gl.exp2(sink2 - lse2) * delta, mask=hmask)
         for j in range(N_BLOCKS):
-            n = it * N_BLOCKS + j  # the program's block count: the barriers' phases
+            phase = (it * N_BLOCKS + j) & 1  # the barriers' phases run on over the program's blocks
             start = W - W_P + j * BLOCK_N
             if WG == 0:
-                _probabilities_block(args, n, row, start, lse2, opaque_zero(j), D, S_L, SKIP)
+                _probabilities_block(args, phase, row, start, lse2, opaque_zero(j), D, S_L, A_L, SKIP)
             else:
-                _gradient_block(args, n, row, start, delta, opaque_zero(j), D, S_L, SKIP)
+                _gradient_block(args, phase, row, start, delta, opaque_zero(j), D, S_L, A_L, SKIP)
         mbarrier.arrive(bars.index(_Q_FREE), count=1)  # this warpgroup's last MMA has read q and dO
     tma.store_wait(0)  # the last stores have read their tiles before the program (and its shared memory) ends
 
 
 @gluon.jit
-def _probabilities_block(args, n, row, start, lse2, zero, D: gl.constexpr, S_L: gl.constexpr, SKIP: gl.constexpr):
-    """Consumer 0's part of block n: S^T, P^T to consumer 1, then the partial rows of the first half of the
-    features."""
+def _probabilities_block(args, phase, row, start, lse2, zero, D: gl.constexpr, S_L: gl.constexpr,
+                         A_L: gl.constexpr, SKIP: gl.constexpr):
+    """Consumer 0's part of a block (its barriers at ``phase``): S^T, P^T to consumer 1, then the partial rows of the
+    first half of the features."""
     (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset, T,
      S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, exchange_smem, stage_smem, delta_smem, bias_smem,
      bars) = args
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
     dtype: gl.constexpr = q_desc.dtype
-    phase = n & 1
     s = _transposed_scores(kv_smem.index(zero), q_smem, bars, phase, D, S_L)
     mbarrier.wait(bars.index(_VALID), phase)
     bias = bias_smem.load(gl.SliceLayout(1, S_L))
@@ -124,15 +124,14 @@ def _probabilities_block(args, n, row, start, lse2, zero, D: gl.constexpr, S_L: 
 
 
 @gluon.jit
-def _gradient_block(args, n, row, start, delta, zero, D: gl.constexpr, S_L: gl.constexpr, SKIP: gl.constexpr):
-    """Consumer 1's part of block n: dP^T, dS^T (stored for consumer 0 and by TMA for the dq kernel), then the
-    partial rows of the second half of the features."""
+def _gradient_block(args, phase, row, start, delta, zero, D: gl.constexpr, S_L: gl.constexpr, A_L: gl.constexpr,
+                    SKIP: gl.constexpr):
+    """Consumer 1's part of a block (its barriers at ``phase``): dP^T, dS^T (stored for consumer 0 and by TMA for
+    the dq kernel), then the partial rows of the second half of the features."""
     (KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, do_desc, part_desc, ds_desc, tok0, comp_offset, T,
      S, H, scale, n_tokens, q_smem, do_smem, kv_smem, ds_smem, exchange_smem, stage_smem, delta_smem, bias_smem,
      bars) = args
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
     dtype: gl.constexpr = q_desc.dtype
-    phase = n & 1
     dp = _transposed_scores(kv_smem.index(zero), do_smem, bars, phase, D, S_L)
     dp = warpgroup_mma_wait(0, deps=(dp, ))
     mbarrier.arrive(bars.index(_FREE), count=1)
