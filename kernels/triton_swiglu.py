@@ -15,7 +15,7 @@ import triton.language as tl
 
 from kernels.triton_common import new_output
 
-BLOCK = 1024  # columns of one row per program
+BLOCK = 1024  # columns of one row per program at most (fewer for a narrower FFN)
 
 
 @triton.jit
@@ -45,18 +45,19 @@ def _swiglu_bwd_kernel(H, DOUT, DH, I: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DH + row * 2 * I + I + cols, (dout * gate * s).to(dtype), mask=inside)
 
 
-def _grid(h: torch.Tensor) -> tuple[int, int]:
+def _launch(kernel, h: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """kernel over h's rows x blocks of its I = width / 2 columns."""
     half = h.shape[-1] // 2
-    return h.numel() // h.shape[-1], triton.cdiv(half, BLOCK)
+    block = min(BLOCK, triton.next_power_of_2(half))
+    kernel[(h.numel() // h.shape[-1], triton.cdiv(half, block))](h, *tensors, I=half, BLOCK=block)
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h):
         h = h.contiguous()
-        half = h.shape[-1] // 2
-        out = new_output((*h.shape[:-1], half), h.dtype, h.device)
-        _swiglu_fwd_kernel[_grid(h)](h, out, I=half, BLOCK=BLOCK)
+        out = new_output((*h.shape[:-1], h.shape[-1] // 2), h.dtype, h.device)
+        _launch(_swiglu_fwd_kernel, h, out)
         ctx.save_for_backward(h)
         return out
 
@@ -64,7 +65,7 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, dout):
         (h,) = ctx.saved_tensors
         dh = new_output(h.shape, h.dtype, h.device)
-        _swiglu_bwd_kernel[_grid(h)](h, dout.contiguous(), dh, I=h.shape[-1] // 2, BLOCK=BLOCK)
+        _launch(_swiglu_bwd_kernel, h, dout.contiguous(), dh)
         return dh
 
 

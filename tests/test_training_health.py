@@ -51,13 +51,18 @@ def test_gradient_at_init_is_carried_by_the_head(setup):
     assert max(others.values()) < head, (others, head)
 
 
-def test_warmup_to_a_high_lr_never_raises_the_loss(setup):
-    """Eight AdamW steps (the trainer's decay groups and clipping) warming up linearly to lr 1e-2 on one batch:
-    the held-out loss never exceeds its initial value. Adam's first updates are lr * sign(g) per weight, so
-    this is what the first steps of any warm-up see."""
+def test_warmup_to_a_high_lr_lowers_the_loss_every_step(setup):
+    """Eight AdamW steps (the trainer's decay groups and clipping) warming up linearly to lr 5e-3 on one batch: the
+    held-out loss falls at every step. Adam's first updates are lr * sign(g) per weight, so this is what the first
+    steps of any warm-up see; the old recipe's first step already raises it (5.64 -> 5.73).
+
+    The peak is 5e-3, not higher, because from ~7e-3 this small model's trajectory is chaotic: warming up to 1e-2,
+    step 6 jumps from ~3.6 to 4.9-5.6, and where in that range depends on float rounding (a 1e-7 relative change of
+    the initial weights moves it from 5.57 to 4.94), so whether it crosses the initial 5.55 differed between CPUs
+    (AVX2 against AVX-512 GEMMs). At 5e-3 the same perturbations leave every loss within 0.01."""
     cfg, batch, heldout = setup
     model = build_model(cfg.model, cfg.layout)
-    optimizer = torch.optim.AdamW(param_groups(list(model.named_parameters()), 0.1), lr=1e-2, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(list(model.named_parameters()), 0.1), lr=5e-3, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(8, 100, 0.1))
     with torch.no_grad():
         initial = lm_loss(model, heldout).lm.item()
@@ -71,8 +76,9 @@ def test_warmup_to_a_high_lr_never_raises_the_loss(setup):
         schedule.step()
         with torch.no_grad():
             losses.append(lm_loss(model, heldout).lm.item())
-    assert max(losses) <= initial, (initial, losses)
-    assert losses[-1] < initial - 0.3, (initial, losses)  # and it learns
+    trajectory = [initial, *losses]
+    assert all(after < before for before, after in zip(trajectory, losses)), trajectory
+    assert losses[-1] < initial - 1.0, trajectory  # and it learns
 
 
 def test_activation_stats_count_each_forward_once(setup):
