@@ -185,8 +185,8 @@ def kernel_table(step, sync, top: int = 40) -> dict:
                  key=lambda e: -e.self_device_time_total)
     table = {"device_ms_total": sum(t for t, _ in totals.values()),
              "kernels": [{"name": n, "ms": round(t, 2), "launches": c} for n, (t, c) in ranked[:top]],
-             "ops": [{"op": e.key[:80], "shapes": str(e.input_shapes)[:160], "ms": round(e.self_device_time_total / 1e3, 2),
-                      "calls": e.count} for e in ops[:top]]}
+             "ops": [{"op": e.key[:80], "shapes": str(e.input_shapes)[:160],
+                      "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count} for e in ops[:top]]}
     print(json.dumps(table, indent=0), flush=True)
     return table
 

@@ -202,9 +202,6 @@ def _tile(tiles, c):
     return tiles.index(c + opaque_zero(c)).reshape([HEADS, FEATURES])
 
 
-_EXCHANGE = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
-
-
 @gluon.jit
 def _producer(args, D: gl.constexpr, W: gl.constexpr, K: gl.constexpr, ROPE: gl.constexpr, W_P: gl.constexpr,
               N_BLOCKS: gl.constexpr, WG: gl.constexpr, SKIP: gl.constexpr):
@@ -311,7 +308,8 @@ def _bwd_dkv_kernel(KV, DOUT, OUT, WIN_LO, IDX, SINK, ROT, LSE, DSINK, q_desc, d
     kv_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, D], operand)
     ds_smem = gl.allocate_shared_memory(dtype, [1, HEADS, BLOCK_N], ds_desc.layout)
     # P^T handed from consumer 0 to 1, then consumer 0's two staging tiles of the partial rows; consumer 1's one.
-    exchange_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEADS], _EXCHANGE)
+    exchange: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    exchange_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_N, HEADS], exchange)
     stage_smem = gl.allocate_shared_memory(dtype, [1, 1, BLOCK_N, FEATURES], part_desc.layout)
     rows: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     delta_smem = gl.allocate_shared_memory(gl.float32, [HEADS], rows)

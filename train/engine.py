@@ -61,10 +61,10 @@ def deepspeed_config(cfg: DictConfig, microbatches: int, fused_adam: bool = Fals
     AdamW is torch's (``torch_adam``), so no DeepSpeed fused or CPU-Adam extension is built; on a GPU it runs as
     torch's fused kernel (``fused_adam``: at 3.16 B parameters on an H200 the optimizer's multi-tensor kernels took
     67 ms a step with the default foreach form, 25 ms fused; ``kernel_table`` in
-    ``bench/results/train/train_step_csa2_65536_kernel_table.json`` and ``train_step_csa2_65536.json``). The schedule is not in here:
-    it is ``warmup_cosine`` handed to the engine (DeepSpeed's WarmupCosineLR starts at lr 0). Precision is not
-    in here either: bf16 runs under autocast over fp32 master weights (``parallel/stage.py``), so gradients
-    and optimizer state stay fp32 and the engine's clipping sees them. ``gradient_clipping`` and
+    ``bench/results/train/train_step_csa2_65536_kernel_table.json`` and ``train_step_csa2_65536.json``). The
+    schedule is not in here: it is ``warmup_cosine`` handed to the engine (DeepSpeed's WarmupCosineLR starts at
+    lr 0). Precision is not in here either: bf16 runs under autocast over fp32 master weights (``parallel/stage.py``),
+    so gradients and optimizer state stay fp32 and the engine's clipping sees them. ``gradient_clipping`` and
     ``zero_optimization.stage`` (``parallel.zero_stage``) are carried out by our engine, not DeepSpeed's
     (``parallel/engine.py``, ``parallel/zero.py``).
     """
