@@ -135,19 +135,18 @@ class OptimizerShards:
         """Give every shard of mine its rows of the saved state; ``pieces`` holds, per name, what every saving rank
         wrote (``state_by_name``), under any stage split and data-parallel size. A name without pieces had no
         state yet (no gradient so far) and gets none."""
-        on_device = any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
         for shard, tensor in self.tensors.items():
             if shard.name in pieces:
-                optimizer.state[tensor] = rows_of_state(shard, pieces[shard.name], tensor.device, on_device)
+                optimizer.state[tensor] = rows_of_state(shard, pieces[shard.name], tensor.device)
 
 
-def rows_of_state(shard: Shard, pieces: list[dict], device: torch.device,
-                  scalars_on_device: bool = False) -> dict[str, torch.Tensor]:
-    """The state of ``shard``'s rows, cut and joined from saved pieces of the same parameter.
+def rows_of_state(shard: Shard, pieces: list[dict], device: torch.device) -> dict[str, torch.Tensor]:
+    """The state of ``shard``'s rows, cut and joined from saved pieces of the same parameter, on ``device`` (the
+    parameter's).
 
     Tensors with rows (AdamW's moments) are joined along dim 0; a scalar (AdamW's ``step``, equal in every piece)
-    is taken as it is, and stays where torch's AdamW keeps it: on the CPU, or on the parameter's device (as fp32)
-    for the fused kernel, which reads it there."""
+    is taken as fp32 on the parameter's device too: where the fused AdamW that trains on a GPU reads it
+    (``train/engine.py``), and on the CPU where the plain AdamW keeps it."""
     overlaps = sorted(((max(p["rows"][0], shard.start), min(p["rows"][1], shard.stop), p) for p in pieces
                        if max(p["rows"][0], shard.start) < min(p["rows"][1], shard.stop)), key=lambda o: o[0])
     if sum(stop - start for start, stop, _ in overlaps) != shard.stop - shard.start:
@@ -155,7 +154,7 @@ def rows_of_state(shard: Shard, pieces: list[dict], device: torch.device,
     state = {}
     for key, value in overlaps[0][2]["state"].items():
         if value.dim() == 0:
-            state[key] = value.to(device, torch.float32, copy=True) if scalars_on_device else value.clone()
+            state[key] = value.to(device, torch.float32, copy=True)
         else:
             state[key] = torch.cat([p["state"][key][start - p["rows"][0]: stop - p["rows"][0]]
                                     for start, stop, p in overlaps]).to(device)

@@ -190,7 +190,7 @@ def test_a_fused_adamw_resumes_from_pieces_as_if_uninterrupted():
     opt = torch.optim.AdamW([resumed], lr=0.1, fused=True)
     pieces = [{"rows": (0, 4), "state": {k: v[:4] if v.dim() else v for k, v in saved.items()}},
               {"rows": (4, 6), "state": {k: v[4:] if v.dim() else v for k, v in saved.items()}}]
-    opt.state[resumed] = rows_of_state(Shard("w", 0, 6, 0), pieces, resumed.device, scalars_on_device=True)
+    opt.state[resumed] = rows_of_state(Shard("w", 0, 6, 0), pieces, resumed.device)
     assert opt.state[resumed]["step"].dtype == torch.float32 and opt.state[resumed]["step"] is not saved["step"]
     stepped(opt, resumed, grads[1:])
     assert not torch.equal(w, start) and torch.equal(resumed, w)
