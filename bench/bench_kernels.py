@@ -13,6 +13,7 @@ interpreter, to test this script without a GPU.
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import os
 import sys
@@ -224,6 +225,11 @@ def forward_impl(q) -> str:
     return "gluon" if triton_attention.gluon_forward_applies(q) else "triton"
 
 
+def score_impl(q, k, group) -> str:
+    """Which kernel the indexer's dense scoring runs for q: the Gluon one where it applies, else Triton's."""
+    return "gluon" if triton_indexer.gluon_score_applies(q, k, group) else "triton"
+
+
 def dkv_impl(q, window, k) -> str:
     """Which kernel the backward's dKV step runs for q: the Gluon one where it applies, else Triton's."""
     return "gluon" if triton_attention.gluon_dkv_applies(q, window, k) else "triton"
@@ -309,25 +315,29 @@ def check_indexer_ties():
     k[..., n(16, 4):] = 0
     ref_picks, ref_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs, keep_blocks=keep)
     ref_cand, _ = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, ref_blocks, bs)
-    res = {}
+    res = {"score_impl": score_impl(q.to(BF16), k.to(BF16), bs)}
     with overridden(triton_indexer, "SCORE_SPLIT", n(1024, 16)):  # several column splits per query at this T
-        for t in (T, T - n(700, 9)):
+        for impl, t in itertools.product(("gluon", "triton"), (T, T - n(700, 9))):  # the Triton kernel forced too
             qt, wt, lo, hi = q[:, :t].to(BF16), w[:, :t].to(BF16), vis_lo[:, :t], vis_hi[:, :t]
-            picks, blocks = triton_ops.indexer_select(qt, wt, k.to(BF16), lo, hi, topk, block_size=bs, keep_blocks=keep)
-            res[f"T{t}"] = {"full_equal": torch.equal(picks, ref_picks[:, :t]),
-                            "blocks_equal": torch.equal(blocks, ref_blocks[:, :t])}
-            for path, dense in (("gathered", 0.0), ("dense", float("inf"))):
-                with overridden(triton_indexer, "DENSE_CANDIDATES", dense):
-                    cand, _ = triton_ops.indexer_select(qt, wt, k.to(BF16), lo, hi, topk, ref_blocks[:, :t], bs)
-                res[f"T{t}"][f"cand_{path}_equal"] = torch.equal(cand, ref_cand[:, :t])
+            with overridden(triton_indexer, "SCORE_IMPL", impl):
+                picks, blocks = triton_ops.indexer_select(qt, wt, k.to(BF16), lo, hi, topk, block_size=bs,
+                                                          keep_blocks=keep)
+                case = res[f"{impl} T{t}"] = {"full_equal": torch.equal(picks, ref_picks[:, :t]),
+                                              "blocks_equal": torch.equal(blocks, ref_blocks[:, :t])}
+                for path, dense in (("gathered", 0.0), ("dense", float("inf"))):
+                    with overridden(triton_indexer, "DENSE_CANDIDATES", dense):
+                        cand, _ = triton_ops.indexer_select(qt, wt, k.to(BF16), lo, hi, topk, ref_blocks[:, :t], bs)
+                    case[f"cand_{path}_equal"] = torch.equal(cand, ref_cand[:, :t])
         # every launch shape of the selection kernel (the autotuner runs one of them), and of the scoring kernel
         res["configs"] = {}
         qt, wt = q.to(BF16), w.to(BF16)
-        for kernel in (triton_select._select_kernel, triton_indexer._score_kernel):
-            for config in each_config(kernel):
-                picks, _ = triton_ops.indexer_select(qt, wt, k.to(BF16), vis_lo, vis_hi, topk)
-                res["configs"][f"{kernel.fn.__name__} {config_name(config)}"] = torch.equal(picks, ref_picks)
-    RESULTS["indexer_ties_exact"] = {**res, "pass": all(v for r in res.values() for v in r.values())}
+        with overridden(triton_indexer, "SCORE_IMPL", "triton"):
+            for kernel in (triton_select._select_kernel, triton_indexer._score_kernel):
+                for config in each_config(kernel):
+                    picks, _ = triton_ops.indexer_select(qt, wt, k.to(BF16), vis_lo, vis_hi, topk)
+                    res["configs"][f"{kernel.fn.__name__} {config_name(config)}"] = torch.equal(picks, ref_picks)
+    RESULTS["indexer_ties_exact"] = {**res, "pass": all(v for r in res.values() if isinstance(r, dict)
+                                                        for v in r.values())}
 
 
 @section
@@ -666,9 +676,18 @@ def bench_indexer():
     full_flops = T * (T + 1) // 2 * NH * DI * 2
     cand_flops = T * keep * bs * NH * DI * 2  # upper bound: every candidate block full
     res = {"gemm_ms_full": full_flops / rate / 1e9, "gemm_ms_cand": cand_flops / rate / 1e9}
-    res["select_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk))
-    res["select_vs_gemm"] = res["select_ms"] / res["gemm_ms_full"]
+    res["score_impl"] = score_impl(q, k, bs)
     select_full = functools.partial(triton_ops.indexer_select, q, w, k, vis_lo, vis_hi, topk)
+    res["select_ms"] = ms(select_full)
+    res["select_vs_gemm"] = res["select_ms"] / res["gemm_ms_full"]
+    with overridden(triton_indexer, "SCORE_IMPL", "triton"):
+        res["select_ms_triton_scoring"] = ms(select_full)
+    res["select_ms_by_chunk_and_split"] = {}  # fewer, larger chunks: fewer launches and kernel tails, more memory
+    for chunk_mib, split in itertools.product((256, 512, 1024), (4096, 8192)):
+        with overridden(triton_indexer, "SCORE_CHUNK_BYTES", chunk_mib << 20), \
+                overridden(triton_indexer, "SCORE_SPLIT", split):
+            res["select_ms_by_chunk_and_split"][f"{chunk_mib} MiB, split {split}"] = {
+                "ms": ms(select_full), "peak_mib": peak_mib(select_full)}
     res["select_device_ms_by_kernel"] = device_ms_by_stage(select_full, 3, INDEXER_KERNELS)
     res["select_blocks_ms"] = ms(lambda: triton_ops.indexer_select(q, w, k, vis_lo, vis_hi, topk, block_size=bs,
                                                                    keep_blocks=keep))
@@ -689,7 +708,9 @@ def bench_indexer():
             res[f"{name}_score_ms"] = ms(score)
             res[f"{name}_score_tflops"] = flops / res[f"{name}_score_ms"] / 1e9
             res[f"{name}_pyramid_select_ms"] = ms(select)
-            res[f"{name}_score_ms_by_config"] = per_config_ms(kernel, score)
+            with overridden(triton_indexer, "SCORE_IMPL", "triton"):  # the Triton kernel's configs (the Gluon one has one)
+                res[f"{name}_score_ms_triton"] = ms(score)
+                res[f"{name}_score_ms_by_config"] = per_config_ms(kernel, score)
             res[f"{name}_score_autotuned"] = autotuned_by_key(kernel)
             if name == "full":  # selection does not depend on how the rows were scored
                 res["pyramid_select_ms_by_config"] = per_config_ms(triton_select._select_kernel, select)

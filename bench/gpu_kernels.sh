@@ -21,7 +21,7 @@
 # kernels already compiled on that machine; a fresh machine once ran past 150 s), dense 72 s, kept attention 49 s,
 # ncu 27 s; the attention bench was left out of that call. 2026-12-01 (code d21dc74): check past 150 s once it
 # compared the two dKV kernels (check_dkv_step, cut off; now capped at 200 s), CSA2 118 s, dense 70 s, kept 41 s,
-# attention bench 46 s.
+# attention bench 46 s. 2026-12-01 (the indexer bench's chunk-size sweep and both scoring kernels): bench ~190 s.
 # The caps keep the first four within BUDGET whatever happens; CSA2_CODE=<commit> (required on the GPU) labels the
 # result files.
 # The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are installed first when present.
@@ -77,7 +77,7 @@ stage() {  # name cap_seconds command...: run under the smaller of cap and the b
 }
 
 stage check 200 python3 bench/bench_kernels.py check "${KERNELS[@]}" --out "$OUT/check.json"
-stage bench 140 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench.json" \
+stage bench 230 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench.json" \
   --only bench_matmul,bench_indexer,bench_index_logits
 stage train_csa2 210 python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1 --kernel-table \
   --out "$OUT/train_step_csa2_$T.json" "${TRAIN[@]}"

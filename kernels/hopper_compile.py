@@ -22,6 +22,7 @@ from triton.runtime.jit import mangle_type
 
 from kernels import gluon_attention as gluon_attn
 from kernels import gluon_dkv
+from kernels import gluon_index_score
 from kernels import triton_attention as attn
 from kernels import triton_cast as cast
 from kernels import triton_dkv as dkv
@@ -70,6 +71,12 @@ def dkv_descriptors(H: int, D: int, slots: int) -> dict:
                     map(mangle_type, gluon_dkv.descriptors(q, dout, part, ds))))
 
 
+def index_score_descriptors(NH: int, DI: int) -> dict:
+    """Type strings of the Gluon scoring kernel's TMA descriptors (q rows and keys), as ``dkv_descriptors``."""
+    q, k = torch.empty((1, NH, DI), dtype=torch.bfloat16), torch.empty((1, DI), dtype=torch.bfloat16)
+    return dict(zip(("q_desc", "key_desc"), map(mangle_type, gluon_index_score.descriptors(q, k))))
+
+
 def specs() -> list[KernelSpec]:
     """Each kernel at the launch shapes of the ``small`` model (H=64, d=512, top-512, window 128, 128-dim indexer), and
     the Gluon kernels also at other shapes they accept (``gluon_attention.usable``, ``gluon_dkv.usable``: no GPU test
@@ -104,6 +111,9 @@ def specs() -> list[KernelSpec]:
         KernelSpec(idx._score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32,
                                            width_class=i32, **levels, **index),
                    dict(DI=128, NH_P=32, G=8, SPLIT=idx.SCORE_SPLIT, WHILE_LOOP=False)),
+        KernelSpec(gluon_index_score._score_kernel, dict(WGT=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32,
+                                                         **levels, **index_score_descriptors(32, 128)),
+                   dict(NH=32, DI=128, G=8, SPLIT=idx.SCORE_SPLIT)),
         KernelSpec(idx._cand_score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, CAND=i64, LEVELS=f32,
                                                 **levels, **index), dict(DI=128, NH_P=32, G=8, NC=2048)),
         KernelSpec(sel._select_kernel, select, dict(K=512, K_P=512, G=8, LOG_G=3)),
@@ -126,6 +136,10 @@ def specs() -> list[KernelSpec]:
     for D, W, K, rope_dim in ((128, 40, 96, 32), (64, 16, 0, 0)):  # W not a multiple of 32; window only, no RoPE
         out.append(KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(dkv_types, **dkv_descriptors(64, D, W + K)),
                               dict(D=D, W=W, K=K, ROPE=rope_dim, SKIP=0)))
+    for NH, DI, G in ((64, 64, 4), (16, 128, 64)):  # other index heads, head dimension and block size it accepts
+        out.append(KernelSpec(gluon_index_score._score_kernel,
+                              dict(WGT=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32, **levels,
+                                   **index_score_descriptors(NH, DI)), dict(NH=NH, DI=DI, G=G, SPLIT=idx.SCORE_SPLIT)))
     for D, rope_dim in ((768, 0), (512, 64)):  # q_norm; kv_norm + the window-KV rotation
         block_d, block_r, warps = nrm._launch_shape(D)
         norm_shape = dict(D=D, BLOCK_D=block_d, ROPE=rope_dim, BLOCK_R=block_r)

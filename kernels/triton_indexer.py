@@ -23,15 +23,21 @@ from kernels.triton_select import Pyramid, build_upper_levels, select_blocks, se
 
 NEG_INF = float("-inf")
 KERNEL_NEG_INF = tl.constexpr(NEG_INF)  # kernels may only read constexpr globals
-SCORE_CHUNK_BYTES = 256 << 20  # the pyramid rows of one chunk of queries
-# Columns a scoring program sweeps (a multiple of every BLOCK_S): a late chunk at T = 65,536 holds ~900 queries, so
-# without splitting its columns it would give ~110 programs of 8 queries for 132 SMs.
+# The pyramid rows of one chunk of queries. Each chunk is a few launches with their tails and host work: at 64K,
+# 256 MiB chunks (39) took 47.5 ms a selection, 1 GiB (10) 44.3 ms for 0.8 GiB more memory (``bench_indexer``).
+SCORE_CHUNK_BYTES = 1 << 30
+# Columns a scoring program sweeps (a multiple of every BLOCK_S): a late chunk at T = 65,536 holds ~1,000 queries,
+# so without splitting its columns it would give ~130 programs of 8 queries for 132 SMs.
 SCORE_SPLIT = 8192
 # Candidate-restricted chunks whose rows are at most this many times a query's candidate entries (NC * G) wide are
 # scored densely and masked to their candidate blocks: the dense kernel shares each key tile among 8 queries, while
 # the gather kernel reads every candidate row once per query (L2-bound). At T = 65,536 with 2,048 x 8 candidates:
 # queries before t = 32,768.
 DENSE_CANDIDATES = 2.0
+# The dense scoring kernel: "gluon" runs kernels/gluon_index_score.py where it applies (Hopper, warp-specialized: a
+# tile's epilogue runs during the next tile's MMA), the Triton ``_score_kernel`` elsewhere; "triton" forces the Triton
+# one (the benchmark times both).
+SCORE_IMPL = "gluon"
 
 # M = BLOCK_S entries (one or two wgmma M=64 per warpgroup), N = BLOCK_T * 32 heads; keys are L2-resident. Configs
 # with <= 114 KB of shared memory and <= 64K registers per two CTAs run two per SM (one's epilogue hides behind the
@@ -214,17 +220,24 @@ def _width_class(width: int) -> int:
 def _chunks(width: np.ndarray, group: int, budget: int):
     """(start, end) of consecutive query rows whose pyramid rows fit ``budget`` bytes together (at least one row).
 
-    A chunk's rows are as wide as its widest query, so under causal visibility early chunks hold more rows. A chunk
-    holds at most as many rows as fit at its first row's width, so only that window is scanned: planning is O(T)
-    host work (scanning the whole tail for each of ~40 chunks took ~5 ms at T = 65,536, with the GPU idle)."""
+    A chunk's rows are as wide as its widest query, so under causal visibility early chunks hold more rows. Whether
+    the first r rows fit only turns from true to false as r grows (rows and their widest width only grow), so each
+    chunk scans a window that doubles from twice the last chunk's rows until a row no longer fits: planning is O(T)
+    host work with the GPU idle (scanning everything that could fit took ~6 ms at T = 65,536 on a 2-core host, when
+    a whole selection takes ~45 ms of GPU time)."""
     def row_bytes(widest):
         return 4 * (widest * group / (group - 1) + 64)  # >= Pyramid(widest, group, ...).row floats
-    start = 0
+    start, rows = 0, 1
     while start < len(width):
-        window = max(1, int(budget // row_bytes(width[start])))
-        widest = np.maximum.accumulate(width[start:start + window])
-        fits = np.arange(1, len(widest) + 1) * row_bytes(widest) <= budget
-        rows = len(widest) if fits.all() else max(1, int(np.argmin(fits)))
+        limit = min(len(width) - start, max(1, int(budget // row_bytes(width[start]))))
+        window = min(limit, 2 * rows)
+        while True:
+            widest = np.maximum.accumulate(width[start:start + window])
+            fits = np.arange(1, window + 1) * row_bytes(widest) <= budget
+            if not fits.all() or window == limit:
+                break
+            window = min(limit, 2 * window)
+        rows = window if fits.all() else max(1, int(np.argmin(fits)))
         yield start, start + rows
         start += rows
 
@@ -243,15 +256,29 @@ def score_chunk(levels, pyramid: Pyramid, q, w, k, lo, hi, cand):
     n, NH, DI = q.shape
     args = dict(NH=NH, DI=DI, NH_P=_heads_p(NH), G=pyramid.group)
     if cand is None or pyramid.widths[0] <= DENSE_CANDIDATES * cand.shape[1] * pyramid.group:
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), triton.cdiv(pyramid.widths[0], SCORE_SPLIT))  # noqa: E731
-        _score_kernel[grid](q, w, k, lo, hi, levels, n, pyramid.row, pyramid.offsets[1],
-                            _width_class(pyramid.widths[0]), SPLIT=SCORE_SPLIT, WHILE_LOOP=INTERPRET, **args)
+        if gluon_score_applies(q, k, pyramid.group):
+            from kernels import gluon_index_score  # imported here: Gluon is only needed (and only runs) on a GPU
+            gluon_index_score.launch(q, w, k, lo, hi, levels, pyramid.row, pyramid.offsets[1], pyramid.widths[0],
+                                     pyramid.group, SCORE_SPLIT)
+        else:
+            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), triton.cdiv(pyramid.widths[0], SCORE_SPLIT))  # noqa: E731
+            _score_kernel[grid](q, w, k, lo, hi, levels, n, pyramid.row, pyramid.offsets[1],
+                                _width_class(pyramid.widths[0]), SPLIT=SCORE_SPLIT, WHILE_LOOP=INTERPRET, **args)
         if cand is not None:
             _keep_candidate_blocks(pyramid.level(levels, 1), cand)
     else:
         pyramid.level(levels, 1).fill_(NEG_INF)  # blocks that are not candidates
         _cand_score_kernel[(n,)](q, w, k, lo, hi, cand, levels, pyramid.row, pyramid.offsets[1], NC=cand.shape[1],
                                  **args)
+
+
+def gluon_score_applies(q: torch.Tensor, k: torch.Tensor, group: int) -> bool:
+    """Whether dense scoring runs the Gluon kernel: ``SCORE_IMPL`` allows it, q is on a GPU (not the interpreter) and
+    ``gluon_index_score.usable`` accepts its shapes, dtypes and device."""
+    if SCORE_IMPL != "gluon" or INTERPRET or not q.is_cuda:
+        return False
+    from kernels import gluon_index_score
+    return gluon_index_score.usable(q, k, group)
 
 
 def chunk_plan(widths: np.ndarray, topk: int, block_size: int, candidates: bool) -> list[tuple[int, int, Pyramid]]:

@@ -30,7 +30,8 @@ _INT64_MIN = -(2 ** 63)
 _LOW32 = (1 << 32) - 1
 # Selection is a chain of block-wide reductions (latency-bound), one program per row: the launch shapes trade rows
 # in flight per SM (registers: the G * K_P candidates live in registers) against threads per row. 8 warps capped at
-# 128 registers run two rows per SM (v7's fixed choice); the autotuner times them on the first chunk.
+# 128 registers run two rows per SM (v7's fixed choice); the autotuner times them on the first chunk of each number
+# of levels (``top``: rows of one or three levels take different launch shapes best).
 _SELECT_CONFIGS = configs(
     hopper=[dict(num_warps=8, num_stages=1, maxnreg=128), dict(num_warps=4, num_stages=1, maxnreg=128),
             dict(num_warps=4, num_stages=1), dict(num_warps=16, num_stages=1, maxnreg=64)],
@@ -166,7 +167,7 @@ def _compact(chosen, n_chosen, values, SCRATCH, K_P: tl.constexpr, other):
     return tl.load(SCRATCH + offs, mask=offs < n_chosen, other=other)
 
 
-@triton.autotune(configs=_SELECT_CONFIGS, key=["K", "G"])
+@triton.autotune(configs=_SELECT_CONFIGS, key=["K", "G", "top"])
 @triton.jit
 def _select_kernel(LEVELS, VIS_LO, VIS_HI, SCRATCH, OUT, row_len, width0, top, K: tl.constexpr,
                    K_P: tl.constexpr, G: tl.constexpr, LOG_G: tl.constexpr):

@@ -12,6 +12,7 @@ os.environ["CSA2_KERNEL_POISON"] = "1"
 
 from functools import partial  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, noop_context_fn  # noqa: E402
@@ -287,6 +288,30 @@ INDEX_CASES = [([[5, 14, 18], [37]], 2, 3, 16, 6, 4, 3), ([[20, 17], [3, 34]], 1
 def chunk_budget(rows, width, block_size):
     """SCORE_CHUNK_BYTES for chunks of about ``rows`` queries as wide as ``width``."""
     return rows * 4 * (width * block_size // (block_size - 1) + 8)
+
+
+@pytest.mark.parametrize("budget", [1, 3_000, 40_000, 1 << 30])
+def test_query_chunks_are_greedy_fits(budget):
+    """Chunks of query rows: each is the longest run from its start whose rows, all as wide as the run's widest,
+    fit the budget (one row at least) -- the obvious one-row-at-a-time plan, against the doubling search that
+    planning uses (a search that stops early or overshoots gives other chunks)."""
+    group = 8
+
+    def fits(rows, widest):
+        return rows * 4 * (widest * group / (group - 1) + 64) <= budget
+    gen = torch.Generator().manual_seed(0)
+    docs = torch.randint(1, 3000, (30,), generator=gen).tolist()
+    for width in (list(range(1, 20_001)), [w for n in docs for w in range(1, n + 1)],
+                  torch.randint(0, 50_000, (5_000,), generator=gen).tolist(), [0] * 50):
+        want, start = [], 0
+        while start < len(width):
+            end, widest = start + 1, width[start]
+            while end < len(width) and fits(end + 1 - start, max(widest, width[end])):
+                widest = max(widest, width[end])
+                end += 1
+            want.append((start, end))
+            start = end
+        assert list(triton_indexer._chunks(np.array(width), group, budget)) == want
 
 
 def with_candidates(ref_blocks):

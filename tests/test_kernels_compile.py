@@ -2,7 +2,7 @@
 
 The interpreter tests (tests/test_kernels.py) run the kernels' arithmetic but never Triton's compiler; a kernel
 that only the compiler rejects passed all of them and stopped every GPU training step (2026-11-30). The Gluon
-kernels (the forward, the backward's dKV step) cannot run under the interpreter at all, so what CI can hold them to
+kernels (the forward, the backward's dKV step, the indexer's scoring) cannot run under the interpreter at all, so what CI can hold them to
 is here: they compile, and they keep the resources their designs rest on. The compiles run in a fresh process
 because tests/test_kernels.py turns on ``TRITON_INTERPRET`` for this whole process.
 """
@@ -56,6 +56,12 @@ def test_gluon_dkv_fits_one_sm_without_spills():
     q / dO tile's descriptor made once instead of at its use, i.e. ``_tile`` without its opaque zero, 147 spill
     instructions, 27 of them among the consumers' wgmma.)"""
     assert_fits_without_mma_spills("gluon_dkv", "_bwd_dkv_kernel")
+
+
+def test_gluon_index_score_fits_one_sm_without_spills():
+    """q (64 KiB) and six 16 KiB key buffers must fit one SM, and a consumer holds S [64, 256] fp32 (128 registers a
+    thread) and its columns' head weights (64): a spill among its wgmma would slow every tile (ptxas reports none)."""
+    assert_fits_without_mma_spills("gluon_index_score", "_score_kernel")
 
 
 def assert_fits_without_mma_spills(module: str, kernel: str):

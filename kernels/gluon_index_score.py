@@ -1,0 +1,198 @@
+"""Lightning-indexer scoring for Hopper, in Gluon: ``triton_indexer._score_kernel``'s contract (levels 0 and 1 of a
+chunk's pyramid rows), warp-specialized so that one tile's epilogue runs while the next tile's MMA does.
+
+Why: the Triton kernel computes a tile's dots ([64-128 entries, 8 queries x 32 heads], K = 128) and then its
+epilogue (ReLU, head weights, head sum, the scores' and block maxima's stores) in the same warps, one program per
+SM, so the tensor cores idle through every epilogue: 42 ms at 64K, 58% of the rate of a plain GEMM of the same
+FLOPs (v8, ``bench_kernels.py bench``). Here:
+
+- A producer warp loads the queries' q rows [QUERIES x NH, DI] once by TMA, their head weights into shared memory,
+  then the key tiles [64 entries, DI] by TMA into a ring of ``STAGES`` buffers, each with a READY / FREE mbarrier.
+- Two consumer warpgroups take alternate tiles: S = K q^T by wgmma (M = 64 entries, N = 256 = QUERIES x NH, A and
+  B from shared memory), the buffer goes back to the producer, then relu(S) * w summed over each query's heads
+  (in-thread adds and two lane shuffles in the wgmma layout), stored at the tile's doc-relative columns with its
+  block maxima. While one warpgroup runs its epilogue the other's MMA runs.
+
+Tiles, documents and splits follow the Triton kernel: a program takes QUERIES queries and the columns
+[SPLIT * program_id(1), + SPLIT); queries of different documents are swept one document after the other, every
+partition walking the same sequence of tiles (``_next_document``). Keys past the tensor read 0 (TMA), and columns
+past a query's width are not stored. Gluon runs only on the GPU: the CPU tests compile it (``kernels.hopper_compile``);
+``bench/bench_kernels.py check`` compares its picks with the fp32 reference (exact ties included).
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_S = gl.constexpr(64)  # entries per tile: the wgmma M
+FEATURES = gl.constexpr(64)  # features per TMA box (one 128-byte swizzle span)
+N = gl.constexpr(256)  # the wgmma N: QUERIES = N // NH queries' heads
+STAGES = gl.constexpr(6)  # key tiles in flight (16 KiB each at DI = 128)
+# Barriers (one array): q and the weights landed, then READY and FREE per key buffer.
+_Q, _READY, _FREE = gl.constexpr(0), gl.constexpr(1), gl.constexpr(1 + STAGES.value)
+PRODUCER_WARPS = gl.constexpr(4)
+# Registers per thread (12 warps share the SM's 64K, 512 a triple): a consumer holds S [64, 256] fp32 (128) and the
+# weights of its columns (64); the producer only coordinates.
+CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(232), gl.constexpr(40), 168
+
+
+@gluon.jit
+def _queries(VIS_LO, VIS_HI, n_queries, QUERIES: gl.constexpr, L: gl.constexpr):
+    """The program's queries: their rows' offsets in LEVELS (in units of row_len), first visible entry and width,
+    laid out as L (a 1-D layout)."""
+    r = gl.program_id(0) * QUERIES + gl.arange(0, QUERIES, layout=L)
+    live = r < n_queries
+    lo = gl.load(VIS_LO + r, mask=live, other=0)
+    width = gl.maximum(gl.load(VIS_HI + r, mask=live, other=0) - lo, 0)
+    return r, lo, width
+
+
+@gluon.jit
+def _next_document(pending, lo, width, begin, SPLIT: gl.constexpr):
+    """The next document among the pending queries: its first entry, its queries, and the end of its columns in
+    this program's split (int32: tile counters index the buffers)."""
+    doc_lo = gl.min(gl.where(pending, lo, 2 ** 62), 0)
+    active = pending & (lo == doc_lo)
+    sweep = gl.minimum(gl.max(gl.where(active, width, 0), 0), begin + SPLIT).to(gl.int32)
+    return doc_lo, active, sweep
+
+
+@gluon.jit
+def _consumer(args, NH: gl.constexpr, G: gl.constexpr, SPLIT: gl.constexpr, DI: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG: tiles WG, WG + 2, ... of every document of the program."""
+    (q_desc, key_desc, WGT, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, q_smem, key_smem, w_smem, bars) = args
+    QUERIES: gl.constexpr = N // NH
+    ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+    # The tile's scores [64 columns, QUERIES]: a thread holds 4 consecutive columns of a query (one 16-byte store).
+    OUT_L: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])
+    r, lo, width = _queries(VIS_LO, VIS_HI, n_queries, QUERIES, gl.SliceLayout(0, OUT_L))
+    rows = LEVELS + r.to(gl.int64) * row_len
+    begin = gl.program_id(1) * SPLIT
+    pending = width > begin
+    mbarrier.wait(bars.index(_Q), 0)
+    w = w_smem.load(gl.SliceLayout(0, ACC_L))  # the weights of this thread's columns, kept in registers
+    n0 = 0  # the program's tiles before this document's
+    while gl.max(pending.to(gl.int32), 0) > 0:
+        doc_lo, active, sweep = _next_document(pending, lo, width, begin, SPLIT)
+        for c0 in range(begin + WG * BLOCK_S, sweep, 2 * BLOCK_S):
+            n = n0 + (c0 - begin) // BLOCK_S
+            score = _tile_scores(q_smem, key_smem, w, bars, n, NH, DI, ACC_L)
+            _store_tile(gl.convert_layout(score, OUT_L), rows, c0, active, width, level1, G)
+        n0 += (sweep - begin + BLOCK_S - 1) // BLOCK_S
+        pending = pending & ~active
+
+
+@gluon.jit
+def _tile_scores(q_smem, key_smem, w, bars, n, NH: gl.constexpr, DI: gl.constexpr, ACC_L: gl.constexpr):
+    """The program's n-th tile: sum_h w[t,h] relu(q[t,h] . k[j]) for its 64 entries j and QUERIES queries t."""
+    KT: gl.constexpr = DI // FEATURES
+    stage = n % STAGES
+    mbarrier.wait(bars.index(_READY + stage), (n // STAGES) & 1)
+    acc = gl.zeros([BLOCK_S, N], gl.float32, ACC_L)
+    for c in gl.static_range(KT):  # K = DI, a TMA box of features at a time
+        acc = warpgroup_mma(key_smem.index(stage * KT + c), q_smem.index(c).permute((1, 0)), acc, use_acc=c > 0,
+                            is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(bars.index(_FREE + stage), count=1)  # the keys are read: the producer refills the buffer
+    weighted = gl.maximum(acc, 0.0) * w[None, :]
+    return gl.sum(gl.reshape(weighted, [BLOCK_S, N // NH, NH]), 2)
+
+
+@gluon.jit
+def _store_tile(score, rows, c0, active, width, level1, G: gl.constexpr):
+    """A tile's scores at columns c0.. of the active queries' rows (level 0), and their block maxima (level 1)."""
+    OUT_L: gl.constexpr = score.type.layout
+    col = c0 + gl.arange(0, BLOCK_S, layout=gl.SliceLayout(1, OUT_L))
+    visible = active[None, :] & (col[:, None] < width[None, :])
+    gl.store(rows[None, :] + col[:, None], score, mask=visible)
+    blocks = gl.max(gl.reshape(gl.where(visible, score, float("-inf")), [BLOCK_S // G, G, score.shape[1]]), 1)
+    blocks = gl.convert_layout(blocks, OUT_L)
+    block = c0 // G + gl.arange(0, BLOCK_S // G, layout=gl.SliceLayout(1, OUT_L))
+    gl.store(rows[None, :] + level1 + block[:, None], blocks, mask=active[None, :] & (block[:, None] * G < width[None, :]))
+
+
+@gluon.jit
+def _producer(args, NH: gl.constexpr, G: gl.constexpr, SPLIT: gl.constexpr, DI: gl.constexpr, WG: gl.constexpr):
+    """The producer: q and the head weights, then every tile's keys as the consumers free the buffers."""
+    (q_desc, key_desc, WGT, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, q_smem, key_smem, w_smem, bars) = args
+    QUERIES: gl.constexpr = N // NH
+    KT: gl.constexpr = DI // FEATURES
+    first = gl.program_id(0) * QUERIES
+    W_L: gl.constexpr = gl.BlockedLayout([N // (32 * PRODUCER_WARPS)], [32], [PRODUCER_WARPS], [0])
+    head_row = first * NH + gl.arange(0, N, layout=W_L)
+    w_smem.store(gl.load(WGT + head_row, mask=head_row < n_queries * NH, other=0.0).to(gl.float32))
+    # The expect arrives with release semantics: the weights stored above are seen by every consumer that waits.
+    mbarrier.expect(bars.index(_Q), KT * q_desc.block_type.nbytes)
+    for c in gl.static_range(KT):
+        tma.async_copy_global_to_shared(q_desc, [first * NH, c * FEATURES], bars.index(_Q), q_smem.index(c))
+    _, lo, width = _queries(VIS_LO, VIS_HI, n_queries, QUERIES, gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0]))
+    begin = gl.program_id(1) * SPLIT
+    pending = width > begin
+    n = 0
+    while gl.max(pending.to(gl.int32), 0) > 0:
+        doc_lo, active, sweep = _next_document(pending, lo, width, begin, SPLIT)
+        for c0 in range(begin, sweep, BLOCK_S):
+            stage = n % STAGES
+            # A fresh barrier's previous phase counts as complete: the first round of buffers does not wait.
+            mbarrier.wait(bars.index(_FREE + stage), ((n // STAGES) & 1) ^ 1)
+            mbarrier.expect(bars.index(_READY + stage), KT * key_desc.block_type.nbytes)
+            for c in gl.static_range(KT):
+                tma.async_copy_global_to_shared(key_desc, [(doc_lo + c0).to(gl.int32), c * FEATURES],
+                                                bars.index(_READY + stage), key_smem.index(stage * KT + c))
+            n += 1
+        pending = pending & ~active
+
+
+@triton.autotune(configs=[triton.Config({}, num_warps=4, maxnreg=KERNEL_MAXNREG)], key=["NH", "DI", "G"])
+@gluon.jit
+def _score_kernel(q_desc, key_desc, WGT, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, NH: gl.constexpr,
+                  DI: gl.constexpr, G: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    """Scores of the queries N // NH * program_id(0) + [0, N // NH) over their visible entries in columns
+    [SPLIT * program_id(1), + SPLIT) (level 0 of their pyramid rows in LEVELS [n_queries, row_len]) and the block
+    maxima (level 1, at offset level1); entries past a query's range are left unwritten."""
+    gl.static_assert((num_warps == 4) & (N % NH == 0) & (DI % FEATURES == 0) & (BLOCK_S % G == 0)
+                     & (SPLIT % BLOCK_S == 0))
+    KT: gl.constexpr = DI // FEATURES
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [KT, N, FEATURES], q_desc.layout)
+    key_smem = gl.allocate_shared_memory(dtype, [STAGES * KT, BLOCK_S, FEATURES], key_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float32, [N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bars = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())  # 1 + 2 * STAGES, to a power of 2
+    for i in gl.static_range(1 + 2 * STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    args = (q_desc, key_desc, WGT, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, q_smem, key_smem, w_smem, bars)
+    # Worker partitions share one signature: each takes every shape argument, used or not.
+    gl.warp_specialize([
+        (_consumer, (args, NH, G, SPLIT, DI, 0)),
+        (_consumer, (args, NH, G, SPLIT, DI, 1)),
+        (_producer, (args, NH, G, SPLIT, DI, 0)),
+    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, group: int) -> bool:
+    """Hopper, 16-bit q and k of the same dtype, index heads a power of two from 16 to 256 (N = 256 holds whole
+    queries), a head dimension of 64 or 128 (one or two TMA boxes; q 64 KiB in shared memory) and blocks that
+    divide a tile."""
+    NH, DI = q.shape[-2:]
+    return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.bfloat16,
+            torch.float16) and k.dtype == q.dtype and NH in (16, 32, 64, 128, 256) and DI in (64, 128)
+            and BLOCK_S.value % group == 0)
+
+
+def descriptors(q: torch.Tensor, k: torch.Tensor) -> list[TensorDescriptor]:
+    """TMA descriptors of a chunk's q rows [n * NH, DI] (read [256, 64] at a time; rows past the chunk read 0) and of
+    the keys [S, DI] ([64, 64] at a time; entries past S read 0)."""
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    boxes = ([N.value, FEATURES.value], [BLOCK_S.value, FEATURES.value])
+    return [TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+            for t, box in zip((q, k), boxes)]
+
+
+def launch(q, w, k, lo, hi, levels, row_len: int, level1: int, width: int, group: int, split: int):
+    """Levels 0 and 1 of the chunk's rows ``levels`` (q [n, NH, DI], w [n, NH], keys k [S, DI], visible ranges
+    [lo, hi) per query, the widest ``width``)."""
+    n, NH, DI = q.shape
+    grid = (triton.cdiv(n, N.value // NH), triton.cdiv(width, split))
+    _score_kernel[grid](*descriptors(q, k), w, lo, hi, levels, n, row_len, level1, NH=NH, DI=DI, G=group, SPLIT=split)
