@@ -24,7 +24,7 @@ from kernels.triton_select import Pyramid, build_upper_levels, select_blocks, se
 NEG_INF = float("-inf")
 KERNEL_NEG_INF = tl.constexpr(NEG_INF)  # kernels may only read constexpr globals
 # The pyramid rows of one chunk of queries. Each chunk is a few launches with their tails and host work: at 64K,
-# 256 MiB chunks (39) took 47.5 ms a selection, 1 GiB (10) 44.3 ms for 0.8 GiB more memory (``bench_indexer``).
+# 256 MiB chunks (39) took 47.3-47.9 ms a selection, 1 GiB (11) 44.3-46.4 ms (``bench_indexer``'s sweep).
 SCORE_CHUNK_BYTES = 1 << 30
 # Columns a scoring program sweeps (a multiple of every BLOCK_S): a late chunk at T = 65,536 holds ~1,000 queries,
 # so without splitting its columns it would give ~130 programs of 8 queries for 132 SMs.
