@@ -31,7 +31,7 @@ _LOW32 = (1 << 32) - 1
 # Selection is a chain of block-wide reductions (latency-bound), one program per row: the launch shapes trade rows
 # in flight per SM (registers: the G * K_P candidates live in registers) against threads per row. 8 warps capped at
 # 128 registers run two rows per SM (v7's fixed choice); the autotuner times them on the first chunk of each number
-# of levels (``top``: rows of one or three levels take different launch shapes best).
+# of levels (``top``: rows searched through one level and through three do different amounts of work).
 _SELECT_CONFIGS = configs(
     hopper=[dict(num_warps=8, num_stages=1, maxnreg=128), dict(num_warps=4, num_stages=1, maxnreg=128),
             dict(num_warps=4, num_stages=1), dict(num_warps=16, num_stages=1, maxnreg=64)],
