@@ -712,11 +712,12 @@ def bench_indexer():
             res[f"{name}_score_ms"] = ms(score)
             res[f"{name}_score_tflops"] = flops / res[f"{name}_score_ms"] / 1e9
             res[f"{name}_pyramid_select_ms"] = ms(select)
-            with overridden(triton_indexer, "SCORE_IMPL", "triton"):  # the Triton kernel's configs (the Gluon one has one)
-                res[f"{name}_score_ms_triton"] = ms(score)
+            with overridden(triton_indexer, "SCORE_IMPL", "triton"):  # the Triton kernels' configs (Gluon: one)
                 res[f"{name}_score_ms_by_config"] = per_config_ms(kernel, score)
             res[f"{name}_score_autotuned"] = autotuned_by_key(kernel)
             if name == "full":  # selection does not depend on how the rows were scored
+                with overridden(triton_indexer, "SCORE_IMPL", "triton"):  # only dense scoring has a Gluon kernel
+                    res["full_score_ms_triton"] = ms(score)
                 res["pyramid_select_ms_by_config"] = per_config_ms(triton_select._select_kernel, select)
                 res["select_autotuned"] = autotuned_by_key(triton_select._select_kernel)
         del score, select

@@ -112,7 +112,8 @@ def _store_tile(score, rows, c0, active, width, level1, G: gl.constexpr):
     blocks = gl.max(gl.reshape(gl.where(visible, score, float("-inf")), [BLOCK_S // G, G, score.shape[1]]), 1)
     blocks = gl.convert_layout(blocks, OUT_L)
     block = c0 // G + gl.arange(0, BLOCK_S // G, layout=gl.SliceLayout(1, OUT_L))
-    gl.store(rows[None, :] + level1 + block[:, None], blocks, mask=active[None, :] & (block[:, None] * G < width[None, :]))
+    gl.store(rows[None, :] + level1 + block[:, None], blocks,
+             mask=active[None, :] & (block[:, None] * G < width[None, :]))
 
 
 @gluon.jit
@@ -188,7 +189,8 @@ def descriptors(q: torch.Tensor, k: torch.Tensor) -> list[TensorDescriptor]:
     the keys [S, DI] ([64, 64] at a time; entries past S read 0)."""
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     boxes = ([N.value, FEATURES.value], [BLOCK_S.value, FEATURES.value])
-    return [TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+    return [TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), box,
+                                         gl.NVMMASharedLayout.get_default_for(box, dtype))
             for t, box in zip((q, k), boxes)]
 
 

@@ -79,8 +79,8 @@ def index_score_descriptors(NH: int, DI: int) -> dict:
 
 def specs() -> list[KernelSpec]:
     """Each kernel at the launch shapes of the ``small`` model (H=64, d=512, top-512, window 128, 128-dim indexer), and
-    the Gluon kernels also at other shapes they accept (``gluon_attention.usable``, ``gluon_dkv.usable``: no GPU test
-    runs them)."""
+    the Gluon kernels also at other shapes they accept (``usable`` of ``gluon_attention``, ``gluon_dkv`` and
+    ``gluon_index_score``: no GPU test runs them)."""
     if INTERPRET:
         raise RuntimeError("kernels.hopper_compile needs TRITON_INTERPRET unset: interpreted kernels do not compile")
     bf, f32, i64, i32 = "*bf16", "*fp32", "*i64", "i32"
@@ -111,9 +111,6 @@ def specs() -> list[KernelSpec]:
         KernelSpec(idx._score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32,
                                            width_class=i32, **levels, **index),
                    dict(DI=128, NH_P=32, G=8, SPLIT=idx.SCORE_SPLIT, WHILE_LOOP=False)),
-        KernelSpec(gluon_index_score._score_kernel, dict(WGT=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32,
-                                                         **levels, **index_score_descriptors(32, 128)),
-                   dict(NH=32, DI=128, G=8, SPLIT=idx.SCORE_SPLIT)),
         KernelSpec(idx._cand_score_kernel, dict(Q=bf, WGT=bf, KEY=bf, VIS_LO=i64, VIS_HI=i64, CAND=i64, LEVELS=f32,
                                                 **levels, **index), dict(DI=128, NH_P=32, G=8, NC=2048)),
         KernelSpec(sel._select_kernel, select, dict(K=512, K_P=512, G=8, LOG_G=3)),
@@ -136,7 +133,9 @@ def specs() -> list[KernelSpec]:
     for D, W, K, rope_dim in ((128, 40, 96, 32), (64, 16, 0, 0)):  # W not a multiple of 32; window only, no RoPE
         out.append(KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(dkv_types, **dkv_descriptors(64, D, W + K)),
                               dict(D=D, W=W, K=K, ROPE=rope_dim, SKIP=0)))
-    for NH, DI, G in ((64, 64, 4), (16, 128, 64)):  # other index heads, head dimension and block size it accepts
+    # the small model's indexer (32 x 128, blocks of 8; first: the compile test reads it), then other index heads,
+    # head dimension and block size the Gluon scoring kernel accepts
+    for NH, DI, G in ((32, 128, 8), (64, 64, 4), (16, 128, 64)):
         out.append(KernelSpec(gluon_index_score._score_kernel,
                               dict(WGT=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32, **levels,
                                    **index_score_descriptors(NH, DI)), dict(NH=NH, DI=DI, G=G, SPLIT=idx.SCORE_SPLIT)))

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels import SPARSE_ATTENTION_OP, triton_dkv
-from kernels.triton_common import INTERPRET, configs, new_output, rotate_pairs
+from kernels.triton_common import configs, gluon_applies, new_output, rotate_pairs
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels may only read constexpr globals
 # Stages the benchmark switches off to time the rest ("mass_pass"); empty in real use.
@@ -444,20 +444,13 @@ def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torc
 
 
 def gluon_forward_applies(q: torch.Tensor) -> bool:
-    """Whether the forward for q runs the Gluon kernel: ``FORWARD_IMPL`` allows it, q is on a GPU (not the
-    interpreter) and ``gluon_attention.usable`` accepts its shape, dtype and device."""
-    if FORWARD_IMPL != "gluon" or INTERPRET or not q.is_cuda:
-        return False
-    from kernels import gluon_attention  # imported here: Gluon is only needed (and only runs) on a GPU
-    return gluon_attention.usable(q)
+    """Whether the forward for q runs the Gluon kernel (``FORWARD_IMPL``, a GPU, ``gluon_attention.usable``)."""
+    return gluon_applies(FORWARD_IMPL, q, "gluon_attention")
 
 
 def gluon_dkv_applies(q: torch.Tensor, window: int, k: int) -> bool:
     """Whether the backward's dKV step for q runs the Gluon kernel (``DKV_IMPL``, a GPU, ``gluon_dkv.usable``)."""
-    if DKV_IMPL != "gluon" or INTERPRET or not q.is_cuda:
-        return False
-    from kernels import gluon_dkv
-    return gluon_dkv.usable(q, window, k)
+    return gluon_applies(DKV_IMPL, q, "gluon_dkv", window, k)
 
 
 @_sparse_attention_fwd.register_fake

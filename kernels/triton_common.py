@@ -3,6 +3,7 @@
 Under ``TRITON_INTERPRET=1`` (the CPU test path) every kernel gets one small config: autotuning there would
 only multiply the interpreter's cost, and block sizes must stay tiny for the test shapes.
 """
+import importlib
 import os
 
 import torch
@@ -25,6 +26,14 @@ def configs(hopper: list[dict], interpret: dict) -> list[triton.Config]:
     launch = ("num_warps", "num_stages", "maxnreg")
     return [triton.Config({k: v for k, v in c.items() if k not in launch}, num_warps=c["num_warps"],
                           num_stages=c["num_stages"], maxnreg=c.get("maxnreg")) for c in chosen]
+
+
+def gluon_applies(impl: str, x: torch.Tensor, module: str, *shape) -> bool:
+    """Whether an op runs its Gluon kernel: its switch ``impl`` is "gluon", x is on a GPU (not the interpreter) and
+    ``kernels.<module>.usable(x, *shape)`` accepts it. The module is imported only then: Gluon only runs on a GPU."""
+    if impl != "gluon" or INTERPRET or not x.is_cuda:
+        return False
+    return importlib.import_module(f"kernels.{module}").usable(x, *shape)
 
 
 def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:

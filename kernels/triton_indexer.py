@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import INTERPRET, add_rows, configs, load_rows, new_output
+from kernels.triton_common import INTERPRET, add_rows, configs, gluon_applies, load_rows, new_output
 from kernels.triton_select import Pyramid, build_upper_levels, select_blocks, select_entries
 
 NEG_INF = float("-inf")
@@ -261,7 +261,8 @@ def score_chunk(levels, pyramid: Pyramid, q, w, k, lo, hi, cand):
             gluon_index_score.launch(q, w, k, lo, hi, levels, pyramid.row, pyramid.offsets[1], pyramid.widths[0],
                                      pyramid.group, SCORE_SPLIT)
         else:
-            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), triton.cdiv(pyramid.widths[0], SCORE_SPLIT))  # noqa: E731
+            splits = triton.cdiv(pyramid.widths[0], SCORE_SPLIT)
+            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_T"]), splits)  # noqa: E731
             _score_kernel[grid](q, w, k, lo, hi, levels, n, pyramid.row, pyramid.offsets[1],
                                 _width_class(pyramid.widths[0]), SPLIT=SCORE_SPLIT, WHILE_LOOP=INTERPRET, **args)
         if cand is not None:
@@ -273,12 +274,8 @@ def score_chunk(levels, pyramid: Pyramid, q, w, k, lo, hi, cand):
 
 
 def gluon_score_applies(q: torch.Tensor, k: torch.Tensor, group: int) -> bool:
-    """Whether dense scoring runs the Gluon kernel: ``SCORE_IMPL`` allows it, q is on a GPU (not the interpreter) and
-    ``gluon_index_score.usable`` accepts its shapes, dtypes and device."""
-    if SCORE_IMPL != "gluon" or INTERPRET or not q.is_cuda:
-        return False
-    from kernels import gluon_index_score
-    return gluon_index_score.usable(q, k, group)
+    """Whether dense scoring runs the Gluon kernel (``SCORE_IMPL``, a GPU, ``gluon_index_score.usable``)."""
+    return gluon_applies(SCORE_IMPL, q, "gluon_index_score", k, group)
 
 
 def chunk_plan(widths: np.ndarray, topk: int, block_size: int, candidates: bool) -> list[tuple[int, int, Pyramid]]:

@@ -2,9 +2,9 @@
 
 The interpreter tests (tests/test_kernels.py) run the kernels' arithmetic but never Triton's compiler; a kernel
 that only the compiler rejects passed all of them and stopped every GPU training step (2026-11-30). The Gluon
-kernels (the forward, the backward's dKV step, the indexer's scoring) cannot run under the interpreter at all, so what CI can hold them to
-is here: they compile, and they keep the resources their designs rest on. The compiles run in a fresh process
-because tests/test_kernels.py turns on ``TRITON_INTERPRET`` for this whole process.
+kernels (the forward, the backward's dKV step, the indexer's scoring) cannot run under the interpreter at all, so
+what CI can hold them to is here: they compile, and they keep the resources their designs rest on. The compiles run
+in a fresh process because tests/test_kernels.py turns on ``TRITON_INTERPRET`` for this whole process.
 """
 import json
 import os
