@@ -30,21 +30,22 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_S = gl.constexpr(64)  # entries per tile: the wgmma M
 FEATURES = gl.constexpr(64)  # features per TMA box (one 128-byte swizzle span)
-N = gl.constexpr(256)  # the wgmma N: QUERIES = N // NH queries' heads
+N = gl.constexpr(256)  # a program's queries' heads: QUERIES = N // NH queries
+HALF = gl.constexpr(128)  # the heads of half the queries: one consumer's wgmma N
 STAGES = gl.constexpr(6)  # key tiles in flight (16 KiB each at DI = 128)
 # Barriers (one array): q and the weights landed, then READY and FREE per key buffer.
 _Q, _READY, _FREE = gl.constexpr(0), gl.constexpr(1), gl.constexpr(1 + STAGES.value)
 PRODUCER_WARPS = gl.constexpr(4)
-# Registers per thread (12 warps share the SM's 64K, 512 a triple): a consumer holds S [64, 256] fp32 (128) and the
-# weights of its columns (64); the producer only coordinates.
-CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(232), gl.constexpr(40), 168
+# Registers per thread (20 warps share the SM's 64K): a consumer holds S [64, 128] fp32 (64); the weights are read
+# from shared memory at each tile; the producer only coordinates.
+CONSUMER_REGS, PRODUCER_REGS, KERNEL_MAXNREG = gl.constexpr(112), gl.constexpr(32), 96
 
 
 @gluon.jit
-def _queries(VIS_LO, VIS_HI, n_queries, QUERIES: gl.constexpr, L: gl.constexpr):
-    """The program's queries: their rows' offsets in LEVELS (in units of row_len), first visible entry and width,
-    laid out as L (a 1-D layout)."""
-    r = gl.program_id(0) * QUERIES + gl.arange(0, QUERIES, layout=L)
+def _queries(VIS_LO, VIS_HI, n_queries, first, QUERIES: gl.constexpr, L: gl.constexpr):
+    """Queries first.. first + QUERIES - 1: their rows' offsets in LEVELS (in units of row_len), first visible entry
+    and width, laid out as L (a 1-D layout)."""
+    r = first + gl.arange(0, QUERIES, layout=L)
     live = r < n_queries
     lo = gl.load(VIS_LO + r, mask=live, other=0)
     width = gl.maximum(gl.load(VIS_HI + r, mask=live, other=0) - lo, 0)
@@ -63,43 +64,50 @@ def _next_document(pending, lo, width, begin, SPLIT: gl.constexpr):
 
 @gluon.jit
 def _consumer(args, NH: gl.constexpr, G: gl.constexpr, SPLIT: gl.constexpr, DI: gl.constexpr, WG: gl.constexpr):
-    """Consumer warpgroup WG: tiles WG, WG + 2, ... of every document of the program."""
+    """Consumer warpgroup WG: the queries of half WG % 2 in tiles WG // 2, WG // 2 + 2, ... of every document of the
+    program (every consumer walks the documents of all the program's queries: the producer's tile sequence)."""
     (q_desc, key_desc, WGT, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, q_smem, key_smem, w_smem, bars) = args
     QUERIES: gl.constexpr = N // NH
-    ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
-    # The tile's scores [64 columns, QUERIES]: a thread holds 4 consecutive columns of a query (one 16-byte store).
-    OUT_L: gl.constexpr = gl.BlockedLayout([4, 1], [16, 2], [1, 4], [0, 1])
-    r, lo, width = _queries(VIS_LO, VIS_HI, n_queries, QUERIES, gl.SliceLayout(0, OUT_L))
+    MINE: gl.constexpr = HALF // NH  # this consumer's queries
+    ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+    # The tile's scores [64 columns, MINE]: a thread holds 2 consecutive columns of a query, a warp 64 of one.
+    OUT_L: gl.constexpr = gl.BlockedLayout([2, 1], [32, 1], [1, 4], [0, 1])
+    first = gl.program_id(0) * QUERIES
+    _, lo_all, width_all = _queries(VIS_LO, VIS_HI, n_queries, first, QUERIES, gl.SliceLayout(0, OUT_L))
+    r, lo, width = _queries(VIS_LO, VIS_HI, n_queries, first + (WG % 2) * MINE, MINE, gl.SliceLayout(0, OUT_L))
     rows = LEVELS + r.to(gl.int64) * row_len
     begin = gl.program_id(1) * SPLIT
+    pending_all = width_all > begin
     pending = width > begin
     mbarrier.wait(bars.index(_Q), 0)
-    w = w_smem.load(gl.SliceLayout(0, ACC_L))  # the weights of this thread's columns, kept in registers
+    w = w_smem.slice((WG % 2) * HALF, HALF)  # this half's weights, read at each tile
     n0 = 0  # the program's tiles before this document's
-    while gl.max(pending.to(gl.int32), 0) > 0:
-        doc_lo, active, sweep = _next_document(pending, lo, width, begin, SPLIT)
-        for c0 in range(begin + WG * BLOCK_S, sweep, 2 * BLOCK_S):
+    while gl.max(pending_all.to(gl.int32), 0) > 0:
+        doc_lo, active_all, sweep = _next_document(pending_all, lo_all, width_all, begin, SPLIT)
+        active = pending & (lo == doc_lo)
+        for c0 in range(begin + (WG // 2) * BLOCK_S, sweep, 2 * BLOCK_S):
             n = n0 + (c0 - begin) // BLOCK_S
-            score = _tile_scores(q_smem, key_smem, w, bars, n, NH, DI, ACC_L)
+            score = _tile_scores(q_smem, key_smem, w, bars, n, WG % 2, NH, DI, ACC_L)
             _store_tile(gl.convert_layout(score, OUT_L), rows, c0, active, width, level1, G)
         n0 += (sweep - begin + BLOCK_S - 1) // BLOCK_S
+        pending_all = pending_all & ~active_all
         pending = pending & ~active
 
 
 @gluon.jit
-def _tile_scores(q_smem, key_smem, w, bars, n, NH: gl.constexpr, DI: gl.constexpr, ACC_L: gl.constexpr):
-    """The program's n-th tile: sum_h w[t,h] relu(q[t,h] . k[j]) for its 64 entries j and QUERIES queries t."""
+def _tile_scores(q_smem, key_smem, w, bars, n, half, NH: gl.constexpr, DI: gl.constexpr, ACC_L: gl.constexpr):
+    """The program's n-th tile for the queries of ``half``: sum_h w[t,h] relu(q[t,h] . k[j]) for its 64 entries j."""
     KT: gl.constexpr = DI // FEATURES
     stage = n % STAGES
     mbarrier.wait(bars.index(_READY + stage), (n // STAGES) & 1)
-    acc = gl.zeros([BLOCK_S, N], gl.float32, ACC_L)
+    acc = gl.zeros([BLOCK_S, HALF], gl.float32, ACC_L)
     for c in gl.static_range(KT):  # K = DI, a TMA box of features at a time
-        acc = warpgroup_mma(key_smem.index(stage * KT + c), q_smem.index(c).permute((1, 0)), acc, use_acc=c > 0,
-                            is_async=True)
+        acc = warpgroup_mma(key_smem.index(stage * KT + c), q_smem.index(2 * c + half).permute((1, 0)), acc,
+                            use_acc=c > 0, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
-    mbarrier.arrive(bars.index(_FREE + stage), count=1)  # the keys are read: the producer refills the buffer
-    weighted = gl.maximum(acc, 0.0) * w[None, :]
-    return gl.sum(gl.reshape(weighted, [BLOCK_S, N // NH, NH]), 2)
+    mbarrier.arrive(bars.index(_FREE + stage), count=1)  # read by this half: the producer refills it after both
+    weighted = gl.maximum(acc, 0.0) * w.load(gl.SliceLayout(0, ACC_L))[None, :]
+    return gl.sum(gl.reshape(weighted, [BLOCK_S, HALF // NH, NH]), 2)
 
 
 @gluon.jit
@@ -127,10 +135,13 @@ def _producer(args, NH: gl.constexpr, G: gl.constexpr, SPLIT: gl.constexpr, DI: 
     head_row = first * NH + gl.arange(0, N, layout=W_L)
     w_smem.store(gl.load(WGT + head_row, mask=head_row < n_queries * NH, other=0.0).to(gl.float32))
     # The expect arrives with release semantics: the weights stored above are seen by every consumer that waits.
-    mbarrier.expect(bars.index(_Q), KT * q_desc.block_type.nbytes)
+    mbarrier.expect(bars.index(_Q), 2 * KT * q_desc.block_type.nbytes)
     for c in gl.static_range(KT):
-        tma.async_copy_global_to_shared(q_desc, [first * NH, c * FEATURES], bars.index(_Q), q_smem.index(c))
-    _, lo, width = _queries(VIS_LO, VIS_HI, n_queries, QUERIES, gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0]))
+        for half in gl.static_range(2):
+            tma.async_copy_global_to_shared(q_desc, [first * NH + half * HALF, c * FEATURES], bars.index(_Q),
+                                            q_smem.index(2 * c + half))
+    _, lo, width = _queries(VIS_LO, VIS_HI, n_queries, first, QUERIES,
+                            gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0]))
     begin = gl.program_id(1) * SPLIT
     pending = width > begin
     n = 0
@@ -159,19 +170,21 @@ def _score_kernel(q_desc, key_desc, WGT, VIS_LO, VIS_HI, LEVELS, n_queries, row_
                      & (SPLIT % BLOCK_S == 0))
     KT: gl.constexpr = DI // FEATURES
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [KT, N, FEATURES], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * KT, HALF, FEATURES], q_desc.layout)  # [feature box, half]
     key_smem = gl.allocate_shared_memory(dtype, [STAGES * KT, BLOCK_S, FEATURES], key_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float32, [N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     bars = gl.allocate_shared_memory(gl.int64, [16, 1], mbarrier.MBarrierLayout())  # 1 + 2 * STAGES, to a power of 2
     for i in gl.static_range(1 + 2 * STAGES):
-        mbarrier.init(bars.index(i), count=1)
+        mbarrier.init(bars.index(i), count=2 if i >= _FREE else 1)  # a key buffer is freed by both halves
     args = (q_desc, key_desc, WGT, VIS_LO, VIS_HI, LEVELS, n_queries, row_len, level1, q_smem, key_smem, w_smem, bars)
     # Worker partitions share one signature: each takes every shape argument, used or not.
     gl.warp_specialize([
         (_consumer, (args, NH, G, SPLIT, DI, 0)),
         (_consumer, (args, NH, G, SPLIT, DI, 1)),
+        (_consumer, (args, NH, G, SPLIT, DI, 2)),
+        (_consumer, (args, NH, G, SPLIT, DI, 3)),
         (_producer, (args, NH, G, SPLIT, DI, 0)),
-    ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+    ], [4, 4, 4, PRODUCER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
 def usable(q: torch.Tensor, k: torch.Tensor, group: int) -> bool:
@@ -180,7 +193,7 @@ def usable(q: torch.Tensor, k: torch.Tensor, group: int) -> bool:
     divide a tile."""
     NH, DI = q.shape[-2:]
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and q.dtype in (torch.bfloat16,
-            torch.float16) and k.dtype == q.dtype and NH in (16, 32, 64, 128, 256) and DI in (64, 128)
+            torch.float16) and k.dtype == q.dtype and NH in (16, 32, 64, 128) and DI in (64, 128)
             and BLOCK_S.value % group == 0)
 
 
@@ -188,7 +201,7 @@ def descriptors(q: torch.Tensor, k: torch.Tensor) -> list[TensorDescriptor]:
     """TMA descriptors of a chunk's q rows [n * NH, DI] (read [256, 64] at a time; rows past the chunk read 0) and of
     the keys [S, DI] ([64, 64] at a time; entries past S read 0)."""
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    boxes = ([N.value, FEATURES.value], [BLOCK_S.value, FEATURES.value])
+    boxes = ([HALF.value, FEATURES.value], [BLOCK_S.value, FEATURES.value])
     return [TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), box,
                                          gl.NVMMASharedLayout.get_default_for(box, dtype))
             for t, box in zip((q, k), boxes)]
