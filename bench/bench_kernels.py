@@ -544,10 +544,11 @@ def bench_attention():
         res["fwd_ms_without_mass_pass"] = ms(lambda: triton_ops.sparse_attention(*args))
     finally:
         triton_attention.ABLATE.clear()
-    if res["fwd_impl"] == "gluon":  # the Gluon forward without its row gathers (blocks computed on stale rows)
+    if res["fwd_impl"] == "gluon":  # the Gluon forward with each of its stages switched off (gluon_attention.STAGES)
         from kernels import gluon_attention
-        with overridden(gluon_attention, "ABLATE", {"gather"}):
-            res["fwd_ms_without_gather"] = ms(lambda: triton_ops.sparse_attention(*args))
+        for stage in gluon_attention.STAGES:
+            with overridden(gluon_attention, "ABLATE", {stage}):
+                res[f"fwd_ms_without_{stage}"] = ms(lambda: triton_ops.sparse_attention(*args))
     # The backward with 1 GiB chunks of partial rows instead of 4 GiB: the memory / time trade of the chunk size.
     chunk_bytes = triton_attention.PARTIAL_CHUNK_BYTES
     triton_attention.PARTIAL_CHUNK_BYTES = chunk_bytes // 4

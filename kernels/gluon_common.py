@@ -7,12 +7,14 @@ Both kernels hold one token's 64 heads as the wgmma M (a Hopper warpgroup's tile
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import triton_attention as tri
 from kernels.triton_common import rotate_split_pairs as triton_rotate_split_pairs
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_H = 64  # heads are the MMA's M: one token's heads fill one wgmma (64 rows)
+FEATURES = gl.constexpr(64)  # features per TMA box of a token's head rows: one 128-byte swizzle span
 
 # The Triton helpers that only compute (row offsets, validity, pair rotation), run as Gluon functions: their
 # tensors take the layouts of the tensors they are given.
@@ -62,6 +64,35 @@ def rope_tail(x, ROT, tok, col0: gl.constexpr, D: gl.constexpr, ROPE: gl.constex
             x = gl.reshape(rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, False), [ROWS, COLS])
             x = x.to(dtype)
     return x
+
+
+@gluon.constexpr_function
+def sixteen_byte_rows(cols):
+    """A layout of a [64, cols] 16-bit tile (cols >= 32) held by 4 warps as a wgmma accumulator is (16 rows a
+    warp, rows r and r + 8 in each thread), but with 8 consecutive columns in a thread where the accumulator gives
+    2: its rows go to memory in 16-byte stores, 4 times fewer than from the accumulator. Only lanes of the same row
+    quad trade values, so the conversion is a few shuffles, no shared memory."""
+    wide = [[0, c] for c in (32, 64, 128, 256) if c < cols]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + wide,
+                                      lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, cols])
+
+
+def head_rows_descriptor(x: torch.Tensor, features: int = FEATURES.value) -> TensorDescriptor:
+    """TMA descriptor of head rows x [..., H, D] seen as [tokens, H, D], read [1, 64 heads, features] at a time
+    (heads past H read 0, as the kernels' padded heads must)."""
+    box = [1, BLOCK_H, features]
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
+    return TensorDescriptor.from_tensor(x.view(-1, *x.shape[-2:]), box, layout)
+
+
+@gluon.jit
+def head_tile(tiles, c):
+    """Tile c ([heads, features]) of a token's head rows landed by ``head_rows_descriptor``'s boxes. Indexed through
+    an opaque zero made at each use, so that its wgmma descriptors are made there too (made once for all tiles, they
+    stay live across the block and spill)."""
+    return tiles.index(c + opaque_zero(c)).reshape([tiles.shape[2], tiles.shape[3]])
 
 
 @gluon.jit

@@ -38,8 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.gluon_common import (BLOCK_H, LOG2E, block_rows, head_cols, hopper_heads_dtype, opaque_zero, rope_tail,
-                                  tokens_of_program)
+from kernels.gluon_common import (BLOCK_H, FEATURES, LOG2E, block_rows, head_cols, head_rows_descriptor, head_tile,
+                                  hopper_heads_dtype, opaque_zero, rope_tail, tokens_of_program)
 
 # Stages the benchmark switches off to see what each costs (``bench_kernels.py bench_dkv_step``; the outputs are then
 # wrong): the producer's TMA loads of q and dO, its row gathers, the consumers' TMA stores of the partial rows, and
@@ -48,7 +48,7 @@ STAGES = ("operands", "gather", "stores", "partial_rows")
 ABLATE: set[str] = set()
 _SKIP_OPERANDS, _SKIP_GATHER, _SKIP_STORES, _SKIP_PARTIAL_ROWS = (gl.constexpr(1 << i) for i in range(len(STAGES)))
 BLOCK_N = gl.constexpr(64)  # slots per block: the M of every wgmma
-FEATURES = gl.constexpr(64)  # features per q / dO tile, per partial-rows wgmma (its N) and per staged TMA store
+# FEATURES (gluon_common): features per q / dO tile, per partial-rows wgmma (its N) and per staged TMA store
 HEADS = gl.constexpr(BLOCK_H)
 # Barriers (one array): the block's rows landed (READY), read by both score MMAs (FREE), its bias stored (VALID); the
 # token's operands landed by TMA, ready for the consumers (RoPE turned, delta stored), released by both; P^T handed
@@ -159,7 +159,7 @@ def _transposed_scores(kv, tiles, bars, phase, D: gl.constexpr, S_L: gl.constexp
     fence_async_shared()  # rows written by cp.async (generic proxy) are read by wgmma (async proxy)
     acc = gl.zeros([BLOCK_N, HEADS], gl.float32, S_L)
     for c in gl.static_range(D // FEATURES):  # K = D, a tile at a time
-        acc = warpgroup_mma(kv.slice(c * FEATURES, FEATURES, dim=1), _tile(tiles, c).permute((1, 0)), acc,
+        acc = warpgroup_mma(kv.slice(c * FEATURES, FEATURES, dim=1), head_tile(tiles, c).permute((1, 0)), acc,
                             use_acc=c > 0, is_async=True)
     return acc
 
@@ -189,17 +189,9 @@ def _partial_rows(q_smem, do_smem, ds_a, p_a, stage, part_desc, row, start, FIRS
 @gluon.jit
 def _features_mma(q_smem, do_smem, ds_a, p_a, f: gl.constexpr, ACC_L: gl.constexpr):
     """Issue dS^T q_f + P^T dO_f for the features of tile f (B: the head-major q and dO tiles as they are)."""
-    acc = warpgroup_mma(ds_a, _tile(q_smem, f), gl.zeros([BLOCK_N, FEATURES], gl.float32, ACC_L), use_acc=False,
+    acc = warpgroup_mma(ds_a, head_tile(q_smem, f), gl.zeros([BLOCK_N, FEATURES], gl.float32, ACC_L), use_acc=False,
                         is_async=True)
-    return warpgroup_mma(p_a, _tile(do_smem, f), acc, is_async=True)
-
-
-@gluon.jit
-def _tile(tiles, c):
-    """Features 64c..64c+63 of a token's q or dO ([heads, 64]): the TMA box (one 128-byte swizzle span). Indexed
-    through an opaque zero made at each use, so that its wgmma descriptors are made there too (made once for all
-    tiles, they stay live across the block and spill)."""
-    return tiles.index(c + opaque_zero(c)).reshape([HEADS, FEATURES])
+    return warpgroup_mma(p_a, head_tile(do_smem, f), acc, is_async=True)
 
 
 @gluon.jit
@@ -263,9 +255,9 @@ def _load_operands(args, it, tok32, tok, D: gl.constexpr, ROPE: gl.constexpr):
         TILE_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
         for c in gl.static_range(TILES):
             if (c + 1) * FEATURES > D - ROPE:
-                q_tile = _tile(q_smem, c)
+                q_tile = head_tile(q_smem, c)
                 q_tile.store(rope_tail(q_tile.load(TILE_L), ROT, tok, c * FEATURES, D, ROPE))
-                do_tile = _tile(do_smem, c)
+                do_tile = head_tile(do_smem, c)
                 do_tile.store(rope_tail(do_tile.load(TILE_L), ROT, tok, c * FEATURES, D, ROPE))
     fence_async_shared()  # q and dO are read by wgmma
 
@@ -345,11 +337,10 @@ def descriptors(q: torch.Tensor, dout: torch.Tensor, part: torch.Tensor, ds: tor
     past H read 0), of a chunk's partial rows [tokens, W + K, D] (stored [1, 64, 64] at a time) and of its dS rows
     [tokens, H, W + K] ([1, 64 heads, 64] at a time; heads past H are clipped)."""
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    head_box = [1, BLOCK_H, FEATURES.value]
-    boxes = (head_box, head_box, [1, BLOCK_N.value, FEATURES.value], [1, BLOCK_H, BLOCK_N.value])
-    tensors = (q.view(-1, *q.shape[-2:]), dout.view(-1, *dout.shape[-2:]), part, ds)
-    return [TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
-            for t, box in zip(tensors, boxes)]
+    boxes = ([1, BLOCK_N.value, FEATURES.value], [1, BLOCK_H, BLOCK_N.value])
+    return [head_rows_descriptor(q), head_rows_descriptor(dout)] + [
+        TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+        for t, box in zip((part, ds), boxes)]
 
 
 def launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink, tok0, comp_offset, T, S, H, scale,

@@ -71,6 +71,11 @@ def dkv_descriptors(H: int, D: int, slots: int) -> dict:
                     map(mangle_type, gluon_dkv.descriptors(q, dout, part, ds))))
 
 
+def forward_q_descriptor(D: int) -> dict:
+    """Type string of the Gluon forward's q descriptor at feature dimension D, as ``dkv_descriptors``."""
+    return dict(q_desc=mangle_type(gluon_attn.q_descriptor(torch.empty((1, 64, D), dtype=torch.bfloat16))))
+
+
 def index_score_descriptors(NH: int, DI: int) -> dict:
     """Type strings of the Gluon scoring kernel's TMA descriptors (q rows and keys), as ``dkv_descriptors``."""
     q, k = torch.empty((1, NH, DI), dtype=torch.bfloat16), torch.empty((1, DI), dtype=torch.bfloat16)
@@ -94,13 +99,14 @@ def specs() -> list[KernelSpec]:
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
     fwd_types = dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16", stage_token_stride=i32,
                      stage_head_stride=i32, scale_log2="fp32", **rows)
-    gluon_fwd_types = dict(fwd_types, n_tokens=i32)  # the persistent kernel also takes B*T
+    gluon_fwd_types = {("stage_program_stride" if k == "stage_token_stride" else k): v for k, v in fwd_types.items()
+                       if k != "Q"} | dict(n_tokens=i32)  # persistent: also B*T; q by TMA (forward_q_descriptor)
     dkv_types = dict(DOUT=bf, OUT=bf, SINK=f32, ROT=f32, LSE=f32, DSINK=f32, tok0=i32, scale="fp32", n_tokens=i32,
                      **rows)
     out = [
         KernelSpec(attn._fwd_kernel, fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True, **shape)),
-        KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=True,
-                                                                  SKIP_GATHER=False, **shape)),
+        KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types | forward_q_descriptor(512),
+                   dict(K_P=attn._padded_k(512), MASS_PASS=True, SKIP=0, **shape)),
         KernelSpec(attn._bwd_dkv_kernel, dict(Q=bf, DOUT=bf, OUT=bf, SINK=f32, ROT=f32, SCRATCH=bf, LSE=f32, PART=bf,
                                               DS=bf, DSINK=f32, tok0=i32, scale="fp32", **rows), shape),
         KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(dkv_types, **dkv_descriptors(64, 512, 128 + 512)),
@@ -124,12 +130,12 @@ def specs() -> list[KernelSpec]:
                    dict(STARTS=(0, 4096, 12288), ENDS=(4096, 12288, 20480), BLOCK=cast.BLOCK)),
     ]
     # the recomputation's forward (no selected mass) at the small model's shapes
-    out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types, dict(K_P=attn._padded_k(512), MASS_PASS=False,
-                                                                         SKIP_GATHER=False, **shape)))
+    out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types | forward_q_descriptor(512),
+                          dict(K_P=attn._padded_k(512), MASS_PASS=False, SKIP=0, **shape)))
     for D, W, K, rope_dim in ((128, 32, 100, 32), (64, 16, 0, 0)):  # K not a power of two; window only, no RoPE
-        out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types,
+        out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types | forward_q_descriptor(D),
                               dict(D=D, W=W, K=K, K_P=attn._padded_k(K), BLOCK_H=64, ROPE=rope_dim, MASS_PASS=K > 0,
-                                   SKIP_GATHER=False)))
+                                   SKIP=0)))
     for D, W, K, rope_dim in ((128, 40, 96, 32), (64, 16, 0, 0)):  # W not a multiple of 32; window only, no RoPE
         out.append(KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(dkv_types, **dkv_descriptors(64, D, W + K)),
                               dict(D=D, W=W, K=K, ROPE=rope_dim, SKIP=0)))
