@@ -85,7 +85,7 @@ stage train_dense 110 python3 bench/train_step.py --variant dense --steps 1 --wa
   --out "$OUT/train_step_dense_$T.json" "${TRAIN[@]}"
 stage train_csa2_keep 80 python3 bench/train_step.py --variant csa2 --steps 1 --warmup 1 --no-detail \
   --out "$OUT/train_step_csa2_keep${KEEP}_$T.json" "${TRAIN[@]}" parallel.keep_attention_layers=$KEEP
-stage bench_attention 120 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench_attention.json" \
+stage bench_attention 150 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench_attention.json" \
   --only bench_matmul,bench_attention,bench_dkv_step,bench_sdpa_cudnn
 stage ncu_attention 150 python3 bench/ncu_attention.py "${KERNELS[@]}" --out "$OUT"
 echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"
