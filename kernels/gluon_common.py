@@ -1,6 +1,7 @@
 """What the Gluon kernels (the forward, ``gluon_attention``, and the backward's dKV step, ``gluon_dkv``) share: a
-token's slot rows, its head rows with RoPE on their tail, the persistent programs' token split, and the index that
-keeps wgmma descriptors in their loop.
+token's slot rows, its head rows with RoPE on their tail and their TMA boxes, the persistent programs' token split,
+the index that keeps wgmma descriptors in their loop, and a layout for 16-byte stores of a wgmma tile's rows (the
+indexer's scoring, ``gluon_index_score``, takes the TMA box width).
 
 Both kernels hold one token's 64 heads as the wgmma M (a Hopper warpgroup's tile) and gather the rows of its slots
 (window rows, then selected entries) from one base pointer, as the Triton kernels do (``triton_attention``)."""

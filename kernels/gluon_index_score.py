@@ -9,11 +9,14 @@ FLOPs (v8, ``bench_kernels.py bench``). Here:
 - A producer warpgroup loads the queries' q rows [QUERIES x NH, DI] once by TMA, their head weights into shared
   memory, then the key tiles [64 entries, DI] by TMA into a ring of ``STAGES`` buffers, each with a READY / FREE
   mbarrier.
-- Two consumer warpgroups take alternate tiles: S = K q^T by wgmma (M = 64 entries, N = 256 = QUERIES x NH, A and
-  B from shared memory), the buffer goes back to the producer, then relu(S) * w summed over each query's heads
-  (in-thread adds and two lane shuffles in the wgmma layout), stored at the tile's doc-relative columns with its
-  block maxima. While one warpgroup runs its epilogue the other's MMA runs. At 64K: 33.7 ms against 39.6 for the
-  Triton kernel in the same run (docs/KERNELS.md, "Indexer").
+- Four consumer warpgroups: consumers 0 and 1 take the even tiles, 2 and 3 the odd ones, each half of the program's
+  queries: S = K q^T by wgmma (M = 64 entries, N = 128 = half the queries x NH, A and B from shared memory), the
+  buffer goes back to the producer once both consumers of the tile are done, then relu(S) * w summed over each
+  query's heads (in-thread adds and lane shuffles in the wgmma layout), stored at the tile's doc-relative columns
+  with its block maxima. While a tile's two consumers run their epilogues, the other tile's run their MMA, two
+  epilogues sharing each scheduler (with two consumers of N = 256, one consumer's epilogue outlasted the other's
+  MMA). At 64K: 32.7-33.4 ms against 40.0-40.7 for the Triton kernel in the same runs (two consumers: 33.7 against
+  39.6; docs/KERNELS.md, "Indexer").
 
 Tiles, documents and splits follow the Triton kernel: a program takes QUERIES queries and the columns
 [SPLIT * program_id(1), + SPLIT); queries of different documents are swept one document after the other, every
@@ -28,8 +31,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels.gluon_common import FEATURES
+
 BLOCK_S = gl.constexpr(64)  # entries per tile: the wgmma M
-FEATURES = gl.constexpr(64)  # features per TMA box (one 128-byte swizzle span)
 N = gl.constexpr(256)  # a program's queries' heads: QUERIES = N // NH queries
 HALF = gl.constexpr(128)  # the heads of half the queries: one consumer's wgmma N
 STAGES = gl.constexpr(6)  # key tiles in flight (16 KiB each at DI = 128)
