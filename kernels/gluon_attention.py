@@ -370,13 +370,11 @@ def q_descriptor(q: torch.Tensor):
     return head_rows_descriptor(q, min(FEATURES.value, q.shape[-1] // 2))
 
 
-def launch(grid, kv, q, win_lo, idx, sink, rot, out, lse, mass, stage, comp_offset, stage_token_stride,
-           stage_head_stride, T, S, H, scale_log2, **constexprs):
-    """``triton_attention._fwd_kernel``'s launch (same arguments; ``grid`` is one program per token): one program
-    per SM at most, each taking every programs-th token; q read through a TMA descriptor. The Triton kernel's stage
-    (the token's output rows) is not used: each program stages p in its own [64, K] fp16 rows, so that a token's
-    mass is summed after its output is stored, with no hand-over between the consumers (15.2 -> 14.9 ms)."""
-    n_tokens = grid[0]
+def launch(n_tokens, kv, q, win_lo, idx, sink, rot, out, lse, mass, comp_offset, T, S, H, scale_log2, **constexprs):
+    """``triton_attention._fwd_kernel``'s launch over ``n_tokens`` = B*T tokens (its arguments less the stage: each
+    program stages p in [64, K] fp16 rows of its own, so that a token's mass is summed after its output is stored,
+    with no hand-over between the consumers: 15.2 -> 14.9 ms): one program per SM at most, each taking every
+    programs-th token; q read through a TMA descriptor."""
     programs = min(n_tokens, torch.cuda.get_device_properties(q.device).multi_processor_count)
     K = constexprs["K"]
     stage = torch.empty((programs, BLOCK_H, K) if constexprs["MASS_PASS"] else (1, ), dtype=torch.float16,

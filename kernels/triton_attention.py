@@ -424,22 +424,21 @@ def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torc
     lse = new_output((B, T, H), torch.float32, q.device)
     mass = new_output((B, T, K if with_mass else 0), torch.float32, q.device)
     mass_pass = K > 0 and with_mass and "mass_pass" not in ABLATE
-    # p in [0, 1] is staged in fp16 (11 bits; bf16 keeps 8), fp32 for fp32 inputs (the CPU tests' 1e-4 bound): the
-    # same element size as out, so the token's output rows hold its [H, K] tile when K <= D.
-    p_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
-    if not mass_pass or (K <= D and out.element_size() == p_dtype.itemsize):
-        stage, strides = out.view(p_dtype), (H * D, D)
-    else:
-        stage, strides = torch.empty((B, T, H, K), dtype=p_dtype, device=q.device), (H * K, K)
     rot, rope = _rope_args(rotation, q)
-    args = (kv_window, q, win_lo, idx, sink, rot, out, lse, mass, stage, comp_offset, *strides, T, S, H,
-            scale * LOG2E.value)
+    rows = (kv_window, q, win_lo, idx, sink, rot, out, lse, mass)
     shape = dict(D=D, W=window, K=K, K_P=_padded_k(K), BLOCK_H=_block_h(H), ROPE=rope, MASS_PASS=mass_pass)
-    if gluon_forward_applies(q):
+    if gluon_forward_applies(q):  # stages p in rows of each program's own
         from kernels import gluon_attention
-        gluon_attention.launch((B * T,), *args, **shape)
+        gluon_attention.launch(B * T, *rows, comp_offset, T, S, H, scale * LOG2E.value, **shape)
     else:
-        _fwd_kernel[(B * T,)](*args, **shape)
+        # p in [0, 1] is staged in fp16 (11 bits; bf16 keeps 8), fp32 for fp32 inputs (the CPU tests' 1e-4 bound):
+        # the same element size as out, so the token's output rows hold its [H, K] tile when K <= D.
+        p_dtype = torch.float32 if q.dtype == torch.float32 else torch.float16
+        if not mass_pass or (K <= D and out.element_size() == p_dtype.itemsize):
+            stage, strides = out.view(p_dtype), (H * D, D)
+        else:
+            stage, strides = torch.empty((B, T, H, K), dtype=p_dtype, device=q.device), (H * K, K)
+        _fwd_kernel[(B * T,)](*rows, stage, comp_offset, *strides, T, S, H, scale * LOG2E.value, **shape)
     return out, lse, mass
 
 
