@@ -24,11 +24,12 @@ rotate_split_pairs = gluon.jit(triton_rotate_split_pairs.fn)
 
 
 def hopper_heads_dtype(q: torch.Tensor) -> bool:
-    """q on a Hopper GPU, 33-64 heads (padded to 64, one wgmma M, as ``triton_attention._block_h`` pads them) and
-    16-bit: what every Gluon kernel here needs."""
+    """q on a Hopper GPU, 33-64 heads (padded to 64, one wgmma M, as ``triton_attention._block_h`` pads them),
+    16-bit and 16-byte aligned (both kernels read it by TMA, whose descriptor refuses another base): what every Gluon
+    kernel here needs."""
     H = q.shape[-2]
     return (q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9 and 32 < H <= BLOCK_H
-            and q.dtype in (torch.bfloat16, torch.float16))
+            and q.dtype in (torch.bfloat16, torch.float16) and q.data_ptr() % 16 == 0)
 
 
 @gluon.jit
