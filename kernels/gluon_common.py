@@ -73,20 +73,25 @@ def sixteen_byte_rows(cols):
     """A layout of a [64, cols] 16-bit tile (cols >= 32) held by 4 warps as a wgmma accumulator is (16 rows a
     warp, rows r and r + 8 in each thread), but with 8 consecutive columns in a thread where the accumulator gives
     2: its rows go to memory in 16-byte stores, 4 times fewer than from the accumulator. Only lanes of the same row
-    quad trade values, so the conversion is a few shuffles, no shared memory."""
+    quad trade values; Triton 3.6 still routes the conversion through a warp's share of shared-memory scratch
+    (``stmatrix`` / ``ldmatrix``, as for the forward's staged p)."""
     wide = [[0, c] for c in (32, 64, 128, 256) if c < cols]
     return gl.DistributedLinearLayout(reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]] + wide,
                                       lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, cols])
 
 
+def tma_descriptor(x: torch.Tensor, box: list[int]) -> TensorDescriptor:
+    """TMA descriptor of a 16-bit tensor x read ``box`` at a time into the wgmma operand layout (elements past x's
+    bounds read 0)."""
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor.from_tensor(x, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
+
+
 def head_rows_descriptor(x: torch.Tensor, features: int = FEATURES.value) -> TensorDescriptor:
     """TMA descriptor of head rows x [..., H, D] seen as [tokens, H, D], read [1, 64 heads, features] at a time
     (heads past H read 0, as the kernels' padded heads must)."""
-    box = [1, BLOCK_H, features]
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
-    return TensorDescriptor.from_tensor(x.view(-1, *x.shape[-2:]), box, layout)
+    return tma_descriptor(x.view(-1, *x.shape[-2:]), [1, BLOCK_H, features])
 
 
 @gluon.jit

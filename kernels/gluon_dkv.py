@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels.gluon_common import (BLOCK_H, FEATURES, LOG2E, block_rows, head_cols, head_rows_descriptor, head_tile,
-                                  hopper_heads_dtype, opaque_zero, rope_tail, tokens_of_program)
+                                  hopper_heads_dtype, opaque_zero, rope_tail, tma_descriptor, tokens_of_program)
 
 # Stages the benchmark switches off to see what each costs (``bench_kernels.py bench_dkv_step``; the outputs are then
 # wrong): the producer's TMA loads of q and dO, its row gathers, the consumers' TMA stores of the partial rows, and
@@ -336,11 +336,8 @@ def descriptors(q: torch.Tensor, dout: torch.Tensor, part: torch.Tensor, ds: tor
     """TMA descriptors, in the kernel's order, of q and dO [tokens, H, D] (read [1, 64 heads, 64] at a time; heads
     past H read 0), of a chunk's partial rows [tokens, W + K, D] (stored [1, 64, 64] at a time) and of its dS rows
     [tokens, H, W + K] ([1, 64 heads, 64] at a time; heads past H are clipped)."""
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    boxes = ([1, BLOCK_N.value, FEATURES.value], [1, BLOCK_H, BLOCK_N.value])
-    return [head_rows_descriptor(q), head_rows_descriptor(dout)] + [
-        TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, dtype))
-        for t, box in zip((part, ds), boxes)]
+    return [head_rows_descriptor(q), head_rows_descriptor(dout),
+            tma_descriptor(part, [1, BLOCK_N.value, FEATURES.value]), tma_descriptor(ds, [1, BLOCK_H, BLOCK_N.value])]
 
 
 def launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink, tok0, comp_offset, T, S, H, scale,

@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels.gluon_common import FEATURES
+from kernels.gluon_common import FEATURES, tma_descriptor
 
 BLOCK_S = gl.constexpr(64)  # entries per tile: the wgmma M
 N = gl.constexpr(256)  # a program's queries' heads: QUERIES = N // NH queries
@@ -202,13 +202,10 @@ def usable(q: torch.Tensor, k: torch.Tensor, group: int) -> bool:
 
 
 def descriptors(q: torch.Tensor, k: torch.Tensor) -> list[TensorDescriptor]:
-    """TMA descriptors of a chunk's q rows [n * NH, DI] (read [256, 64] at a time; rows past the chunk read 0) and of
-    the keys [S, DI] ([64, 64] at a time; entries past S read 0)."""
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    boxes = ([HALF.value, FEATURES.value], [BLOCK_S.value, FEATURES.value])
-    return [TensorDescriptor.from_tensor(t.reshape(-1, t.shape[-1]), box,
-                                         gl.NVMMASharedLayout.get_default_for(box, dtype))
-            for t, box in zip((q, k), boxes)]
+    """TMA descriptors of a chunk's q rows [n * NH, DI] (read [128, 64] at a time: half a program's queries; rows
+    past the chunk read 0) and of the keys [S, DI] ([64, 64] at a time; entries past S read 0)."""
+    return [tma_descriptor(q.reshape(-1, q.shape[-1]), [HALF.value, FEATURES.value]),
+            tma_descriptor(k.reshape(-1, k.shape[-1]), [BLOCK_S.value, FEATURES.value])]
 
 
 def launch(q, w, k, lo, hi, levels, row_len: int, level1: int, width: int, group: int, split: int):
