@@ -97,10 +97,11 @@ def specs() -> list[KernelSpec]:
     select = dict(LEVELS=f32, VIS_LO=i64, VIS_HI=i64, SCRATCH=i64, OUT=i64, row_len=i32, width0=i32, top=i32)
     norm = dict(X=bf, W=f32, ROT=f32, R=i32, H=i32, x_stride=i32)
     logits = dict(Q=bf, WGT=bf, KEY=bf, IDX=i64, T=i32, S=i32, **index)
-    fwd_types = dict(Q=bf, SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16", stage_token_stride=i32,
-                     stage_head_stride=i32, scale_log2="fp32", **rows)
-    gluon_fwd_types = {("stage_program_stride" if k == "stage_token_stride" else k): v for k, v in fwd_types.items()
-                       if k != "Q"} | dict(n_tokens=i32)  # persistent: also B*T; q by TMA (forward_q_descriptor)
+    fwd_common = dict(SINK=f32, ROT=f32, OUT=bf, LSE=f32, MASS=f32, STAGE="*fp16", stage_head_stride=i32,
+                      scale_log2="fp32", **rows)
+    fwd_types = dict(fwd_common, Q=bf, stage_token_stride=i32)
+    # the Gluon forward: q by TMA (forward_q_descriptor), a stage per program, persistent over B*T tokens
+    gluon_fwd_types = dict(fwd_common, stage_program_stride=i32, n_tokens=i32)
     dkv_types = dict(DOUT=bf, OUT=bf, SINK=f32, ROT=f32, LSE=f32, DSINK=f32, tok0=i32, scale="fp32", n_tokens=i32,
                      **rows)
     out = [

@@ -59,8 +59,9 @@ def test_gluon_dkv_fits_one_sm_without_spills():
 
 
 def test_gluon_index_score_fits_one_sm_without_spills():
-    """q (64 KiB) and six 16 KiB key buffers must fit one SM, and a consumer holds S [64, 256] fp32 (128 registers a
-    thread) and its columns' head weights (64): a spill among its wgmma would slow every tile (ptxas reports none)."""
+    """q (64 KiB) and six 16 KiB key buffers must fit one SM, and each of the four consumers holds S [64, 128] fp32
+    (64 registers a thread) of 112: a spill among its wgmma would slow every tile (ptxas reports 4 spill
+    instructions, none among the wgmma)."""
     assert_fits_without_mma_spills("gluon_index_score", "_score_kernel")
 
 
