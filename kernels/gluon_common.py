@@ -52,9 +52,9 @@ def head_cols(BASE, tok, H, col0: gl.constexpr, COLS: gl.constexpr, D: gl.conste
 
 
 @gluon.jit
-def rope_tail(x, ROT, tok, col0: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr):
+def rope_tail(x, ROT, tok, col0: gl.constexpr, D: gl.constexpr, ROPE: gl.constexpr, CONJ: gl.constexpr = False):
     """x (columns col0.. of a token's head rows) with those among the last ROPE features rotated by the token's
-    RoPE, in fp32 (as the forward's output is turned back), in x's dtype."""
+    RoPE (``CONJ``: turned back), in fp32, in x's dtype."""
     if ROPE > 0:
         ROWS: gl.constexpr = x.shape[0]
         COLS: gl.constexpr = x.shape[1]
@@ -63,7 +63,7 @@ def rope_tail(x, ROT, tok, col0: gl.constexpr, D: gl.constexpr, ROPE: gl.constex
             even, odd = gl.split(gl.reshape(x.to(gl.float32), [ROWS, COLS // 2, 2]))
             pair = (gl.arange(0, COLS // 2, layout=gl.SliceLayout(0, even.type.layout))[None, :]
                     + (col0 - (D - ROPE)) // 2)
-            x = gl.reshape(rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, False), [ROWS, COLS])
+            x = gl.reshape(rotate_split_pairs(even, odd, pair, ROT, tok, True, ROPE, CONJ), [ROWS, COLS])
             x = x.to(dtype)
     return x
 
