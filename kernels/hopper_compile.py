@@ -22,6 +22,7 @@ from triton.runtime.jit import mangle_type
 
 from kernels import gluon_attention as gluon_attn
 from kernels import gluon_dkv
+from kernels import gluon_dq
 from kernels import gluon_index_score
 from kernels import triton_attention as attn
 from kernels import triton_cast as cast
@@ -76,6 +77,11 @@ def forward_q_descriptor(D: int) -> dict:
     return dict(q_desc=mangle_type(gluon_attn.q_descriptor(torch.empty((1, 64, D), dtype=torch.bfloat16))))
 
 
+def dq_descriptor(H: int, slots: int) -> dict:
+    """Type string of the Gluon dq kernel's dS descriptor, as ``dkv_descriptors``."""
+    return dict(ds_desc=mangle_type(gluon_dq.ds_descriptor(torch.empty((1, H, slots), dtype=torch.bfloat16))))
+
+
 def index_score_descriptors(NH: int, DI: int) -> dict:
     """Type strings of the Gluon scoring kernel's TMA descriptors (q rows and keys), as ``dkv_descriptors``."""
     q, k = torch.empty((1, NH, DI), dtype=torch.bfloat16), torch.empty((1, DI), dtype=torch.bfloat16)
@@ -102,6 +108,7 @@ def specs() -> list[KernelSpec]:
     fwd_types = dict(fwd_common, Q=bf, stage_token_stride=i32)
     # the Gluon forward: q by TMA (forward_q_descriptor), a stage per program, persistent over B*T tokens
     gluon_fwd_types = dict(fwd_common, stage_program_stride=i32, n_tokens=i32)
+    dq_types = dict(ROT=f32, DQ=bf, tok0=i32, n_tokens=i32, **rows)
     dkv_types = dict(DOUT=bf, OUT=bf, SINK=f32, ROT=f32, LSE=f32, DSINK=f32, tok0=i32, scale="fp32", n_tokens=i32,
                      **rows)
     out = [
@@ -137,6 +144,9 @@ def specs() -> list[KernelSpec]:
         out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types | forward_q_descriptor(D),
                               dict(D=D, W=W, K=K, K_P=attn._padded_k(K), BLOCK_H=64, ROPE=rope_dim, MASS_PASS=K > 0,
                                    SKIP=0)))
+    for D, W, K, rope_dim in ((512, 128, 512, 64), (128, 40, 96, 32), (64, 16, 0, 0)):
+        out.append(KernelSpec(gluon_dq._bwd_dq_kernel, dict(dq_types, **dq_descriptor(64, W + K)),
+                              dict(D=D, W=W, K=K, ROPE=rope_dim)))
     for D, W, K, rope_dim in ((128, 40, 96, 32), (64, 16, 0, 0)):  # W not a multiple of 32; window only, no RoPE
         out.append(KernelSpec(gluon_dkv._bwd_dkv_kernel, dict(dkv_types, **dkv_descriptors(64, D, W + K)),
                               dict(D=D, W=W, K=K, ROPE=rope_dim, SKIP=0)))

@@ -53,6 +53,9 @@ FORWARD_IMPL = "gluon"
 # The backward's dKV step, likewise: "gluon" runs kernels/gluon_dkv.py where it applies (warp-specialized, slots as
 # the wgmma M), "triton" forces ``_bwd_dkv_kernel``.
 DKV_IMPL = "gluon"
+# The backward's dq, likewise: "gluon" runs kernels/gluon_dq.py where it applies (the gathers in a producer
+# warpgroup ahead of the MMAs), "triton" forces ``_bwd_dq_kernel``.
+DQ_IMPL = "gluon"
 # Partial dKV rows of one backward chunk (bf16 at real width: 655 KB per token, 6,553 tokens per chunk).
 PARTIAL_CHUNK_BYTES = 4 << 30
 
@@ -452,6 +455,11 @@ def gluon_dkv_applies(q: torch.Tensor, window: int, k: int) -> bool:
     return gluon_applies(DKV_IMPL, q, "gluon_dkv", window, k)
 
 
+def gluon_dq_applies(q: torch.Tensor, window: int, k: int) -> bool:
+    """Whether the backward's dq for q runs the Gluon kernel (``DQ_IMPL``, a GPU, ``gluon_dq.usable``)."""
+    return gluon_applies(DQ_IMPL, q, "gluon_dq", window, k)
+
+
 @_sparse_attention_fwd.register_fake
 def _(q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation, scale, window, with_mass):
     B, T, H, _ = q.shape
@@ -486,6 +494,9 @@ def _sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv_window: torch.
     chunk_part = new_output((chunk, W + K, D), q.dtype, q.device)  # both buffers reused by every chunk
     chunk_ds = new_output((chunk, H, W + K), q.dtype, q.device)
     use_gluon = gluon_dkv_applies(q, W, K)
+    use_gluon_dq = gluon_dq_applies(q, W, K)
+    if use_gluon_dq:
+        from kernels import gluon_dq
     # the Triton dKV kernel's scratch: the rotated tails of each token's [q; dO] (the Gluon one turns them on chip)
     chunk_rope = new_output((chunk, 2 * _block_h(H), rope), q.dtype, q.device) if rope and not use_gluon else q
     shape = dict(D=D, W=W, K=K, BLOCK_H=_block_h(H), ROPE=rope)
@@ -494,7 +505,11 @@ def _sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv_window: torch.
         part = chunk_part[:n]
         dkv_step(use_gluon, part, chunk_ds[:n], dsink, tok0, kv_window, q, dout, out, win_lo, idx, sink, rot, lse,
                  chunk_rope, comp_offset, S, scale, W, rope)
-        _bwd_dq_kernel[(n,)](kv_window, win_lo, idx, chunk_ds, rot, dq, tok0, comp_offset, T, S, H, **shape)
+        if use_gluon_dq:
+            gluon_dq.launch(kv_window, win_lo, idx, chunk_ds[:n], rot, dq, tok0, comp_offset, T, S, H, D=D, W=W,
+                            K=K, ROPE=rope)
+        else:
+            _bwd_dq_kernel[(n,)](kv_window, win_lo, idx, chunk_ds, rot, dq, tok0, comp_offset, T, S, H, **shape)
         triton_dkv.reduce_window(part, dkvw, tok0, W)
         if K:
             triton_dkv.reduce_selected(part, dkvc, entries[tok0:tok0 + n], W)

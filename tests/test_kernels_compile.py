@@ -58,6 +58,13 @@ def test_gluon_dkv_fits_one_sm_without_spills():
     assert_fits_without_mma_spills("gluon_dkv", "_bwd_dkv_kernel")
 
 
+def test_gluon_dq_fits_one_sm_without_spills():
+    """Three ring stages of a 64-row block and its dS tile (216 KiB at D = 512) must fit one SM, and a consumer's dq
+    half (128 registers a thread) leaves little room: a spill among its wgmma would slow every block (ptxas reports
+    none)."""
+    assert_fits_without_mma_spills("gluon_dq", "_bwd_dq_kernel")
+
+
 def test_gluon_index_score_fits_one_sm_without_spills():
     """q (64 KiB) and six 16 KiB key buffers must fit one SM, and each of the four consumers holds S [64, 128] fp32
     (64 registers a thread) of 112: a spill among its wgmma would slow every tile (ptxas reports 4 spill
