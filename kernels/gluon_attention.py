@@ -219,29 +219,20 @@ def _token_epilogue(it, tok, m, l, acc, args, D: gl.constexpr, W: gl.constexpr, 
 def _selected_mass_of(WG: gl.constexpr, STAGE, stage_head_stride, block_max, lse2, MASS, H, W_P: gl.constexpr,
                       K: gl.constexpr, N_PAIRS: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):
     """MASS of the selected blocks warpgroup WG staged (its blocks 2r + WG): per block, the sum over heads of p
-    times exp2(the block's max - lse2). The sums are gathered as rows of one tile and stored together at the end:
-    a store between two blocks' loads would keep the next loads from being issued before it (the compiler cannot
-    tell the mass from the stage), and each block then took its own round trip to L2."""
+    times exp2(the block's max - lse2). The blocks' loads are independent (unrolled), so they are issued together."""
     # Heads within a warp (the sum over them stays in registers and shuffles), the warps side by side on slots.
     TILE: gl.constexpr = gl.BlockedLayout([BLOCK_H // 16, 8], [16, 2], [1, 4], [1, 0])
-    PAIRS: gl.constexpr = triton.next_power_of_2(N_PAIRS)
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, TILE))
-    pairs = gl.arange(0, PAIRS, layout=gl.SliceLayout(1, TILE))
     lse2 = gl.convert_layout(lse2, gl.SliceLayout(1, TILE))
-    # row r: the mass of block 2r + WG's slots, from its first slot (negative: a window block, not stored)
-    first = (2 * pairs + WG) * BLOCK_N - W_P
-    mass = gl.zeros([PAIRS, BLOCK_N], gl.float32, TILE)
     for r in gl.static_range(N_PAIRS):
         if (2 * r + WG) * BLOCK_N >= W_P:
             if (2 * r + WG) * BLOCK_N < W_P + K:
-                start = (2 * r + WG) * BLOCK_N - W_P  # the block's first selected slot
-                slots = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, TILE))
+                first = (2 * r + WG) * BLOCK_N - W_P  # the block's first selected slot
+                slots = first + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, TILE))
                 p = gl.load(STAGE + heads[:, None] * stage_head_stride + slots[None, :],
                             mask=(heads < H)[:, None] & (slots < K)[None, :], other=0.0)
-                weight = gl.exp2(block_max.index(start // BLOCK_N).load(gl.SliceLayout(1, TILE)) - lse2)
-                mass = gl.where((pairs == r)[:, None], gl.sum(p.to(gl.float32) * weight[:, None], 0)[None, :], mass)
-    slots = first[:, None] + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, TILE))[None, :]
-    gl.store(MASS + slots, mass, mask=(first >= 0)[:, None] & (slots < K))
+                weight = gl.exp2(block_max.index(first // BLOCK_N).load(gl.SliceLayout(1, TILE)) - lse2)
+                gl.store(MASS + slots, gl.sum(p.to(gl.float32) * weight[:, None], 0), mask=slots < K)
 
 
 @gluon.jit
