@@ -52,20 +52,23 @@ def _entry_reduce_kernel(PART, ORDER, OFFSETS, DKV, W: tl.constexpr, K: tl.const
     """DKV[e] += sum of the partial rows of entry e: chunk slots ORDER[OFFSETS[e]:OFFSETS[e+1]] (token*K + slot).
 
     A ``while`` loop: its bounds are loaded values, which Triton's interpreter cannot take as ``range`` bounds, and
-    pipelining is not needed here: thousands of small programs keep enough loads in flight."""
+    pipelining is not needed here: thousands of small programs keep enough loads in flight. The next block's slot
+    ids are loaded before this block's rows are summed, so that an iteration waits for one memory latency, not for
+    the ids and then the rows."""
     e = tl.program_id(0).to(tl.int64)
     lo = tl.load(OFFSETS + e)
     hi = tl.load(OFFSETS + e + 1)
     dims = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
+    block = tl.arange(0, BLOCK_C)
     c0 = lo
+    pos = tl.load(ORDER + c0 + block, mask=c0 + block < hi, other=0)
     while c0 < hi:
-        c = c0 + tl.arange(0, BLOCK_C)
-        pos = tl.load(ORDER + c, mask=c < hi, other=0)
         part_row = (pos // K) * (W + K) + W + pos % K
-        acc += tl.sum(tl.load(PART + part_row[:, None] * D + dims[None, :], mask=(c < hi)[:, None],
-                              other=0.0).to(tl.float32), 0)
+        rows = tl.load(PART + part_row[:, None] * D + dims[None, :], mask=(c0 + block < hi)[:, None], other=0.0)
         c0 += BLOCK_C
+        pos = tl.load(ORDER + c0 + block, mask=c0 + block < hi, other=0)  # the next block's ids, before the sum
+        acc += tl.sum(rows.to(tl.float32), 0)
     if hi > lo:
         tl.store(DKV + e * D + dims, tl.load(DKV + e * D + dims) + acc)
 

@@ -290,6 +290,22 @@ def chunk_budget(rows, width, block_size):
     return rows * 4 * (width * block_size // (block_size - 1) + 8)
 
 
+@pytest.mark.parametrize("n_entries", [5, 40])
+def test_reduce_selected_adds_each_entrys_rows(seed, n_entries):
+    """The dKV's entry reduction against index_add: every selected slot's partial row lands on its entry once (a
+    block skipped, a row summed twice, or an entry's last block lost would show), empty slots (-1) nowhere, and
+    rows already in dkv stay. Few entries: each spans several of the interpreter's 4-row blocks; many: some none."""
+    from kernels import triton_dkv
+    n, W, K, D = 9, 3, 6, 16
+    part = torch.randn(n, W + K, D)
+    entries = torch.randint(0, n_entries, (n, K))
+    entries[torch.rand(n, K) < 0.2] = -1
+    dkv = torch.randn(n_entries, D)
+    want = dkv.double().index_add(0, entries[entries >= 0], part[:, W:][entries >= 0].double())
+    triton_dkv.reduce_selected(part, dkv, entries, W)
+    assert rel_err(dkv, want) < TOL, seed
+
+
 @pytest.mark.parametrize("budget", [1, 3_000, 40_000, 1 << 30])
 def test_query_chunks_are_greedy_fits(budget):
     """Chunks of query rows: each is the longest run from its start whose rows, all as wide as the run's widest,
