@@ -156,15 +156,13 @@ def specs() -> list[KernelSpec]:
         out.append(KernelSpec(gluon_index_score._score_kernel,
                               dict(WGT=bf, VIS_LO=i64, VIS_HI=i64, LEVELS=f32, n_queries=i32, **levels,
                                    **index_score_descriptors(NH, DI)), dict(NH=NH, DI=DI, G=G, SPLIT=idx.SCORE_SPLIT)))
-    # q_norm; kv_norm + the window-KV rotation; ffn_norm after the residual add (fp32 stream, bf16 branch)
-    for D, rope_dim, add in ((768, 0, False), (512, 64, False), (2048, 0, True)):
+    for D, rope_dim in ((768, 0), (512, 64)):  # q_norm; kv_norm + the window-KV rotation
         block_d, block_r, warps = nrm._launch_shape(D)
-        norm_shape = dict(D=D, BLOCK_D=block_d, ROPE=rope_dim, ADD=add, BLOCK_R=block_r)
-        x = f32 if add else bf
-        out.append(KernelSpec(untuned(nrm._rms_norm_fwd, num_warps=warps),
-                              dict(norm, X=x, RES=bf, SUM=x, OUT=bf, RSTD=f32, eps="fp32"), norm_shape))
+        norm_shape = dict(D=D, BLOCK_D=block_d, ROPE=rope_dim, BLOCK_R=block_r)
+        out.append(KernelSpec(untuned(nrm._rms_norm_fwd, num_warps=warps), dict(OUT=bf, RSTD=f32, eps="fp32", **norm),
+                              norm_shape))
         out.append(KernelSpec(untuned(nrm._rms_norm_bwd, num_warps=warps),
-                              dict(norm, X=x, DOUT=bf, DSUM=x, RSTD=f32, DX=x, DW_PART=f32), norm_shape))
+                              dict(DOUT=bf, RSTD=f32, DX=bf, DW_PART=f32, **norm), norm_shape))
     swiglu_shape = dict(I=4096, BLOCK=swiglu.BLOCK)  # the small model's inter_dim
     out.append(KernelSpec(untuned(swiglu._swiglu_fwd_kernel, num_warps=4), dict(H=bf, OUT=bf), swiglu_shape))
     out.append(KernelSpec(untuned(swiglu._swiglu_bwd_kernel, num_warps=4), dict(H=bf, DOUT=bf, DH=bf), swiglu_shape))

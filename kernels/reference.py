@@ -37,22 +37,14 @@ def rope(x: torch.Tensor, rotation: torch.Tensor, dim: int, out_dtype: torch.dty
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: torch.Tensor | None = None,
-             rope_dim: int = 0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             rope_dim: int = 0) -> torch.Tensor:
     """RMSNorm over the last dim computed in (at least) fp32, then, with a ``rotation``, RoPE on its last
-    ``rope_dim`` features, rounded once to ``out_dtype`` (by default x's)."""
+    ``rope_dim`` features, rounded to x's dtype once."""
     dtype = _compute_dtype(x)
     out = F.rms_norm(x.to(dtype), weight.shape, weight.to(dtype), eps)
     if rotation is not None:
         out = rope(out, rotation, rope_dim)
-    return out.to(out_dtype or x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pre-norm block's residual add and the next norm: (x + residual in x's dtype, its RMSNorm rounded once to
-    ``out_dtype``, by default the residual's: the dtype of the branch, i.e. of the GEMMs that read the norm)."""
-    total = (x + residual).to(x.dtype)
-    return total, rms_norm(total, weight, eps, out_dtype=out_dtype or residual.dtype)
+    return out.to(x.dtype)
 
 
 def cast(groups: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:

@@ -2,15 +2,9 @@
 
 PyTorch's fp32 RMSNorm of a bf16 activation is three launches (upcast, norm, downcast) and a RoPE after it a
 fourth (kernels/triton_rope.py); here a row is read once, normalised and scaled in fp32, its last ``rope_dim``
-features rotated pairwise by the row's rotation, and written once in the input dtype (or the one asked for: the
-GEMM's that reads it, so that autocast has nothing to cast). The backward is one launch too: the incoming gradient
-is rotated back (RoPE is orthogonal), then the RMSNorm gradient; the weight gradient is reduced over rows from
-per-program partial sums (fixed order, so it is reproducible run to run).
-
-``add_rms_norm`` is a residual add and the norm of its sum in the same launch (a pre-norm block's ``x + branch``
-and the next sublayer's norm): the sum is written in x's dtype and the norm in the branch's, and the backward adds
-the sum's own gradient to the norm's, so the add, the norm's output cast and the cast of its gradient cost no
-launch of their own. Both compute the same values as the separate ops, bit for bit.
+features rotated pairwise by the row's rotation, and written once in the input dtype. The backward is one launch
+too: the incoming gradient is rotated back (RoPE is orthogonal), then the RMSNorm gradient; the weight gradient
+is reduced over rows from per-program partial sums (fixed order, so it is reproducible run to run).
 """
 import torch
 import triton
@@ -32,16 +26,10 @@ def _row_tile(R, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _rms_norm_fwd(X, RES, W, ROT, SUM, OUT, RSTD, R, H, x_stride, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  ROPE: tl.constexpr, ADD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """OUT = RMSNorm(x) (RoPE'd), x = X, or with ADD x = X + RES (row-major like OUT), rounded to and stored in SUM's
-    dtype first: the norm then reads the sum the caller gets."""
+def _rms_norm_fwd(X, W, ROT, OUT, RSTD, R, H, x_stride, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
     rows, live, cols, mask, offs, x_offs = _row_tile(R, D, BLOCK_D, BLOCK_R, x_stride)
     x = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32)
-    if ADD:
-        x = (x + tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32)).to(SUM.dtype.element_ty)
-        tl.store(SUM + offs, x, mask=mask)
-        x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / D + eps)
     y = x * rstd[:, None] * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     if ROPE:
@@ -51,10 +39,9 @@ def _rms_norm_fwd(X, RES, W, ROT, SUM, OUT, RSTD, R, H, x_stride, eps, D: tl.con
 
 
 @triton.jit
-def _rms_norm_bwd(X, W, ROT, DOUT, DSUM, RSTD, DX, DW_PART, R, H, x_stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                  ROPE: tl.constexpr, ADD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """dx and this program's partial dw (row DW_PART[program]) from the saved 1/rms; with ADD, X is the sum and dx
-    includes the sum's own gradient DSUM."""
+def _rms_norm_bwd(X, W, ROT, DOUT, RSTD, DX, DW_PART, R, H, x_stride, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  ROPE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dx and this program's partial dw (row DW_PART[program]) from the saved 1/rms."""
     rows, live, cols, mask, offs, x_offs = _row_tile(R, D, BLOCK_D, BLOCK_R, x_stride)
     dy = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
     if ROPE:
@@ -63,8 +50,6 @@ def _rms_norm_bwd(X, W, ROT, DOUT, DSUM, RSTD, DX, DW_PART, R, H, x_stride, D: t
     xhat = tl.load(X + x_offs, mask=mask, other=0.0).to(tl.float32) * rstd[:, None]
     g = dy * tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
     dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, 1) / D)[:, None])
-    if ADD:
-        dx += tl.load(DSUM + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW_PART + tl.program_id(0) * D + cols, tl.sum(dy * xhat, 0), mask=cols < D)
 
@@ -82,82 +67,41 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _forward(ctx, x, residual, weight, eps, rotation, rope_dim, out_dtype):
-    """Launch the forward, save what the backward needs on ctx; the output (and with a residual the sum)."""
-    rows = _rows(x)
-    (R, D), H = rows.shape, (x.shape[2] if x.dim() == 4 else 1)
-    block_d, block_r, warps = _launch_shape(D)
-    rot = torch.view_as_real(rotation) if rotation is not None else rows  # unread without RoPE
-    out = new_output(x.shape, out_dtype, x.device)
-    total = new_output(x.shape, x.dtype, x.device) if residual is not None else rows  # unwritten without
-    res = residual.contiguous() if residual is not None else rows  # unread without
-    rstd = new_output((R,), torch.float32, x.device)
-    _rms_norm_fwd[(triton.cdiv(R, block_r),)](rows, res, weight, rot, total, out, rstd, R, H, rows.stride(0), eps, D,
-                                              block_d, rope_dim, residual is not None, block_r, num_warps=warps)
-    normed = total.view(R, D) if residual is not None else rows
-    ctx.save_for_backward(normed, weight, rotation, rstd)
-    ctx.rope_dim, ctx.shape, ctx.heads = rope_dim, x.shape, H
-    return (total, out) if residual is not None else out
-
-
-def _backward(ctx, grad, grad_sum):
-    """dx (with ``grad_sum``, the sum's gradient added) and dw."""
-    rows, weight, rotation, rstd = ctx.saved_tensors
-    R, D = rows.shape
-    block_d, block_r, warps = _launch_shape(D)
-    programs = triton.cdiv(R, block_r)
-    dx = new_output(ctx.shape, rows.dtype, rows.device)
-    dw_part = new_output((programs, D), torch.float32, rows.device)
-    rot = torch.view_as_real(rotation) if rotation is not None else rows
-    dsum = grad_sum.contiguous() if grad_sum is not None else rows
-    _rms_norm_bwd[(programs,)](rows, weight, rot, grad.contiguous(), dsum, rstd, dx, dw_part, R, ctx.heads,
-                               rows.stride(0), D, block_d, ctx.rope_dim, grad_sum is not None, block_r,
-                               num_warps=warps)
-    return dx, dw_part.sum(0).to(weight.dtype)
-
-
 class _RmsNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, rotation, rope_dim, out_dtype):
-        return _forward(ctx, x, None, weight, eps, rotation, rope_dim, out_dtype)
+    def forward(ctx, x, weight, eps, rotation, rope_dim):
+        rows = _rows(x)
+        (R, D), H = rows.shape, (x.shape[2] if x.dim() == 4 else 1)
+        block_d, block_r, warps = _launch_shape(D)
+        rot = torch.view_as_real(rotation) if rotation is not None else rows  # unread without RoPE
+        out = new_output(x.shape, x.dtype, x.device)
+        rstd = new_output((R,), torch.float32, x.device)
+        _rms_norm_fwd[(triton.cdiv(R, block_r),)](rows, weight, rot, out, rstd, R, H, rows.stride(0), eps, D,
+                                                  block_d, rope_dim, block_r, num_warps=warps)
+        ctx.save_for_backward(rows, weight, rotation, rstd)
+        ctx.rope_dim, ctx.shape, ctx.heads = rope_dim, x.shape, H
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        dx, dw = _backward(ctx, grad, None)
-        return dx, dw, None, None, None, None
-
-
-class _AddRmsNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, out_dtype):
-        ctx.residual_dtype = residual.dtype
-        ctx.set_materialize_grads(False)  # an unused output's gradient comes as None, not as zeros to add
-        return _forward(ctx, x, residual, weight, eps, None, 0, out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad_sum, grad):
-        if grad is None:  # only the sum was used: the add's gradient alone
-            return grad_sum, grad_sum.to(ctx.residual_dtype), None, None, None
-        dx, dw = _backward(ctx, grad, grad_sum)
-        return dx, dx.to(ctx.residual_dtype), dw, None, None
+        rows, weight, rotation, rstd = ctx.saved_tensors
+        R, D = rows.shape
+        block_d, block_r, warps = _launch_shape(D)
+        programs = triton.cdiv(R, block_r)
+        dx = new_output(ctx.shape, rows.dtype, rows.device)
+        dw_part = new_output((programs, D), torch.float32, rows.device)
+        rot = torch.view_as_real(rotation) if rotation is not None else rows
+        _rms_norm_bwd[(programs,)](rows, weight, rot, grad.contiguous(), rstd, dx, dw_part, R, ctx.heads,
+                                   rows.stride(0), D, block_d, ctx.rope_dim, block_r, num_warps=warps)
+        return dx, dw_part.sum(0).to(weight.dtype), None, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: torch.Tensor | None = None,
-             rope_dim: int = 0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+             rope_dim: int = 0) -> torch.Tensor:
     """``kernels.reference.rms_norm``: x [..., D] (fp32/bf16/fp16), weight [D]; rotation [B, N, rope_dim/2]
     complex64 for x [B, N, (H,) D] with RoPE."""
     if x.dtype == torch.float64 or (rotation is not None and (rotation.dtype != torch.complex64 or rope_dim % 2)):
         raise ValueError(f"Triton rms_norm takes fp32/bf16/fp16 x and a complex64 rotation of an even rope_dim; got "
                          f"{x.dtype}, {None if rotation is None else rotation.dtype}, rope_dim={rope_dim}")
     return _RmsNorm.apply(x, weight, eps, None if rotation is None else rotation.contiguous(),
-                          rope_dim if rotation is not None else 0, out_dtype or x.dtype)
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.reference.add_rms_norm``: (x + residual in x's dtype, its RMSNorm in ``out_dtype``, by default
-    the residual's), x and residual [..., D] of one shape (fp32/bf16/fp16)."""
-    if torch.float64 in (x.dtype, residual.dtype) or x.shape != residual.shape:
-        raise ValueError(f"Triton add_rms_norm takes fp32/bf16/fp16 x and residual of one shape; got {x.dtype} "
-                         f"{tuple(x.shape)} and {residual.dtype} {tuple(residual.shape)}")
-    return _AddRmsNorm.apply(x, residual, weight, eps, out_dtype or residual.dtype)
+                          rope_dim if rotation is not None else 0)

@@ -1,6 +1,5 @@
 """RMSNorm computed in fp32 whatever the activation dtype (the V4.1 config's epsilon is 1e-20), optionally
-followed by RoPE on its output, or preceded by a residual add: one kernel launch with the Triton backend
-(``kernels``' ``rms_norm``, ``add_rms_norm``)."""
+followed by RoPE on its output: one kernel launch with the Triton backend (``kernels``' ``rms_norm``)."""
 import torch
 from torch import nn
 
@@ -21,8 +20,3 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps)
         rotation = rotary.rotation(where, torch.promote_types(x.dtype, torch.float32))
         return ops.rms_norm(x, self.weight, self.eps, rotation, rotary.dim)
-
-    def add(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pre-norm block's ``x + branch`` (in x's dtype: the residual stream's) and its norm in the branch's dtype,
-        the one of the GEMMs that produced the branch and will read the norm, so autocast has nothing to cast."""
-        return kernels.ops(self.kernel_backend, x.device).add_rms_norm(x, branch, self.weight, self.eps)

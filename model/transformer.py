@@ -60,8 +60,8 @@ class Block(nn.Module):
 
     def _compute(self, x, geometry, reads, collect_recall):
         attn_out, produced = self.attn(self.attn_norm(x), geometry, reads, collect_recall)
-        x, h = self.ffn_norm.add(x, attn_out)
-        return x + self.ffn(h), produced
+        x = x + attn_out
+        return x + self.ffn(self.ffn_norm(x)), produced
 
 
 @dataclass

@@ -553,44 +553,6 @@ def test_rms_norm_of_a_column_slice(seed):
         assert rel_err(g, r) < TOL, (name, seed)
 
 
-@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.float32, torch.float16),
-                                    (torch.float16, torch.float32)])
-@pytest.mark.parametrize("uses", ["both", "norm", "sum"])
-def test_add_rms_norm(seed, dtypes, uses):
-    """A residual add and the norm of its sum in one launch, against the fp64 reference: the sum in x's dtype, the
-    norm in the residual's (the branch's), and dx, dresidual and dw through either output or both. Catches the
-    sum's own gradient left out of dx (or counted when only the norm is used), the norm taken of x instead of the
-    sum, or the sum not rounded to x's dtype before the norm reads it."""
-    x_dtype, res_dtype = dtypes
-    x = (torch.randn(3, 7, 48) * 3).to(x_dtype).requires_grad_()
-    residual = torch.randn(3, 7, 48).to(res_dtype).requires_grad_()
-    weight = (torch.rand(48) + 0.5).requires_grad_()
-    total, out = triton_ops.add_rms_norm(x, residual, weight, 1e-20)
-    want_total = (x.double() + residual.double()).to(x_dtype).double()  # rounded as the op rounds it
-    want = reference.rms_norm(want_total, weight.double(), 1e-20)
-    tol = TOL if torch.float16 not in dtypes else 2e-3
-    assert total.dtype == x_dtype and out.dtype == res_dtype
-    assert torch.equal(total.double(), want_total), seed
-    assert rel_err(out, want) < tol, seed
-    grad_total, grad_out = torch.randn(3, 7, 48, dtype=torch.float64), torch.randn(3, 7, 48, dtype=torch.float64)
-    outputs = {"both": ((total, out), (want_total, want), (grad_total, grad_out)),
-               "norm": ((out,), (want,), (grad_out,)), "sum": ((total,), (want_total,), (grad_total,))}[uses]
-    got = torch.autograd.grad(outputs[0], (x, residual, weight), [g.to(o.dtype) for g, o in zip(outputs[2],
-                                                                                               outputs[0])],
-                              allow_unused=True)
-    # the reference's sum feeds its norm in fp64: the same gradient, as rounding the sum is not differentiated
-    want_total = x.double() + residual.double()
-    ref_outputs = {"both": (want_total, reference.rms_norm(want_total, weight.double(), 1e-20)),
-                   "norm": (reference.rms_norm(want_total, weight.double(), 1e-20),), "sum": (want_total,)}[uses]
-    ref = torch.autograd.grad(ref_outputs, (x, residual, weight), outputs[2], allow_unused=True)
-    assert got[0].dtype == x_dtype and got[1].dtype == res_dtype
-    for name, g, r in zip(("dx", "dresidual", "dweight"), got, ref):
-        if r is None:
-            assert g is None or not g.any(), (name, seed)
-        else:
-            assert rel_err(g, r) < tol, (name, seed)
-
-
 def test_swiglu(seed):
     """silu(gate) * up of the stacked [gate | up] and its gradient, against the reference's formula in fp64 under
     autograd: rows with a partial last column block (I = 1,029, two blocks of 1,024). Catches gate and up swapped,
