@@ -151,7 +151,7 @@ def check_attention_case(name, doc_lens, m, H, D, W, K, with_selected):
         errs["d" + k] = rel_err(grads[k], ref_grads[k])
     same_without_mass = same_output_without_mass(data, win_lo, topk, rotation, D ** -0.5, W)
     RESULTS[name] = {"forward": forward_impl(data["q"].to(BF16)), "dkv": dkv_impl(data["q"].to(BF16), W, K),
-                     "dq": "gluon" if triton_attention.gluon_dq_applies(data["q"].to(BF16), W, K) else "triton",
+                     "dq": dq_impl(data["q"].to(BF16), W, K),
                      "rel_err": errs, "backward_bitwise_reproducible": reproducible,
                      "out_and_lse_bitwise_without_mass": same_without_mass,
                      "pass": all(e < 1e-2 for e in errs.values()) and reproducible and same_without_mass}
@@ -234,6 +234,11 @@ def score_impl(q, k, group) -> str:
 def dkv_impl(q, window, k) -> str:
     """Which kernel the backward's dKV step runs for q: the Gluon one where it applies, else Triton's."""
     return "gluon" if triton_attention.gluon_dkv_applies(q, window, k) else "triton"
+
+
+def dq_impl(q, window, k) -> str:
+    """Which kernel the backward's dq runs for q: the Gluon one where it applies, else Triton's."""
+    return "gluon" if triton_attention.gluon_dq_applies(q, window, k) else "triton"
 
 
 @section
@@ -536,7 +541,7 @@ def bench_attention():
         res["bwd_ms_without_dkv_reduce"] = stages["bwd_dkv"] + stages.get("bwd_dq", 0.0)
         res["bwd_reduce_and_other_ms"] = sum(stages.get(k, 0.0) for k in ("bwd_window_reduce", "bwd_entry_reduce",
                                                                            "other"))
-    if triton_attention.gluon_dq_applies(args[0], W, K):  # the backward with the Triton dq kernel, in the same call
+    if dq_impl(args[0], W, K) == "gluon":  # the backward with the Triton dq kernel, in the same call
         with overridden(triton_attention, "DQ_IMPL", "triton"):
             backward()  # autotunes it
             res["bwd_ms_triton_dq"] = ms(backward)
