@@ -20,8 +20,9 @@
 # Timed on an H200 (2026-11-30, code 780c444, one call): check 92 s, bench 131 s, CSA2 step 119 s (62 s with the
 # kernels already compiled on that machine; a fresh machine once ran past 150 s), dense 72 s, kept attention 49 s,
 # ncu 27 s; the attention bench was left out of that call. 2026-12-01 (code d21dc74): check past 150 s once it
-# compared the two dKV kernels (check_dkv_step, cut off; capped at 200 s, 230 since the Triton-dq case: 183 s before it), CSA2 118 s, dense 70 s, kept 41 s,
-# attention bench 46 s. 2026-12-01 (the indexer bench's chunk-size sweep and both scoring kernels): bench ~190 s.
+# compared the two dKV kernels (check_dkv_step, cut off; capped at 200 s, 230 since the Triton-dq case: 183 s
+# before it), CSA2 118 s, dense 70 s, kept 41 s, attention bench 46 s. 2026-12-01 (the indexer bench's chunk-size
+# sweep and both scoring kernels): bench ~190 s.
 # The caps keep the first four within BUDGET whatever happens; CSA2_CODE=<commit> (required on the GPU) labels the
 # result files.
 # The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are installed first when present.
