@@ -69,9 +69,9 @@ def _stage_block(STAGE, stage_program_stride, stage_head_stride, block_max, p, m
     heads = gl.arange(0, 64, layout=gl.SliceLayout(1, ROWS_8))
     slots = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ROWS_8))
     stage = STAGE + gl.program_id(0) * stage_program_stride + heads[:, None] * stage_head_stride
-    # Kept in L2 until the token's end reads it back (evict_last, 8.6 MB over 132 programs): at 64K the row gathers
-    # turn L2 over every token (~84 MB, more than its 50), and without the hint the mass sum found much of its p
-    # gone to HBM (the forward 14.50 -> 14.08 ms, `bench/results/kernels/ab_fwd_v17_l2.json`).
+    # Kept in L2 until the token's end reads it back (evict_last; 8.6 MB over 132 programs): at 64K the row gathers
+    # churn L2 (132 tokens at a time ask for up to 84 MB of rows, against its 50), and without the hint the mass
+    # sum found part of its p gone to HBM (the forward 14.50 -> 14.08 ms, `bench/results/kernels/ab_fwd_v17_l2.json`).
     gl.store(stage + (slots - W)[None, :], p, mask=(heads < H)[:, None] & (slots < W + K)[None, :],
              eviction_policy="evict_last")
     block_max.index((start - W) // BLOCK_N).store(m)

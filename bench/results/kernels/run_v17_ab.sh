@@ -4,6 +4,7 @@
 #                                                      # tmp_*.py, removed after the call)
 #   bash bench/results/kernels/run_v17_ab.sh run dkv check   # on the GPU machine (device tool), results under $OUT;
 #   bash bench/results/kernels/run_v17_ab.sh run fwd         # a second call (each part's time is beside it below)
+#   bash bench/results/kernels/run_v17_ab.sh run l2          # a third: the staged p kept in L2 (after the first two)
 # Forward variants, each on top of the one before: old (f53e55d, v16's kernel), tma (P staged by TMA), cs (the
 # output stored streaming), overlap (a token's mass summed under the next token's first S), prefetch (the next
 # token's q asked of L2), rows (the next pair's rows asked of L2 too). dKV step: old (f53e55d), prefetch (5bd0df7:
@@ -20,7 +21,18 @@ prepare)
         git show "$sha:kernels/gluon_common.py" > "tmp_common_${kind}_$name.py"
         git show "$sha:kernels/$module.py" \
             | sed "s/^from kernels.gluon_common import/from tmp_common_${kind}_$name import/" > "tmp_${kind}_$name.py"
-    done ;;
+    done
+    # After the A/B above: l2 (main's 2690ac7, the staged p kept in L2), and l2out (l2 with the output stored
+    # evict_first too)
+    git show 2690ac7:kernels/gluon_attention.py \
+        | sed "s/^from kernels.gluon_common import/from tmp_common_fwd_old import/" > tmp_fwd_l2.py
+    python3 - <<'PY'
+source = open("tmp_fwd_l2.py").read()
+store = "(out_heads < H)[:, None])"
+assert source.count(store) == 1
+open("tmp_fwd_l2out.py", "w").write(source.replace(store, store[:-1] + ', eviction_policy="evict_first")'))
+PY
+    ;;
 run)  # parts: check (attention and dKV-step checks, ~3 min), fwd (the forward A/B, ~5 min), dkv (~2 min); each
       # under a timeout (SIGTERM), so that a variant that hangs costs its part, not the call
     cp bench/results/kernels/ab_gluon_v17.py ab_gluon.py
@@ -36,9 +48,11 @@ run)  # parts: check (attention and dKV-step checks, ~3 min), fwd (the forward A
         dkv) timeout 200 python3 ab_gluon.py "$OUT/ab_dkv_v17.json" kernels.gluon_dkv old=tmp_dkv_old.py \
                  prefetch=tmp_dkv_prefetch.py halves=tmp_dkv_halves.py rows=kernels/gluon_dkv.py 2>&1 \
                  | grep -v '^ ' | tail -10 || echo "dkv: exit $?" ;;
+        l2) timeout 400 python3 ab_gluon.py "$OUT/ab_fwd_v17_l2.json" kernels.gluon_attention old=tmp_fwd_old.py \
+                l2=tmp_fwd_l2.py l2out=tmp_fwd_l2out.py 2>&1 | grep -v '^ ' | tail -10 || echo "l2: exit $?" ;;
         *) echo "unknown part $part" >&2; exit 2 ;;
         esac
     done ;;
 *)
-    echo "usage: $0 prepare | run check|fwd|dkv ..." >&2; exit 2 ;;
+    echo "usage: $0 prepare | run check|fwd|dkv|l2 ..." >&2; exit 2 ;;
 esac
