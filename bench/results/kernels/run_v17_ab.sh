@@ -5,6 +5,7 @@
 #   bash bench/results/kernels/run_v17_ab.sh run dkv check   # on the GPU machine (device tool), results under $OUT;
 #   bash bench/results/kernels/run_v17_ab.sh run fwd         # a second call (each part's time is beside it below)
 #   bash bench/results/kernels/run_v17_ab.sh run l2          # a third: the staged p kept in L2 (after the first two)
+#   bash bench/results/kernels/run_v17_ab.sh run lay         # a fourth: the mass from a tile of 16 heads a thread
 # Forward variants, each on top of the one before: old (f53e55d, v16's kernel), tma (P staged by TMA), cs (the
 # output stored streaming), overlap (a token's mass summed under the next token's first S), prefetch (the next
 # token's q asked of L2), rows (the next pair's rows asked of L2 too). dKV step: old (f53e55d), prefetch (5bd0df7:
@@ -32,7 +33,11 @@ store = "(out_heads < H)[:, None])"
 assert source.count(store) == 1
 open("tmp_fwd_l2out.py", "w").write(source.replace(store, store[:-1] + ', eviction_policy="evict_first")'))
 PY
-    ;;
+    # on top of l2: lay (the mass from one tile of 16 heads a thread) and early (its loads before the output; the
+    # result file names it tmp_fwd_early_full.py)
+    for name in lay early; do
+        patch -s -o "tmp_fwd_$name.py" tmp_fwd_l2.py < "bench/results/kernels/ab_fwd_v17_$name.patch"
+    done ;;
 run)  # parts: check (attention and dKV-step checks, ~3 min), fwd (the forward A/B, ~5 min), dkv (~2 min); each
       # under a timeout (SIGTERM), so that a variant that hangs costs its part, not the call
     cp bench/results/kernels/ab_gluon_v17.py ab_gluon.py
@@ -50,9 +55,12 @@ run)  # parts: check (attention and dKV-step checks, ~3 min), fwd (the forward A
                  | grep -v '^ ' | tail -10 || echo "dkv: exit $?" ;;
         l2) timeout 400 python3 ab_gluon.py "$OUT/ab_fwd_v17_l2.json" kernels.gluon_attention old=tmp_fwd_old.py \
                 l2=tmp_fwd_l2.py l2out=tmp_fwd_l2out.py 2>&1 | grep -v '^ ' | tail -10 || echo "l2: exit $?" ;;
+        lay) timeout 400 python3 ab_gluon.py "$OUT/ab_fwd_v17_lay.json" kernels.gluon_attention l2=tmp_fwd_l2.py \
+                 old=tmp_fwd_old.py lay=tmp_fwd_lay.py early=tmp_fwd_early.py 2>&1 | grep -v '^ ' | tail -10 \
+                 || echo "lay: exit $?" ;;
         *) echo "unknown part $part" >&2; exit 2 ;;
         esac
     done ;;
 *)
-    echo "usage: $0 prepare | run check|fwd|dkv|l2 ..." >&2; exit 2 ;;
+    echo "usage: $0 prepare | run check|fwd|dkv|l2|lay ..." >&2; exit 2 ;;
 esac
