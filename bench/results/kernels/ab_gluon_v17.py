@@ -68,10 +68,8 @@ def timed(fn, reps=300):
     return triton.testing.do_bench(fn, warmup=50, rep=reps, return_mode="median")
 
 
-result = {"command": f"PYTHONPATH=$PWD:$PWD/bench python ab_gluon.py $OUT/<name>.json {module} "
-                     + " ".join(sys.argv[3:]), "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
-          "triton": triton.__version__, "date": "2026-12-01", "module": module, "T": T, "H": H, "D": D, "W": W,
-          "K": K, "flops": flops, "variants": variants}
+result = {**bk.result_meta(), "module": module, "T": T, "H": H, "D": D, "W": W, "K": K, "flops": flops,
+          "variants": variants}
 outs, repeatable = {}, {}
 first = next(iter(modules))
 for round_ in ("", "_again"):

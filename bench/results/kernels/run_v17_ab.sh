@@ -10,13 +10,14 @@
 # output stored streaming), overlap (a token's mass summed under the next token's first S), prefetch (the next
 # token's q asked of L2), rows (the next pair's rows asked of L2 too). dKV step: old (f53e55d), prefetch (5bd0df7:
 # the next token's q, dO and O asked of L2), halves (82d2b15: the block's buffer freed and refilled by halves of
-# the features), rows (the branch head: the next block's rows asked of L2 too).
+# the features), rows (1da163c, the branch head: the next block's rows asked of L2 too). `check` checks the
+# checkout's kernels: its result file was made on the branch head.
 set -euo pipefail
 case "${1:-}" in
 prepare)
     # each variant with the gluon_common of its commit (tmp_common_<name>.py, a top-level module)
     for variant in fwd:old:f53e55d fwd:tma:dbc9106 fwd:cs:fe56b34 fwd:overlap:8a4e90b fwd:prefetch:96bc8a5 \
-                   fwd:rows:5bd0df7 dkv:old:f53e55d dkv:prefetch:5bd0df7 dkv:halves:82d2b15; do
+                   fwd:rows:5bd0df7 dkv:old:f53e55d dkv:prefetch:5bd0df7 dkv:halves:82d2b15 dkv:rows:1da163c; do
         IFS=: read -r kind name sha <<< "$variant"
         module=$([ "$kind" = fwd ] && echo gluon_attention || echo gluon_dkv)
         git show "$sha:kernels/gluon_common.py" > "tmp_common_${kind}_$name.py"
@@ -51,7 +52,7 @@ run)  # parts: check (attention and dKV-step checks, ~3 min), fwd (the forward A
                  tma=tmp_fwd_tma.py cs=tmp_fwd_cs.py overlap=tmp_fwd_overlap.py prefetch=tmp_fwd_prefetch.py \
                  rows=tmp_fwd_rows.py 2>&1 | grep -v '^ ' | tail -20 || echo "fwd: exit $?" ;;
         dkv) timeout 200 python3 ab_gluon.py "$OUT/ab_dkv_v17.json" kernels.gluon_dkv old=tmp_dkv_old.py \
-                 prefetch=tmp_dkv_prefetch.py halves=tmp_dkv_halves.py rows=kernels/gluon_dkv.py 2>&1 \
+                 prefetch=tmp_dkv_prefetch.py halves=tmp_dkv_halves.py rows=tmp_dkv_rows.py 2>&1 \
                  | grep -v '^ ' | tail -10 || echo "dkv: exit $?" ;;
         l2) timeout 400 python3 ab_gluon.py "$OUT/ab_fwd_v17_l2.json" kernels.gluon_attention old=tmp_fwd_old.py \
                 l2=tmp_fwd_l2.py l2out=tmp_fwd_l2out.py 2>&1 | grep -v '^ ' | tail -10 || echo "l2: exit $?" ;;
