@@ -27,7 +27,7 @@ if SMOKE:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from kernels import l2_window, reference, triton_attention, triton_indexer, triton_ops, triton_select  # noqa: E402
+from kernels import reference, triton_attention, triton_indexer, triton_ops, triton_select  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 from kernels.triton_testing import packed_geometry, random_topk  # noqa: E402
 
@@ -534,12 +534,6 @@ def bench_attention():
            "bwd_tflops": 2.5 * flops / bwd / 1e9, "fwd_ms_triton_kernel": fwd_triton,
            "fwd_tflops_triton_kernel": flops / fwd_triton / 1e9, "flops_fwd": flops, "flops_bwd": 2.5 * flops,
            "bwd_bitwise_reproducible": reproducible, "autotune": autotune_choices()}
-    if not SMOKE:  # the same kernels without kv_comp's L2 window, its persisting lines released first
-        torch.cuda.synchronize()
-        l2_window.reset()
-        with overridden(l2_window, "ENABLED", False):
-            res["fwd_ms_without_l2_window"] = ms(lambda: triton_ops.sparse_attention(*args))
-            res["bwd_ms_without_l2_window"] = ms(backward)
     # Where the backward's time goes, by kernel; "without dkv reduce" as the v5 stage timing reported it.
     res["bwd_device_ms_by_stage"] = device_ms_by_stage(backward, reps=3)
     stages = res["bwd_device_ms_by_stage"]

@@ -12,7 +12,6 @@
 #                                   one more step, Reuse-layer launches (torch profiler)
 #   4. train_step_dense_65536.json  the dense-attention model                           -> train/
 #   5. train_step_csa2_keep4_65536.json  csa2 with parallel.keep_attention_layers=$KEEP (default 4)
-#   5b. train_step_csa2_no_l2_window_65536.json  csa2 without kv_comp's L2 window (kernels/l2_window.py): the A/B
 #   6. bench_attention.json  bench_kernels.py bench: sparse attention at 64K, the dKV step alone at 16K, cuDNN SDPA
 #   7. ncu_attention.json    bench/ncu_attention.py: Nsight Compute metrics of the attention kernels (why they take
 #                            what they take); ncu_attention_details.csv, the .ncu-rep report
@@ -87,8 +86,6 @@ stage train_dense 110 python3 bench/train_step.py --variant dense --steps 1 --wa
   --out "$OUT/train_step_dense_$T.json" "${TRAIN[@]}"
 stage train_csa2_keep 80 python3 bench/train_step.py --variant csa2 --steps 1 --warmup 1 --no-detail \
   --out "$OUT/train_step_csa2_keep${KEEP}_$T.json" "${TRAIN[@]}" parallel.keep_attention_layers=$KEEP
-stage train_csa2_no_l2 110 python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1 --no-detail \
-  --no-l2-window --out "$OUT/train_step_csa2_no_l2_window_$T.json" "${TRAIN[@]}"
 stage bench_attention 150 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench_attention.json" \
   --only bench_matmul,bench_attention,bench_dkv_step,bench_sdpa_cudnn
 stage ncu_attention 150 python3 bench/ncu_attention.py "${KERNELS[@]}" --out "$OUT"

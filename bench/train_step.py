@@ -56,8 +56,6 @@ def parse():
     p.add_argument("--no-detail", action="store_true", help="skip the per-layer timing step and the profile")
     p.add_argument("--kernel-table", action="store_true",
                    help="profile one more step: device time by kernel over the whole step (where a step goes)")
-    p.add_argument("--no-l2-window", action="store_true",
-                   help="leave kv_comp out of L2's persisting set-aside (kernels/l2_window.py; on in real use)")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/train_step_<variant>.json if $OUT)")
     p.add_argument("--all", action="store_true", help="run csa2, dense and reference, each in a subprocess")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "."))
@@ -91,10 +89,7 @@ def run_variant(a) -> dict:
     distributed.init(device)
     cuda = device.type == "cuda"
     res = {**result_meta(), "variant": a.variant, "overrides": overrides,
-           "device": torch.cuda.get_device_name(device) if cuda else "cpu", "l2_window": not a.no_l2_window}
-    if a.no_l2_window:
-        from kernels import l2_window
-        l2_window.ENABLED = False
+           "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
 
     if cuda:  # bf16 matmul rate of this GPU, this process
         x = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)

@@ -9,8 +9,10 @@ outside kv_comp evicts the part of it that persists. Each variant: the forward, 
 interleaved twice, outputs compared bitwise with the first variant's (a cache policy changes no result). Persisting
 lines outlive do_bench's cache flush between repetitions (the flush's accesses are normal), so a variant starts each
 repetition with part of kv_comp in L2: at most 64 MB of reads, ~20 us against the forward's ~14 ms. The flow was
-dry-run on the CPU (the runtime stubbed, T = 64, the interpreter, no timing). Kept, with the rest normal
-(comp_persisting_miss_normal): kernels/l2_window.py. From the repository root, on the GPU, at code 19fc5b5:
+dry-run on the CPU (the runtime stubbed, T = 64, the interpreter, no timing). Every variant here, "none" too, ran
+after the set-aside was made (cudaDeviceSetLimit at the top), which hid its cost: built as kernels/l2_window.py at
+48ba3c6 (hits persisting, the rest normal), the 64K step took 8.58 s against 6.34 s without it, and it was removed
+(docs/KERNELS.md, v18). From the repository root, on the GPU, at code 19fc5b5:
   PYTHONPATH=$PWD:$PWD/bench python bench/results/kernels/ab_l2_window_v18.py $OUT/ab_l2_window_v18.json
 """
 import ctypes
