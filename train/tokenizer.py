@@ -3,7 +3,9 @@
 Both expose the same small interface, so the loader and the probes never care which one they hold:
 `encode(text) -> list[int]`, `encode_array(text) -> np.ndarray[int64]` (what the loader uses: a
 12 MB corpus tokenizes in milliseconds instead of seconds), `decode(ids) -> str`, `vocab_size`, and the
-special ids `bos_id`, `eos_id`, `pad_id`.
+special ids `bos_id`, `eos_id`, `pad_id`; and per token `token(id)` (its raw vocabulary form) and
+`token_text(id)` (its decoded text, special tokens included), what the Engram token map reads
+(`model.engram.compressed_token_map`).
 
 The byte tokenizer needs no file and no download, so every machine can train out of the box, and it can
 represent any input exactly: ids 0..255 are the UTF-8 bytes, then BOS = 256, EOS = 257, PAD = 258,
@@ -40,12 +42,21 @@ class Tokenizer:
         """Text of `ids`; special tokens are dropped."""
         raise NotImplementedError
 
+    def token(self, token_id: int) -> str:
+        """The raw vocabulary form of one token (special tokens included)."""
+        raise NotImplementedError
+
+    def token_text(self, token_id: int) -> str:
+        """The decoded text of one token, special tokens included (U+FFFD for a partial UTF-8 byte)."""
+        raise NotImplementedError
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens. Never fails: unpaired surrogates are written as their UTF-8-like bytes."""
 
     vocab_size = 259
     bos_id, eos_id, pad_id = 256, 257, 258
+    SPECIAL_TOKENS = {256: "<|bos|>", 257: "<|eos|>", 258: "<|pad|>"}
 
     def encode_array(self, text: str) -> np.ndarray:
         data = text.encode("utf-8", errors="surrogatepass")
@@ -53,6 +64,13 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def token(self, token_id: int) -> str:
+        """A byte as SentencePiece's byte fallback spells it (``<0xC3>``), a special token by its name."""
+        return self.SPECIAL_TOKENS.get(token_id) or f"<0x{token_id:02X}>"
+
+    def token_text(self, token_id: int) -> str:
+        return self.token(token_id) if token_id in self.SPECIAL_TOKENS else self.decode([token_id])
 
 
 # Names tried, in order, when neither `data.<role>_token` nor a `tokenizer_config.json` beside the tokenizer
@@ -103,6 +121,9 @@ class HFTokenizer(Tokenizer):
     def token(self, token_id: int) -> str:
         """The text of one token (special tokens included), e.g. for a chat template's ``eos_token``."""
         return self._tok.id_to_token(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def encode_array(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
