@@ -207,8 +207,10 @@ def combine(rows: torch.Tensor, token: torch.Tensor, n_tokens: int) -> torch.Ten
 
 class MoE(nn.Module):
     """``y = Σ_{e in top-k} expert_e(x, w_e) + shared(x)``, summed in fp32, every routed slot computed (no capacity
-    factor, no dropped tokens). With a subset of ``expert_ids`` the output holds only those experts' share (and the
-    shared expert's): what one expert-parallel rank adds before the ranks' shares are summed.
+    factor, no dropped tokens). With a subset of ``expert_ids`` the routed part is only those experts' share (what a
+    rank of the reference sums before its all-reduce; the shares of a partition of the experts add up to the whole
+    routed part), plus the whole shared expert: summing such outputs over ranks would count the shared expert once
+    per rank. The expert-parallel forward (all-to-all) is not built yet.
 
     ``load`` (non-persistent, fp32 [E]) accumulates the tokens routed to each expert in every training forward, not
     in the recomputation of a checkpointed layer for its backward; ``take_load()`` returns and zeroes it."""
