@@ -1,0 +1,284 @@
+"""Staggered mHC (``model/hyper.py``) against an fp64 reference written here from SPEC §5.2, token by token.
+
+The reference works on Python floats and per-token loops, so it shares no tensor code with the module. Each test
+names the planted bug it caught when tried once (the module broken that way, the test run, the module restored).
+"""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from model.hyper import (add_mix_parameters, collapse, copies, expand, first_pre_mix, mix_width, mixes,
+                         split_sinkhorn, staggered_block)
+
+f64 = torch.float64
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# reference (SPEC §5.2), one token at a time
+# ------------------------------------------------------------------------------------------------------------------
+def sigmoid(v: float) -> float:
+    return 1.0 / (1.0 + math.exp(-v))
+
+
+def ref_split(m: list[float], scale: list[float], base: list[float], hc: int, iters: int, eps: float):
+    """pre, post (lists) and comb (list of rows comb[j][k]) of one token's logits m."""
+    pre = [sigmoid(m[c] * scale[0] + base[c]) + eps for c in range(hc)]
+    post = [2 * sigmoid(m[hc + c] * scale[1] + base[hc + c]) for c in range(hc)]
+    logit = [[m[2 * hc + j * hc + k] * scale[2] + base[2 * hc + j * hc + k] for k in range(hc)] for j in range(hc)]
+    comb = []
+    for j in range(hc):  # softmax along a row j (over k), then + eps
+        top = max(logit[j])
+        e = [math.exp(v - top) for v in logit[j]]
+        comb.append([v / sum(e) + eps for v in e])
+
+    def normalise_columns():
+        for k in range(hc):
+            s = sum(comb[j][k] for j in range(hc)) + eps
+            for j in range(hc):
+                comb[j][k] /= s
+
+    def normalise_rows():
+        for j in range(hc):
+            s = sum(comb[j]) + eps
+            comb[j] = [v / s for v in comb[j]]
+
+    normalise_columns()
+    for _ in range(iters - 1):
+        normalise_rows()
+        normalise_columns()
+    return pre, post, comb
+
+
+def ref_mixes(x, fn, scale, base, iters, norm_eps, hc_eps):
+    """Per token: flat = the hc copies one after the other; m_r = sum_i fn[r,i] flat_i / rms(flat)."""
+    B, T, hc, D = x.shape
+    pre, post, comb = (torch.zeros(B, T, hc, dtype=f64), torch.zeros(B, T, hc, dtype=f64),
+                       torch.zeros(B, T, hc, hc, dtype=f64))
+    for b in range(B):
+        for t in range(T):
+            flat = [float(x[b, t, c, d]) for c in range(hc) for d in range(D)]  # copy after copy
+            inv_rms = 1.0 / math.sqrt(sum(v * v for v in flat) / len(flat) + norm_eps)
+            m = [sum(float(fn[r, i].detach()) * flat[i] for i in range(len(flat))) * inv_rms for r in range(fn.shape[0])]
+            p, q, c = ref_split(m, scale.tolist(), base.tolist(), hc, iters, hc_eps)
+            pre[b, t], post[b, t], comb[b, t] = (torch.tensor(v, dtype=f64) for v in (p, q, c))
+    return pre, post, comb
+
+
+def ref_collapse(x, pre):
+    B, T, hc, D = x.shape
+    return torch.tensor([[[sum(float(pre[b, t, c]) * float(x[b, t, c, d]) for c in range(hc)) for d in range(D)]
+                          for t in range(T)] for b in range(B)], dtype=f64)
+
+
+def ref_expand(y, x, post, comb):
+    """out_k = post_k y + sum_j comb[j][k] X_j."""
+    B, T, hc, D = x.shape
+    out = torch.zeros(B, T, hc, D, dtype=f64)
+    for b in range(B):
+        for t in range(T):
+            for k in range(hc):
+                for d in range(D):
+                    out[b, t, k, d] = float(post[b, t, k]) * float(y[b, t, d]) + sum(
+                        float(comb[b, t, j, k]) * float(x[b, t, j, d]) for j in range(hc))
+    return out
+
+
+def ref_block(params, x, pre_in, attn, ffn, iters, norm_eps, hc_eps):
+    """Block(X, pre_in) of SPEC §5.2: the attention collapses with pre_in, the FFN with the attention's pre."""
+    a_pre, a_post, a_comb = ref_mixes(x, params["hc_attn_fn"], params["hc_attn_scale"], params["hc_attn_base"],
+                                      iters, norm_eps, hc_eps)
+    x1 = ref_expand(attn(ref_collapse(x, pre_in)), x, a_post, a_comb)
+    f_pre, f_post, f_comb = ref_mixes(x1, params["hc_ffn_fn"], params["hc_ffn_scale"], params["hc_ffn_base"],
+                                      iters, norm_eps, hc_eps)
+    return ref_expand(ffn(ref_collapse(x1, a_pre)), x1, f_post, f_comb), f_pre
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------------------------
+def mix_module(hc: int, dim: int, seed: int, fn_std: float = 0.3) -> nn.Module:
+    """A module with random mix parameters (attention and FFN different, so that their pre-mixes differ)."""
+    module = nn.Module()
+    add_mix_parameters(module, hc, dim)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (fn_std if name.endswith("_fn") else 1.0))
+    return module.double()
+
+
+def random_stream(B, T, hc, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([3.0 ** c for c in range(hc)], dtype=f64).view(1, 1, hc, 1)  # copies of unequal size
+    return torch.randn(B, T, hc, D, generator=g, dtype=f64) * scales
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# tests
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hc,iters", [(3, 1), (3, 2), (4, 5)])
+def test_split_sinkhorn_matches_the_formula(hc, iters):
+    """The split with a large hc_eps (0.05, so that where it enters shows). Caught: post without the factor 2;
+    pre without + hc_eps; hc_eps inside the softmax instead of after it; the first column normalisation skipped
+    (iters=1 then returns the softmax); (column, row) instead of (row, column) rounds; the softmax over j."""
+    g = torch.Generator().manual_seed(hc * 10 + iters)
+    m = torch.randn(2, 3, mix_width(hc), generator=g, dtype=f64) * 2
+    scale, base = torch.rand(3, generator=g, dtype=f64) + 0.5, torch.randn(mix_width(hc), generator=g, dtype=f64)
+    pre, post, comb = split_sinkhorn(m, scale, base, hc, iters, 0.05)
+    for b in range(2):
+        for t in range(3):
+            p, q, c = ref_split(m[b, t].tolist(), scale.tolist(), base.tolist(), hc, iters, 0.05)
+            torch.testing.assert_close(pre[b, t], torch.tensor(p, dtype=f64), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(post[b, t], torch.tensor(q, dtype=f64), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(comb[b, t], torch.tensor(c, dtype=f64), rtol=1e-12, atol=1e-12)
+
+
+def test_comb_is_doubly_stochastic_after_the_iterations():
+    """With V4's settings (20 iterations, hc_eps 1e-6): columns sum to 1 within ~hc_eps (the last step divides by
+    colsum + eps); rows converge at a rate set by the logits' spread, measured on 4096 tokens: logits of std 0.5
+    within 1.1e-6, std 1 within 7e-4 (std 2: 3e-2). One iteration normalises the columns only. Caught: the
+    rounds' order swapped (rows then sum to 1 and columns do not); no rounds after the first normalisation."""
+    g = torch.Generator().manual_seed(0)
+    ones, base = torch.ones(3, dtype=f64), torch.zeros(mix_width(4), dtype=f64)
+    for spread, row_tol in ((0.5, 2e-6), (1.0, 1e-3)):
+        m = torch.randn(4096, mix_width(4), generator=g, dtype=f64) * spread
+        _, _, comb = split_sinkhorn(m, ones, base, 4, 20, 1e-6)
+        torch.testing.assert_close(comb.sum(-2), torch.ones(4096, 4, dtype=f64), rtol=0, atol=2e-6)
+        torch.testing.assert_close(comb.sum(-1), torch.ones(4096, 4, dtype=f64), rtol=0, atol=row_tol)
+    _, _, once = split_sinkhorn(m, ones, base, 4, 1, 1e-6)
+    # a column sums to colsum / (colsum + hc_eps), and a softmax's column sums can be small
+    torch.testing.assert_close(once.sum(-2), torch.ones(4096, 4, dtype=f64), rtol=0, atol=1e-4)
+    assert (once.sum(-1) - 1).abs().max() > 0.1  # one column normalisation leaves the rows off
+
+
+def test_mixes_uses_one_statistic_over_all_copies():
+    """Copies of sizes 1, 3, 9: one rsqrt(mean square) over all hc*D values. Caught: a statistic per copy; the
+    flattening in (d, c) order instead of copy after copy; norm_eps outside the square root."""
+    hc, D = 3, 5
+    module = mix_module(hc, D, seed=1)
+    x = random_stream(2, 2, hc, D, seed=2)
+    got = mixes(x, module.hc_attn_fn, module.hc_attn_scale, module.hc_attn_base, 4, 0.5, 1e-3)
+    want = ref_mixes(x, module.hc_attn_fn, module.hc_attn_scale, module.hc_attn_base, 4, 0.5, 1e-3)
+    for g, w in zip(got, want):
+        assert g.dtype == f64
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_collapse_and_expand_match_the_formula():
+    """A comb far from symmetric. Caught: comb used transposed (sum_j comb[k,j] X_j); collapse weighting the
+    copies in reverse order."""
+    B, T, hc, D = 2, 3, 3, 4
+    g = torch.Generator().manual_seed(3)
+    x, y = random_stream(B, T, hc, D, seed=4), torch.randn(B, T, D, generator=g, dtype=f64)
+    pre, post = torch.rand(B, T, hc, generator=g, dtype=f64), torch.rand(B, T, hc, generator=g, dtype=f64) * 2
+    comb = torch.rand(B, T, hc, hc, generator=g, dtype=f64) ** 4
+    torch.testing.assert_close(collapse(x, pre), ref_collapse(x, pre), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(expand(y, x, post, comb), ref_expand(y, x, post, comb), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(expand(y, x, post, comb.transpose(-1, -2)), ref_expand(y, x, post, comb))
+
+
+def test_expand_keeps_the_stream_in_fp32_and_collapse_returns_its_dtype():
+    x, y = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 4, dtype=torch.bfloat16)
+    post, comb = torch.rand(1, 2, 2), torch.rand(1, 2, 2, 2)
+    assert expand(y, x, post, comb).dtype == torch.float32
+    assert expand(y, x.bfloat16(), post, comb).dtype == torch.float32
+    assert collapse(x.bfloat16(), post).dtype == torch.bfloat16
+
+
+def test_staggered_block_order():
+    """The block of SPEC §5.2 with two different nonlinear branches and a random pending pre-mix. Caught: the FFN
+    collapsing with its own mixes' pre (fP) instead of the attention's; the attention collapsing with its own
+    pre (aP) instead of pre_in; the FFN's mixes computed from the block input instead of X'."""
+    hc, D = 3, 4
+    module = mix_module(hc, D, seed=5)
+    g = torch.Generator().manual_seed(6)
+    wa, wf = torch.randn(D, D, generator=g, dtype=f64), torch.randn(D, D, generator=g, dtype=f64)
+    attn, ffn = (lambda h: torch.tanh(h @ wa)), (lambda h: torch.sin(h @ wf))
+    x = random_stream(2, 2, hc, D, seed=7)
+    pre_in = torch.rand(2, 2, hc, generator=g, dtype=f64)
+    got, got_pre = staggered_block(module, x, pre_in, attn, ffn, 3, 1e-6, 1e-3)
+    want, want_pre = ref_block(dict(module.named_parameters()), x, pre_in, attn, ffn, 3, 1e-6, 1e-3)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got_pre, want_pre, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck_mixes_collapse_expand():
+    hc, D = 2, 3
+    g = torch.Generator().manual_seed(8)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g, dtype=f64).requires_grad_()
+
+    x, fn, scale, base = leaf(1, 2, hc, D), leaf(mix_width(hc), hc * D), leaf(3), leaf(mix_width(hc))
+    assert torch.autograd.gradcheck(lambda *a: mixes(*a, 4, 1e-6, 1e-3), (x, fn, scale, base))
+    pre, y, post, comb = leaf(1, 2, hc), leaf(1, 2, D), leaf(1, 2, hc), leaf(1, 2, hc, hc)
+    assert torch.autograd.gradcheck(collapse, (x, pre))
+    assert torch.autograd.gradcheck(expand, (y, x, post, comb))
+
+
+def test_mix_parameters_names_shapes_and_init():
+    """The checkpoint's names and shapes in fp32; the static coefficients at init: pre 1/hc (+ hc_eps), post 1,
+    comb with 0.95 on its diagonal and doubly stochastic. Caught: pre base 0 (pre 1/2), comb base 0 (uniform)."""
+    module = nn.Module()
+    add_mix_parameters(module, 4, 8)
+    shapes = {name: (tuple(p.shape), p.dtype) for name, p in module.named_parameters()}
+    assert shapes == {f"hc_{part}_{kind}": (shape, torch.float32) for part in ("attn", "ffn")
+                      for kind, shape in (("fn", (24, 32)), ("base", (24,)), ("scale", (3,)))}
+    x = torch.randn(3, 5, 4, 8)
+    pre, post, comb = mixes(x, module.hc_attn_fn, module.hc_attn_scale, module.hc_attn_base, 20, 1e-20, 1e-6)
+    torch.testing.assert_close(pre, torch.full_like(pre, 0.25 + 1e-6))
+    torch.testing.assert_close(post, torch.ones_like(post))
+    want = torch.full((4, 4), 0.05 / 3).fill_diagonal_(0.95)
+    torch.testing.assert_close(comb, want.expand_as(comb), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"model.hc_mult=1: hyper-connections need >= 2 copies"):
+        add_mix_parameters(nn.Module(), 1, 8)
+
+
+def test_a_fresh_stack_is_the_plain_residual_stream():
+    """Copies of the embedding through two fresh blocks (fn drawn at the model's init_std 0.006) equal the plain
+    pre-norm stream h + attn(h), then + ffn, in every copy. The branches here have no norm, so the sum of the
+    pre-mix matters. Caught: pre base 0 (the branches then see 2h), post base other than 0."""
+    hc, D = 4, 16
+    g = torch.Generator().manual_seed(9)
+    blocks = []
+    for _ in range(2):
+        module = nn.Module()
+        add_mix_parameters(module, hc, D)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.endswith("_fn"):
+                    p.normal_(std=0.006, generator=g)
+        blocks.append(module.double())
+    w = [torch.randn(D, D, generator=g, dtype=f64) / D ** 0.5 for _ in range(4)]
+    branches = [(lambda h, a=a: torch.tanh(h @ a)) for a in w]
+    h = torch.randn(2, 3, D, generator=g, dtype=f64)
+    x = copies(h, hc)
+    pre = first_pre_mix(x)
+    assert x.shape == (2, 3, hc, D) and pre.tolist() == [[[1.0, 0.0, 0.0, 0.0]] * 3] * 2
+    plain = h
+    for i, module in enumerate(blocks):
+        x, pre = staggered_block(module, x, pre, branches[2 * i], branches[2 * i + 1], 20, 1e-20, 1e-6)
+        plain = plain + branches[2 * i](plain)
+        plain = plain + branches[2 * i + 1](plain)
+    torch.testing.assert_close(x, plain.unsqueeze(-2).expand_as(x), rtol=0, atol=2e-3)
+    torch.testing.assert_close(collapse(x, pre), plain, rtol=0, atol=2e-3)
+
+
+def test_mixes_collapse_expand_ignore_autocast():
+    """Under bf16 autocast (CPU) the coefficients and the stream's mixing stay fp32, equal to the run without it.
+    Caught: the projection of ``mixes`` or the matmuls of collapse/expand left to autocast (bf16 GEMMs)."""
+    hc, D = 4, 64
+    module = mix_module(hc, D, seed=10, fn_std=0.05).float()
+    x, y = random_stream(2, 8, hc, D, seed=11).float(), torch.randn(2, 8, D)
+    args = (module.hc_attn_fn, module.hc_attn_scale, module.hc_attn_base, 20, 1e-20, 1e-6)
+    plain = mixes(x, *args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = mixes(x, *args)
+        stream = expand(y, x, cast[1], cast[2]), collapse(x, cast[0])
+    for a, b in zip(cast, plain):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stream[0], expand(y, x, plain[1], plain[2]), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(stream[1], collapse(x, plain[0]), rtol=1e-6, atol=1e-5)
