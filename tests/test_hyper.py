@@ -60,7 +60,8 @@ def ref_mixes(x, fn, scale, base, iters, norm_eps, hc_eps):
         for t in range(T):
             flat = [float(x[b, t, c, d]) for c in range(hc) for d in range(D)]  # copy after copy
             inv_rms = 1.0 / math.sqrt(sum(v * v for v in flat) / len(flat) + norm_eps)
-            m = [sum(float(fn[r, i].detach()) * flat[i] for i in range(len(flat))) * inv_rms for r in range(fn.shape[0])]
+            rows = fn.detach().tolist()
+            m = [sum(w * v for w, v in zip(row, flat)) * inv_rms for row in rows]
             p, q, c = ref_split(m, scale.tolist(), base.tolist(), hc, iters, hc_eps)
             pre[b, t], post[b, t], comb[b, t] = (torch.tensor(v, dtype=f64) for v in (p, q, c))
     return pre, post, comb
