@@ -1,7 +1,7 @@
 """What the training benchmarks share: weights drawn on the device, a clock that reads GPU time on CUDA and wall
 time on CPU, and per-layer time and memory probes of a training step.
 
-- ``device_init``: ``model.transformer.init_parameters``' distribution drawn on the parameter's device (drawing 3 B
+- ``use_device_init``: ``model.transformer.init_parameters``' distribution drawn on the parameter's device (drawing 3 B
   values on the CPU takes a minute). Each tensor has its own generator seeded by (seed, full-model name), as in the
   real initialisation, so every stage split (and every shadow replica, named as its owner) starts from the same
   weights.
@@ -16,30 +16,19 @@ time on CPU, and per-layer time and memory probes of a training step.
 """
 import statistics
 import time
-import zlib
+from functools import partial
 
 import torch
 
 from parallel.balance import ModeTimes, mode_key
 
 
-def device_init(named_parameters, args, n_layers, seed, rename=lambda name: name):
-    from model.transformer import init_std
-
-    for name, p in named_parameters:
-        if p.dim() < 2 or p.is_meta:
-            continue
-        full = rename(name)
-        generator = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(full.encode()))
-        with torch.no_grad():
-            p.normal_(std=init_std(full, args, n_layers), generator=generator)
-
-
 def use_device_init() -> None:
-    """Make every model and shadow replica built from now on draw its weights with ``device_init``."""
+    """Make every model and shadow replica built from now on draw its weights on their device."""
     import model.transformer
     import parallel.stage
 
+    device_init = partial(model.transformer.init_parameters, on_device=True)
     model.transformer.init_parameters = parallel.stage.init_parameters = device_init
 
 

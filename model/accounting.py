@@ -1,7 +1,8 @@
 """Parameter and KV-cache accounting, counted on the real modules built on the meta device.
 
 ``python -m model.accounting [overrides] [format=json]`` prints, for any model/layout config, the figures of
-SPEC §1.6: attention parameters common to every layer, what Reindex and Full layers add, all compression and
+SPEC §5.5 (backbone parameters without the Engram tables and the draft head, the tables, the draft head, the
+parameters active per token) and of SPEC §1.6: attention parameters common to every layer, what Reindex and Full layers add, all compression and
 indexing parameters, compressed entries per token and inference KV-cache bytes per token; and, at a context of
 ``seq_len=`` tokens (default ``data.seq_len``), the lightning indexer's scoring FLOPs per token.
 """
@@ -74,7 +75,19 @@ def account(args: ModelArgs, layout: Layout, seq_len: int, cache: CacheFormat = 
     selecting = [block.attn for block in model.layers.values() if block.attn.plan.selects]
     compress_index = sum(_numel(getattr(block.attn, part)) for block in model.layers.values()
                          for part in ("compressor", "indexer") if hasattr(block.attn, part))
+    named = dict(model.named_parameters())
+    tables = sum(p.numel() for n, p in named.items() if ".engram.embed." in n)
+    dspark = sum(p.numel() for n, p in named.items() if n.startswith("mtp."))
+    backbone = _numel(model) - tables - dspark
+    routed = sum(p.numel() for n, p in named.items() if ".ffn.experts." in n and not n.startswith("mtp."))
+    idle = routed - routed * args.moe.n_activated_experts // args.moe.n_routed_experts if routed else 0
     return {
+        "params_backbone": backbone,
+        "params_engram_tables": tables,
+        "params_dspark": dspark,
+        # what one token's forward multiplies by: the backbone less the embedding (a lookup) and the routed experts
+        # it does not activate
+        "params_active_per_token": backbone - named["embed.weight"].numel() - idle,
         "params_common_per_layer": common,
         "params_reindex_extra": extra[(Mode.REINDEX, 1)],
         "params_full_extra_m2": extra[(Mode.FULL, 2)],

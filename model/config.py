@@ -45,12 +45,15 @@ class MoEArgs:
 class EngramArgs:
     """Hashed n-gram memories added to the stream before some blocks (SPEC §5.3); no ``layers``: none."""
     layers: tuple[int, ...] = ()
-    num_embeddings: tuple[int, ...] = ()  # table rows per Engram layer
+    num_embeddings: tuple[int, ...] = ()  # table rows per Engram layer (checked); empty: computed from the buckets
     max_ngram_size: int = 4  # n-grams of sizes 2..max_ngram_size end at every position
     vocab_size: int = 16_000_000  # each (n-gram size, head) takes the next unused prime above this as its buckets
     n_heads: int = 8
     head_dim: int = 256
     pad_id: int = 2  # token id whose normalised id fills look-back slots before a document's start
+    # Normalised ids of the tokenizer the tables were trained with (the released 99092): every hash multiplier
+    # depends on it, so a data tokenizer that normalises to another count is refused; null: not checked.
+    compressed_vocab_size: int | None = None
     train: bool = True  # false: the tables are frozen (no gradient, no optimizer state)
 
     def __post_init__(self):
@@ -135,11 +138,18 @@ class ModelArgs:
                                  "token and >= 1 noise token")
             if not self.dspark.target_layers:
                 raise ValueError("model.dspark.target_layers is empty: DSpark reads the streams of >= 1 layer")
-        if self.engram.layers and len(self.engram.num_embeddings) != len(self.engram.layers):
-            raise ValueError(f"model.engram.num_embeddings={list(self.engram.num_embeddings)} needs one row count "
-                             f"per Engram layer (model.engram.layers={list(self.engram.layers)})")
+            if not 0 <= self.dspark.noise_token_id < self.vocab_size:
+                raise ValueError(f"model.dspark.noise_token_id={self.dspark.noise_token_id} is outside the vocabulary "
+                                 f"[0, model.vocab_size={self.vocab_size}): use a token id the model has")
+        given = self.engram.num_embeddings
+        if self.engram.layers and given and len(given) != len(self.engram.layers):
+            raise ValueError(f"model.engram.num_embeddings={list(given)} needs one row count per Engram layer "
+                             f"(model.engram.layers={list(self.engram.layers)}), or [] to compute them")
         if self.engram.layers and self.engram.max_ngram_size < 2:
             raise ValueError(f"model.engram.max_ngram_size={self.engram.max_ngram_size}: n-grams start at 2")
+        if self.engram.layers and not 0 <= self.engram.pad_id < self.vocab_size:
+            raise ValueError(f"model.engram.pad_id={self.engram.pad_id} is outside the vocabulary "
+                             f"[0, model.vocab_size={self.vocab_size}): use the tokenizer's padding id")
 
     @property
     def dspark_moe(self) -> MoEArgs:

@@ -25,12 +25,13 @@ from kernels import reference
 from model.attention import Attention, linear
 from model.config import ModelArgs
 from model.geometry import Geometry, TokenGeometry
-from model.hyper import add_mix_parameters, collapse, copies, first_pre_mix, staggered_block
+from model.hyper import add_mix_parameters, begin, end, residual_block
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
 from model.weights import matmul_weights
 
 IGNORE = -100  # target of a slot with nothing to predict (F.cross_entropy's ignore_index)
+DRAFT_PARTS = ("ce", "l1", "confidence")  # the loss parts of ``draft_losses``, in their order
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,8 @@ class DSparkBlock(nn.Module):
         self.attn = DSparkAttention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
         self.ffn = make_ffn()
-        add_mix_parameters(self, args.hc_mult, args.dim)
+        if args.hc_mult > 1:
+            add_mix_parameters(self, args.hc_mult, args.dim)
         if first:
             self.main_proj = linear(len(args.dspark.target_layers) * args.dim, args.dim)
             self.main_norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
@@ -150,9 +152,9 @@ class DSparkBlock(nn.Module):
     def forward(self, x, pre, main_x, anchors: Anchors, geometry: Geometry):
         """The stream x [N, bs, hc, D] and its pending pre-mix [N, bs, hc] -> both after this block."""
         args = self.args
-        return staggered_block(self, x, pre, lambda h: self.attn(self.attn_norm(h), main_x, anchors, geometry),
-                               lambda h: self.ffn(self.ffn_norm(h)), args.hc_sinkhorn_iters, args.norm_eps,
-                               args.hc_eps)
+        return residual_block(self, x, pre, lambda h: self.attn(self.attn_norm(h), main_x, anchors, geometry),
+                              lambda h: self.ffn(self.ffn_norm(h)), args.hc_sinkhorn_iters, args.norm_eps,
+                              args.hc_eps)
 
 
 @dataclass
@@ -171,12 +173,6 @@ class DSpark(nn.ModuleList):
         d = args.dspark
         if d.blocks < 1:
             raise ValueError(f"model.dspark.blocks={d.blocks}: DSpark needs >= 1 block (0 means no draft head)")
-        if not 0 <= d.noise_token_id < args.vocab_size:
-            raise ValueError(f"model.dspark.noise_token_id={d.noise_token_id} is outside the vocabulary "
-                             f"[0, {args.vocab_size}): set it to a token id of model.vocab_size")
-        if args.hc_mult < 2:
-            raise ValueError(f"model.hc_mult={args.hc_mult}: DSpark's blocks are hyper-connected (mHC, as the "
-                             "released mtp.*); use model.hc_mult >= 2 or model.dspark.blocks=0")
         super().__init__(DSparkBlock(args, make_ffn, first=i == 0, last=i == d.blocks - 1) for i in range(d.blocks))
         self.args = args
 
@@ -193,11 +189,10 @@ class DSpark(nn.ModuleList):
         first, last = self[0], self[-1]
         anchors = Anchors.of(geometry, input_ids, d.block_size, d.noise_token_id)
         main_x = first.main_norm(first.main_proj(torch.cat([f.detach() for f in features], dim=-1)))
-        x = copies(F.embedding(anchors.inputs.flatten(0, 1), embed_weight.detach()), args.hc_mult)
-        pre = first_pre_mix(x)
+        x, pre = begin(F.embedding(anchors.inputs.flatten(0, 1), embed_weight.detach()), args.hc_mult)
         for block in self:
             x, pre = block(x, pre, main_x, anchors, geometry)
-        hidden = collapse(x, pre)
+        hidden = end(x, pre)
         logits = F.linear(last.norm(hidden), head_weight.detach())
         bias, markov_embed = last.markov_head(anchors.prev.flatten(0, 1))
         logits = logits.to(bias.dtype) + bias

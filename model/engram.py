@@ -78,6 +78,17 @@ def bucket_primes(vocab_size: int, count: int) -> list[int]:
     return primes
 
 
+def table_rows(args: EngramArgs) -> tuple[int, ...]:
+    """Rows of every Engram layer's table (``args.layers`` order): the sum of its buckets' primes."""
+    per_layer = (args.max_ngram_size - 1) * args.n_heads
+    return tuple(_rows(args, bucket_primes(args.vocab_size, len(args.layers) * per_layer)))
+
+
+def _rows(args: EngramArgs, primes: list[int]) -> list[int]:
+    per_layer = (args.max_ngram_size - 1) * args.n_heads
+    return [sum(primes[i * per_layer:(i + 1) * per_layer]) for i in range(len(args.layers))]  # ints: also on meta
+
+
 class EngramHash(nn.Module):
     """Maps each position to its table rows in every Engram layer: ``[B,T,n_layers,(max_ngram_size-1)*n_heads]``.
 
@@ -95,8 +106,9 @@ class EngramHash(nn.Module):
             raise ValueError(f"the token map holds id {max(token_map)} >= its size {map_size}: pass the size "
                              "compressed_token_map returned with it")
         n_layers, size, heads = len(args.layers), args.max_ngram_size, args.n_heads
-        primes = torch.tensor(bucket_primes(args.vocab_size, n_layers * (size - 1) * heads)).view(n_layers, -1)
-        rows = primes.sum(1).tolist()
+        found = bucket_primes(args.vocab_size, n_layers * (size - 1) * heads)
+        rows = _rows(args, found)
+        primes = torch.tensor(found).view(n_layers, -1)
         if args.num_embeddings and tuple(args.num_embeddings) != tuple(rows):
             raise ValueError(f"model.engram.num_embeddings={list(args.num_embeddings)} disagrees with the rows its "
                              f"bucket layout gives, {rows}: set those, or leave it empty")

@@ -2,7 +2,12 @@
 
 Computed work only, forward + backward, activation recomputation not counted (the MFU convention):
 - matmuls: 6 x params x tokens for every matrix applied per token (embedding lookup excluded, LM head included);
-  the indexer's matrices 4 x (their inputs are detached: no input gradient); ``wk`` per compressed entry (T/m).
+  the indexer's matrices 4 x (their inputs are detached: no input gradient); ``wk`` per compressed entry (T/m);
+  a MoE's routed experts only as the share a token activates (top-k of the experts), its gate and shared expert
+  whole; Engram's table lookups and its elementwise gate weights excluded (not matmuls), its ``wkv`` counted; the
+  hyper-connection mixes counted (one [mix, hc x D] matrix per sublayer and token), their collapse and expand
+  not (elementwise); the draft head (``mtp.*``) only when the job trains it: its matrices per drafted token
+  (``block_size`` a token), the shared head too.
 - sparse attention: 4 x H x D per (query, visible slot) forward, x3 forward + backward; visible slots per query
   min(W, t+1) + min(K, (t+1)//m) (window-only layers: the first term).
 - indexer scoring (no gradient): 2 x index heads x index dim per (query, entry scored): all (t+1)//m visible
@@ -24,20 +29,30 @@ def causal_slots(T: int, m: int, cap: int) -> int:
     return m * q * (q - 1) // 2 + r * q + (T - below_cap) * cap
 
 
-def model_flops(model, layout: Layout, args: ModelArgs, T: int, B: int, dense: bool = False) -> dict[str, int]:
+def model_flops(model, layout: Layout, args: ModelArgs, T: int, B: int, dense: bool = False,
+                dspark: bool = False) -> dict[str, int]:
     """FLOPs of one forward + backward of ``B`` rows of ``T`` tokens through ``model`` (its parameters give the
-    matmuls; the attention terms come from ``layout``), split into matmul, attention and indexer."""
+    matmuls; the attention terms come from ``layout``), split into matmul, attention and indexer; ``dspark``: the
+    draft head trains."""
     tokens = B * T
     matmul = 0
     for name, p in model.named_parameters():
-        if p.dim() < 2 or name.startswith("embed"):
+        if p.dim() < 2 or name.startswith("embed") or ".engram.embed." in name or name.endswith(("q_weight",
+                                                                                                "k_weight")):
             continue
-        if ".indexer.wk." in name:
-            matmul += 4 * p.numel() * B * (T // layout.compress_ratios[int(name.split(".")[1])])
+        drafting = name.startswith("mtp.")
+        moe = args.dspark_moe if drafting else args.moe
+        active = p.numel() * moe.n_activated_experts // moe.n_routed_experts if ".ffn.experts." in name else p.numel()
+        if drafting:
+            matmul += 6 * active * tokens * args.dspark.block_size if dspark else 0
+        elif ".indexer.wk." in name:
+            matmul += 4 * active * B * (T // layout.compress_ratios[int(name.split(".")[1])])
         elif ".indexer." in name:
-            matmul += 4 * p.numel() * tokens
+            matmul += 4 * active * tokens
         else:
-            matmul += 6 * p.numel() * tokens
+            matmul += 6 * active * tokens
+    if dspark:
+        matmul += 6 * model.head.weight.numel() * tokens * args.dspark.block_size
     attention = indexer = 0
     H, D, W, K = args.n_heads, args.head_dim, args.window_size, args.index_topk
     index_width = args.index_n_heads * args.index_head_dim
@@ -57,11 +72,12 @@ def model_flops(model, layout: Layout, args: ModelArgs, T: int, B: int, dense: b
     return {"matmul": matmul, "attention": attention, "indexer": indexer, "total": matmul + attention + indexer}
 
 
-def training_flops(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: int) -> int:
+def training_flops(args: ModelArgs, layout: Layout, seq_len: int, micro_batch: int, dspark: bool = False) -> int:
     """Model FLOPs of one microbatch of the whole model (built on the meta device: no memory, no init), with the
     attention ``model.attention`` names."""
     from model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(args, layout)
-    return model_flops(model, layout, args, seq_len, micro_batch, dense=args.attention == "dense")["total"]
+    return model_flops(model, layout, args, seq_len, micro_batch, dense=args.attention == "dense",
+                       dspark=dspark and args.dspark.blocks > 0)["total"]

@@ -148,3 +148,26 @@ def staggered_block(module: nn.Module, x: torch.Tensor, pre_in: torch.Tensor, at
                                         norm_eps, hc_eps)
     x = expand(ffn_branch(collapse(x, attn_pre)), x, ffn_post, ffn_comb)
     return x, ffn_pre
+
+
+def residual_block(module: nn.Module, x: torch.Tensor, pre: torch.Tensor | None, attn_branch, ffn_branch,
+                   iters: int, norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A block on either stream: the plain pre-norm residual (``pre`` None: ``x + attn``, then ``+ ffn``, exactly
+    the stack without hyper-connections) or ``staggered_block``."""
+    if pre is None:
+        x = x + attn_branch(x)
+        return x + ffn_branch(x), None
+    return staggered_block(module, x, pre, attn_branch, ffn_branch, iters, norm_eps, hc_eps)
+
+
+def begin(h: torch.Tensor, hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The stream an embedding starts: itself (``hc`` 1), or its copies with the one-hot first pre-mix."""
+    if hc == 1:
+        return h, None
+    x = copies(h, hc)
+    return x, first_pre_mix(x)
+
+
+def end(x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+    """What a head reads of the stream: itself, or the copies collapsed with the last block's pre-mix."""
+    return x if pre is None else collapse(x, pre)

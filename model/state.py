@@ -29,6 +29,11 @@ class SharedState:
         self.indexer_losses: dict[int, torch.Tensor] = {}  # index source -> KL, once its last reader ran
         self.index_recall: dict[int, torch.Tensor] = {}  # reading layer -> recall (evaluation diagnostic)
         self.on_store = None  # optional callback(field, layer, tensor) for every tensor stored (a ledger)
+        # Around the attention (SPEC §5): the row's token ids (Engram hashes, the draft head's inputs and targets),
+        # the hash ids per Engram layer, and the draft head's features (detached) per target layer.
+        self.input_ids: torch.Tensor | None = None
+        self.engram_ids: dict[int, torch.Tensor] = {}
+        self.dspark_features: dict[int, torch.Tensor] = {}
 
     def reads(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
         """The shared tensors layer ``plan`` consumes."""
@@ -52,6 +57,8 @@ class SharedState:
             self._add_reader_mass(plan.index_source, produced["selected_mass"])
         if "recall" in produced:
             self.index_recall[plan.layer_id] = produced["recall"]
+        if "dspark_feature" in produced:
+            self.dspark_features[plan.layer_id] = produced["dspark_feature"]
         self._release_after(plan.layer_id)
 
     def live(self) -> dict[str, list[int]]:

@@ -1,8 +1,23 @@
-"""The CSA2 decoder stack: embedding, pre-norm blocks (CSA2 attention + dense SwiGLU FFN), final norm, LM head."""
+"""The CSA2 decoder stack: embedding, pre-norm blocks (CSA2 attention + an FFN), final norm, LM head, and the
+V4.1 parts around them (SPEC §5), each behind its switch:
+
+- ``ffn``: the dense SwiGLU ``FeedForward`` or the Mixture-of-Experts of ``model/moe.py``;
+- ``hc_mult > 1``: the residual stream is ``hc_mult`` hyper-connected copies (``model/hyper.py``); a block takes
+  and returns the stream with its pending pre-mix (the previous block's FFN mixes), and the head collapses the
+  stream with the last block's;
+- ``engram.layers``: hashed n-gram memories added to the stream before those blocks (``model/engram.py``);
+- ``dspark.blocks``: the draft head ``mtp`` (``model/dspark.py``) on detached features of the streams entering
+  its target layers; it runs only when the job trains it (``run_dspark``), and is built (loadable, exportable)
+  always.
+With every switch off the stack is the plain pre-norm model, bit for bit.
+
+The stream a slice of layers passes on is a pair ``(x, pre)``: ``x`` [B,T,D] (plain) or [B,T,hc,D], fp32 in
+training, and ``pre`` [B,T,hc] fp32 (None for the plain stream). A pipeline boundary carries both.
+"""
 import math
 import zlib
 from functools import partial
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +26,14 @@ from torch.utils.checkpoint import checkpoint
 
 import kernels
 
+from model import hyper
 from model.attention import Attention, linear
 from model.config import ModelArgs
 from model.dense import DenseAttention
+from model.dspark import DSpark, DSparkOutput
+from model.engram import Engram, EngramHash, EngramTable
 from model.layout import Layout, LayerPlan
+from model.moe import MoE, update_bias
 from model.norm import RMSNorm
 from model.state import SharedState
 from model.weights import matmul_weights
@@ -32,36 +51,67 @@ class FeedForward(nn.Module):
         return F.linear(swiglu(F.linear(x, w13)), w2)  # w1 and w3: one GEMM, [gate | up]
 
 
+def make_ffn(args: ModelArgs, moe=None) -> nn.Module:
+    """The FFN of a block: dense SwiGLU, or the MoE of ``moe`` (default ``args.moe``) when ``args.ffn`` is moe."""
+    if args.ffn == "moe":
+        return MoE(args.dim, moe or args.moe, args.kernel_backend)
+    return FeedForward(args.dim, args.inter_dim, args.kernel_backend)
+
+
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layout: Layout, plan: LayerPlan):
+    def __init__(self, args: ModelArgs, layout: Layout, plan: LayerPlan, engram: Engram | None = None):
         super().__init__()
+        self.args = args
         self.recompute = False  # set by the parallel config (activation checkpointing of this layer)
         self.keep_attention = False  # with recompute: keep the sparse attention's outputs instead of re-running it
+        self.feeds_dspark = args.dspark.blocks > 0 and plan.layer_id in args.dspark.target_layers
+        if engram is not None:
+            self.engram = engram
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
         attention = DenseAttention if args.attention == "dense" else Attention
         self.attn = attention(args, plan, layout.candidate_topk_blocks, layout.candidate_block_size)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
-        self.ffn = FeedForward(args.dim, args.inter_dim, args.kernel_backend)
+        self.ffn = make_ffn(args)
+        if args.hc_mult > 1:
+            hyper.add_mix_parameters(self, args.hc_mult, args.dim)
 
-    def forward(self, x: torch.Tensor, state: SharedState) -> torch.Tensor:
-        """Runs the layer on the forward's shared state. With ``recompute`` the layer is a non-reentrant
-        checkpoint: its shared inputs are explicit arguments, so recomputation in backward sees the same tensors
-        even after the state has dropped them. The checkpoint is selective (``kernels.checkpoint_contexts``): the
-        indexer's selection is saved, and with ``keep_attention`` the sparse-attention op's outputs too; the rest of
-        the layer is recomputed, without the selected mass (only the forward reads it)."""
+    def forward(self, x: torch.Tensor, pre: torch.Tensor | None, state: SharedState):
+        """Runs the layer on the forward's shared state; returns the stream ``(x, pre)``. With ``recompute`` the
+        layer is a non-reentrant checkpoint: its shared inputs are explicit arguments, so recomputation in backward
+        sees the same tensors even after the state has dropped them. The checkpoint is selective
+        (``kernels.checkpoint_contexts``): the indexer's selection is saved, and with ``keep_attention`` the
+        sparse-attention op's outputs too; the rest of the layer is recomputed, without the selected mass (only
+        the forward reads it)."""
         plan = self.attn.plan
         run = self._compute
         if self.recompute:
             contexts = partial(kernels.checkpoint_contexts, self.keep_attention)
             run = partial(checkpoint, self._compute, use_reentrant=False, context_fn=contexts)
-        x, produced = run(x, state.geometry, state.reads(plan), state.collect_recall)
+        engram_ids = state.engram_ids.get(plan.layer_id) if hasattr(self, "engram") else None
+        x, pre, produced = run(x, pre, state.geometry, state.reads(plan), engram_ids, state.collect_recall)
         state.write(plan, produced)
-        return x
+        return x, pre
 
-    def _compute(self, x, geometry, reads, collect_recall):
-        attn_out, produced = self.attn(self.attn_norm(x), geometry, reads, collect_recall)
-        x = x + attn_out
-        return x + self.ffn(self.ffn_norm(x)), produced
+    def _compute(self, x, pre, geometry, reads, engram_ids, collect_recall):
+        produced = {}
+
+        def attention(h):
+            out, produced_by_attention = self.attn(self.attn_norm(h), geometry, reads, collect_recall)
+            produced.update(produced_by_attention)
+            return out
+
+        def ffn(h):
+            return self.ffn(self.ffn_norm(h))
+
+        if engram_ids is not None:
+            x = self.engram(x if pre is not None else x.unsqueeze(2), engram_ids)
+            x = x if pre is not None else x.squeeze(2)
+        if self.feeds_dspark:
+            produced["dspark_feature"] = (x if pre is None else x.mean(2)).detach()
+        args = self.args
+        x, pre = hyper.residual_block(self, x, pre, attention, ffn, args.hc_sinkhorn_iters, args.norm_eps,
+                                      args.hc_eps)
+        return x, pre, produced
 
 
 @dataclass
@@ -69,61 +119,131 @@ class ModelOutput:
     logits: torch.Tensor  # [B,T,V] fp32 (fp64 in an fp64 model)
     indexer_losses: dict[int, torch.Tensor]  # index source layer -> KL of its selection (SPEC §2)
     index_recall: dict[int, torch.Tensor]  # reading layer -> recall vs its dense attention (collect_recall only)
+    draft_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # the draft head's parts, when it trains
 
 
 class Transformer(nn.Module):
     """The CSA2 stack, or a contiguous slice of it (``layer_ids``) for a pipeline stage.
 
-    A slice holds the embedding only if it starts at layer 0 and the final norm and head only if it ends at the
-    last layer; its parameter names are the full model's (``layers.<id>.``), so a stage's state dict is a subset
-    of the model's and checkpoints do not depend on the split. Initial values depend only on (seed, parameter
-    name), so every split starts from the same weights."""
+    A slice holds the embedding only if it starts at layer 0 and the final norm, head and draft head only if it
+    ends at the last layer; its parameter names are the full model's (``layers.<id>.``, ``mtp.<k>.``), so a
+    stage's state dict is a subset of the model's and checkpoints do not depend on the split. Initial values
+    depend only on (seed, parameter name), so every split starts from the same weights.
+
+    ``token_map`` (normalised ids of the data tokenizer and their count, ``model.engram.compressed_token_map``)
+    feeds the Engram hashes; without it every token is its own normalised id. ``engram_rows``: how this process
+    holds the Engram tables, ``(exchange, rank, world)`` of their row shards (default: whole, local)."""
 
     def __init__(self, args: ModelArgs, layout: Layout, layer_ids: range | None = None, seed: int = 0,
-                 init: bool = True):
+                 init: bool = True, token_map: tuple[list[int], int] | None = None, engram_rows=None,
+                 run_dspark: bool = False):
         super().__init__()
         layout.check_candidate_capacity(args.index_topk)
+        args.check_stack(layout.n_layers)
         self.args, self.layout = args, layout
         layer_ids = range(layout.n_layers) if layer_ids is None else layer_ids
         self.has_embed, self.has_head = layer_ids.start == 0, layer_ids.stop == layout.n_layers
         if self.has_embed:
             self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args, layout, layout.plan[i]) for i in layer_ids})
+        engram_layers = [i for i in args.engram.layers if i in layer_ids]
+        self.engram_hash = EngramHash(args.engram, *(token_map or identity_map(args.vocab_size))) \
+            if engram_layers else None
+        exchange, rank, world = engram_rows or (None, 0, 1)
+        self.layers = nn.ModuleDict({str(i): Block(args, layout, layout.plan[i], Engram(
+            args.dim, args.hc_mult, args.engram, self.engram_hash.table_rows(i), args.norm_eps, exchange, rank, world)
+            if i in engram_layers else None) for i in layer_ids})
+        self.run_dspark = run_dspark and self.has_head and args.dspark.blocks > 0
         if self.has_head:
             self.norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
             self.head = linear(args.dim, args.vocab_size)
+            if args.dspark.blocks:
+                self.mtp = DSpark(args, partial(make_ffn, args, args.dspark_moe))
         if init:  # False: the caller draws the values (benchmarks drawing init_std's distribution on the GPU)
-            init_parameters(self.named_parameters(), args, layout.n_layers, seed)
+            init_parameters(self.state_dict(keep_vars=True).items(), args, layout.n_layers, seed, self.row_shards())
 
-    def new_state(self, doc_ids: torch.Tensor, collect_recall: bool = False) -> SharedState:
-        return SharedState(self.layout, doc_ids, self.args.window_size, collect_recall)
+    def new_state(self, doc_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
+                  collect_recall: bool = False) -> SharedState:
+        """The forward's shared state; ``input_ids`` when this slice hashes n-grams or trains the draft head."""
+        state = SharedState(self.layout, doc_ids, self.args.window_size, collect_recall)
+        state.input_ids = input_ids
+        if self.engram_hash is not None:
+            ids = self.engram_hash(input_ids, state.geometry.tokens.doc_start)
+            state.engram_ids = {layer: ids[:, :, k] for k, layer in enumerate(self.args.engram.layers)}
+        return state
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """An out-of-range id would index past the embedding (a device assert on GPU): fail with the id."""
+    def embed_tokens(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stream entering layer 0: the embedding, repeated into the hyper-connected copies (with the one-hot
+        first pre-mix) when there are several. An out-of-range id would index past the embedding (a device assert
+        on GPU): fail with the id."""
         bad = (input_ids < 0) | (input_ids >= self.args.vocab_size)
         if bad.any():
             raise ValueError(f"token id {input_ids[bad][0].item()} is outside the model's vocabulary "
                              f"[0, {self.args.vocab_size})")
-        return self.embed(input_ids)
+        return hyper.begin(self.embed(input_ids), self.args.hc_mult)
 
-    def run_layers(self, h: torch.Tensor, state: SharedState) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, pre: torch.Tensor | None, state: SharedState):
         for layer in self.layers.values():
-            h = layer(h, state)
-        return h
+            x, pre = layer(x, pre, state)
+        return x, pre
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.norm(h))
+    def logits(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+        logits = self.head(self.norm(hyper.end(x, pre)))
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    def draft(self, state: SharedState, logits: torch.Tensor,
+              embed_weight: torch.Tensor | None = None) -> DSparkOutput | None:
+        """The draft head's output on this forward's features (None unless the job trains it). It shares the input
+        embedding: this slice's, or ``embed_weight`` (a replica, on a last pipeline stage without it)."""
+        if not self.run_dspark:
+            return None
+        features = [state.dspark_features[layer] for layer in self.args.dspark.target_layers]
+        embed = self.embed.weight if self.has_embed else embed_weight
+        return self.mtp(features, state.input_ids, state.geometry, embed, self.head.weight, logits)
+
+    def row_shards(self) -> dict[str, tuple[int, int]]:
+        """Parameters that hold a contiguous range of the rows of a larger table (the Engram tables, row-sharded
+        over a stage's data-parallel ranks): name -> (first row held, rows of the whole table)."""
+        return {f"{name}.weight": (module.start, module.rows) for name, module in self.named_modules()
+                if isinstance(module, EngramTable)}
+
+    def experts(self) -> dict[str, MoE]:
+        """The MoE FFNs of this slice by module name (``layers.3.ffn``, ``mtp.0.ffn``)."""
+        return {name: module for name, module in self.named_modules() if isinstance(module, MoE)}
+
+    def balance_experts(self, all_reduce, apply: bool = True) -> dict[str, torch.Tensor]:
+        """The auxiliary-loss-free balance step (SPEC §5.1) of every MoE of this slice, after an optimizer step:
+        the expert loads of the step's training forwards, summed over the data-parallel replicas by
+        ``all_reduce`` (in place, one call for all layers, so every replica moves its bias alike), move each
+        routing bias by ``rate * sign(mean load - load)`` when ``apply`` (not for a skipped step). Returns the
+        summed loads by module name."""
+        moes = self.experts()
+        if not moes:
+            return {}
+        loads = torch.cat([moe.take_load() for moe in moes.values()])
+        all_reduce(loads)
+        loads = dict(zip(moes, loads.split([moe.gate.bias.numel() for moe in moes.values()])))
+        if apply:
+            for name, moe in moes.items():
+                update_bias(moe.gate, loads[name], moe.args.bias_update_rate)
+        return loads
 
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 collect_recall: bool = False) -> ModelOutput:
         """Logits and per-source indexer losses; ``collect_recall`` adds each reading layer's index recall."""
-        state = self.new_state(torch.zeros_like(input_ids) if doc_ids is None else doc_ids, collect_recall)
-        h = self.run_layers(self.embed_tokens(input_ids), state)
-        return ModelOutput(self.logits(h), state.indexer_losses, state.index_recall)
+        state = self.new_state(torch.zeros_like(input_ids) if doc_ids is None else doc_ids, input_ids,
+                               collect_recall)
+        x, pre = self.run_layers(*self.embed_tokens(input_ids), state)
+        logits = self.logits(x, pre)
+        draft = self.draft(state, logits)
+        return ModelOutput(logits, state.indexer_losses, state.index_recall, draft.losses if draft else {})
 
 
-RESIDUAL_OUTPUTS = ("wo_b.weight", "ffn.w2.weight", "attn.wo.weight")  # matrices that write the residual stream
+def identity_map(vocab_size: int) -> tuple[list[int], int]:
+    """Every token its own normalised id (no tokenizer given: tests, accounting)."""
+    return list(range(vocab_size)), vocab_size
+
+
+RESIDUAL_OUTPUTS = ("wo_b.weight", "attn.wo.weight")  # matrices that write the residual stream, with every FFN's w2
 
 
 def init_std(name: str, args: ModelArgs, n_layers: int) -> float:
@@ -137,19 +257,51 @@ def init_std(name: str, args: ModelArgs, n_layers: int) -> float:
         return args.embed_init_std
     if name == "head.weight":
         return args.head_init_std
-    return args.init_std / math.sqrt(2 * n_layers) if name.endswith(RESIDUAL_OUTPUTS) else args.init_std
+    writes_stream = name.endswith(RESIDUAL_OUTPUTS) or (".ffn." in name and name.endswith(".w2.weight"))
+    return args.init_std / math.sqrt(2 * n_layers) if writes_stream else args.init_std
 
 
-def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int, rename=lambda name: name) -> None:
-    """Normal(0, ``init_std(name)``) for matrices; norms keep 1, sinks 0. Each tensor draws from a generator
-    seeded by (seed, its name), so values do not depend on which other parameters a process builds (pipeline
-    stages, shadow replicas under their owner's ``rename``)."""
+GAINS = ("engram.q_weight", "engram.k_weight")  # 2-D but elementwise gains: they keep their ones
+TABLE_CHUNK = 1 << 16  # rows of a row-sharded table drawn from one generator
+
+
+def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int,
+                    row_shards: dict[str, tuple[int, int]] | None = None, rename=lambda name: name,
+                    on_device: bool = False) -> None:
+    """Normal(0, ``init_std(name)``) for matrices; norms and gains keep 1, sinks 0. Each tensor draws from a
+    generator seeded by (seed, its name), so values do not depend on which other parameters a process builds
+    (pipeline stages, shadow replicas under their owner's ``rename``). The names are the state dict's: a routed
+    expert's matrices draw under their per-expert names, whichever experts a process holds. A row-sharded table
+    (``row_shards``: name -> (first row, table rows)) draws in chunks of ``TABLE_CHUNK`` rows, each from its own
+    generator, so a shard holds the rows of the whole table's draw, whatever the number of shards. ``on_device``:
+    drawn where the parameter lives (benchmarks of 3 B models, whose CPU draw takes minutes: the same
+    distribution, other values)."""
     for name, p in named_parameters:
-        if p.dim() < 2 or p.is_meta:
+        if p.dim() < 2 or p.is_meta or not p.is_floating_point() or name.endswith(GAINS):
             continue
+        shard = (row_shards or {}).get(name)
         name = rename(name)
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        values = torch.empty(p.shape, dtype=torch.float32, device="cpu").normal_(
-            std=init_std(name, args, n_layers), generator=generator)
+        std, device = init_std(name, args, n_layers), p.device if on_device else torch.device("cpu")
         with torch.no_grad():
-            p.copy_(values)
+            if shard is None:
+                p.copy_(_normal(p.shape, std, seed, name, device))
+            else:
+                _draw_rows(p, *shard, std, seed, name, device)
+
+
+def _normal(shape, std: float, seed: int, name: str, device: torch.device, chunk: int | None = None) -> torch.Tensor:
+    key = name if chunk is None else f"{name}#{chunk}"
+    generator = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    return torch.empty(shape, dtype=torch.float32, device=device).normal_(std=std, generator=generator)
+
+
+def _draw_rows(p: torch.Tensor, start: int, rows: int, std: float, seed: int, name: str, device) -> None:
+    """Rows ``start:start + len(p)`` of a table of ``rows`` rows drawn chunk by chunk; rows past the table (the
+    last shard's padding) are zeros."""
+    p.zero_()
+    stop = min(start + p.shape[0], rows)
+    for chunk in range(start // TABLE_CHUNK, -(-stop // TABLE_CHUNK)):
+        lo, hi = chunk * TABLE_CHUNK, min((chunk + 1) * TABLE_CHUNK, rows)
+        values = _normal((hi - lo, *p.shape[1:]), std, seed, name, device, chunk)
+        a, b = max(lo, start), min(hi, stop)
+        p[a - start:b - start].copy_(values[a - lo:b - lo])

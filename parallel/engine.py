@@ -6,9 +6,13 @@ switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
   reduction, only the owner's copy is in the optimizer, and after the step the owner's values are broadcast
   to its replicas, so replicas stay bitwise equal to the owner;
 - gradient clipping by the global norm over all stages (DeepSpeed's fp32 clipping, given a pipeline grid,
-  counts only the first stage's gradients), the indexer's parameters clipped by their own norm so that the
-  indexer loss never changes how far the trunk moves (SPEC §2: the indexer learns only from its KL);
+  counts only the first stage's gradients), the indexer's and the draft head's parameters each clipped by their
+  own norm so that their losses never change how far the trunk moves (SPEC §2: the indexer learns only from its
+  KL; §5.4: the draft head only from its own loss);
 - a non-finite loss skips the whole step on every rank (no parameter, optimizer or schedule change);
+- the MoE layers' auxiliary-loss-free balance: after every applied step each routing bias moves against its
+  expert loads summed over the step's microbatches and the stage's data-parallel replicas, so every replica keeps
+  the same bias (``Transformer.balance_experts``);
 - ZeRO stage 1 (``zero_optimization.stage=1``): each data-parallel rank of a stage steps and keeps the optimizer
   state of its own run of the stage's rows and broadcasts them (``parallel/zero.py``: why not DeepSpeed's);
 - with ``p2p="overlap"``, boundary transfers that overlap compute: asynchronous, batched, on process groups of
@@ -17,8 +21,10 @@ switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
 Checkpoints hold the model per transformer layer and the optimizer state per parameter name (and row range), so
 they load under any split and data-parallel size.
 """
+import glob
 import os
 from collections import OrderedDict
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -26,14 +32,16 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
+from deepspeed.runtime.sparse_tensor import SparseTensor
 
 from model.config import ModelArgs
-from model.groups import GROUPS, param_group
+from model.groups import CLIP_GROUPS, GROUPS, clip_group, param_group
 from model.layout import Layout
 from parallel.p2p import EagerSends, StageLinks, boundary_groups
 from parallel.partition import StagePlan
+from parallel.rows import RowExchange
 from parallel.stage import SHADOW_PREFIX, PipelineStage, owner_name, shadow_sources
-from parallel.zero import OptimizerShards
+from parallel.zero import OptimizerShards, Shard, rows_of_state
 
 class CSA2PipelineModule(PipelineModule):
     """One ``PipelineStage`` per pipeline stage. ``loss_fn(outputs, labels)`` runs on the last stage; it names
@@ -42,23 +50,54 @@ class CSA2PipelineModule(PipelineModule):
 
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn,
                  micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int,
-                 recompute_layers: int, keep_attention_layers: tuple[int, ...] | None = None):
+                 recompute_layers: int, keep_attention_layers: tuple[int, ...] | None = None, token_map=None,
+                 run_dspark: bool = False):
         """``keep_attention_layers``: per stage, how many of its leading recomputed layers keep their attention
-        outputs (none when not given)."""
+        outputs (none when not given); ``token_map`` and ``run_dspark``: ``PipelineStage``'s."""
         os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
         keep = keep_attention_layers or (0,) * len(plan.stages)
+        stages, replicas = len(plan.stages), dist.get_world_size() // len(plan.stages)
+        tables = self._table_rows(stages, replicas) if args.engram.layers else None
         specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
-                           recompute_layers, keep[s]) for s in range(len(plan.stages))]
-        super().__init__(layers=specs, num_stages=len(plan.stages), loss_fn=loss_fn, partition_method="uniform")
-        self.layout, self.plan, self.index_k = layout, plan, index_k
+                           recompute_layers, keep[s], token_map, run_dspark, tables) for s in range(stages)]
+        super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method="uniform")
+        if tables is not None and tables[0].ranks != self._grid.get_data_parallel_group_ranks():
+            raise RuntimeError(f"the Engram row shards were laid over ranks {tables[0].ranks}, but DeepSpeed's "
+                               f"data-parallel group of this stage is {self._grid.get_data_parallel_group_ranks()}")
+        self.layout, self.plan, self.index_k, self.run_dspark = layout, plan, index_k, run_dspark
+        self.row_shards = self.stage.model.row_shards()
+
+    @staticmethod
+    def _table_rows(stages: int, replicas: int):
+        """``(exchange, rank, world)`` of this rank's Engram table shards: the rows of every table are split over
+        the stage's data-parallel ranks (196.6 B parameters cannot be replicated). The groups are made here, by
+        every rank in the same order, before the stages exist: DeepSpeed's topology puts rank ``stage * replicas +
+        replica`` (checked against its data-parallel group once it is built)."""
+        mine = None
+        for stage in range(stages):
+            ranks = [stage * replicas + r for r in range(replicas)]
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = RowExchange(group, ranks)
+        return mine, mine.rank, mine.world
 
     @property
     def stage(self) -> PipelineStage:
         return self.forward_funcs[0]
 
     def owned_parameters(self) -> list[torch.nn.Parameter]:
-        """What the optimizer updates: everything but shadow replicas."""
-        return [p for n, p in self.stage.named_parameters() if not n.startswith(SHADOW_PREFIX)]
+        """What the (dense) optimizer updates: everything but shadow replicas and the row-sharded tables."""
+        return list(self.dense_named_parameters().values())
+
+    def dense_named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The stage's own parameters but its row-sharded tables (under the full model's names): what the dense
+        optimizer steps and the data-parallel reduction sums."""
+        return {n: p for n, p in self.stage.model.named_parameters() if n not in self.row_shards}
+
+    def table_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The row-sharded tables that train (sparse gradients, ``torch.optim.SparseAdam``)."""
+        named = dict(self.stage.model.named_parameters())
+        return {n: named[n] for n in self.row_shards if named[n].requires_grad}
 
     def get_additional_losses(self):
         parts = self.loss_fn.parts
@@ -68,23 +107,71 @@ class CSA2PipelineModule(PipelineModule):
 
     def save_weights(self, save_dir: str) -> None:
         """One file per transformer layer (plus embedding and head), named by the full model's layer ids; written
-        by the first data-parallel rank of each stage (the others hold the same weights)."""
+        by the first data-parallel rank of each stage (the others hold the same weights). A row-sharded table's
+        rows are written by every rank that holds some, one file per rank (``rows_file``)."""
+        os.makedirs(save_dir, exist_ok=True)
+        state = self.stage.owned_state_dict()
+        for name, (start, rows) in self.row_shards.items():
+            stop = min(start + state[name].shape[0], rows)  # the last shard's padding is not part of the table
+            if stop > start:
+                torch.save({"name": name, "rows": (start, stop), "values": state[name][:stop - start].clone()},
+                           os.path.join(save_dir, rows_file(name, start)))
         if self._grid.data_parallel_id != 0:
             return
-        os.makedirs(save_dir, exist_ok=True)
-        for part, tensors in split_by_layer(self.stage.owned_state_dict()).items():
+        dense = {k: v for k, v in state.items() if k not in self.row_shards}
+        for part, tensors in split_by_layer(dense).items():
             torch.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, part))
 
     def load_weights(self, load_dir: str) -> None:
-        """This stage's layers from the per-layer files of ``save_weights``, whatever split wrote them."""
-        wanted = split_by_layer(self.stage.owned_state_dict())
+        """This stage's layers from the per-layer files of ``save_weights``, whatever split wrote them, and the rows
+        of its table shards from the row files of whatever data-parallel size wrote them."""
+        own = self.stage.owned_state_dict()
+        wanted = split_by_layer({k: v for k, v in own.items() if k not in self.row_shards})
         state = {}
         for part in wanted:
             path = os.path.join(load_dir, part)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"checkpoint {load_dir} has no {part}: it was written by another model")
             state.update(torch.load(path, map_location="cpu", weights_only=True))
+        pieces = saved_rows(load_dir)
+        for name, (start, rows) in self.row_shards.items():
+            shard = own[name].detach().clone()
+            stop = min(start + shard.shape[0], rows)
+            shard[:stop - start] = join_rows(name, start, stop, pieces.get(name, []))
+            state[name] = shard
         self.stage.model.load_state_dict(state)
+
+
+def _squares(grad: torch.Tensor | None) -> torch.Tensor:
+    """The squared norm of a gradient, dense or sparse, as a CPU fp32 scalar (0 for none)."""
+    if grad is None:
+        return torch.zeros(())
+    values = grad.coalesce().values() if grad.is_sparse else grad
+    return values.float().pow(2).sum().cpu()
+
+
+def rows_file(name: str, start: int) -> str:
+    """The file of the rows from ``start`` of row-sharded table ``name`` (``layers.1.engram.embed.weight``)."""
+    return f"rows_{name}_{start:012d}.pt"
+
+
+def saved_rows(load_dir: str) -> dict[str, list[dict]]:
+    """Every row file of a checkpoint, grouped by table name."""
+    pieces: dict[str, list[dict]] = {}
+    for path in sorted(glob.glob(os.path.join(load_dir, "rows_*.pt"))):
+        piece = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        pieces.setdefault(piece["name"], []).append(piece)
+    return pieces
+
+
+def join_rows(name: str, start: int, stop: int, pieces: list[dict]) -> torch.Tensor:
+    """Rows ``start:stop`` of table ``name`` joined from the saved pieces that overlap them."""
+    parts = sorted((max(p["rows"][0], start), min(p["rows"][1], stop), p) for p in pieces
+                   if max(p["rows"][0], start) < min(p["rows"][1], stop))
+    if sum(b - a for a, b, _ in parts) != stop - start:
+        raise FileNotFoundError(f"the checkpoint's row files of {name} do not cover rows {start}:{stop}: it was "
+                                "written by another model, or a file is missing")
+    return torch.cat([p["values"][a - p["rows"][0]:b - p["rows"][0]] for a, b, p in parts])
 
 
 def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -103,18 +190,23 @@ P2P = ("overlap", "deepspeed")
 
 
 class CSA2PipelineEngine(PipelineEngine):
-    def __init__(self, *args, shards: OptimizerShards, max_grad_norm: float = 0.0, p2p: str = "overlap", **kwargs):
+    def __init__(self, *args, shards: OptimizerShards, max_grad_norm: float = 0.0, p2p: str = "overlap",
+                 table_optimizer: torch.optim.Optimizer | None = None, **kwargs):
         if p2p not in P2P:
             raise ValueError(f"parallel.p2p={p2p!r}: use one of {P2P}")
         super().__init__(*args, **kwargs)
+        self.tables = self.module.table_parameters()  # row-sharded, sparse gradients: stepped by table_optimizer
+        self.table_optimizer = table_optimizer
         self.links = self._link_stages() if p2p == "overlap" and self.num_stages > 1 else None
         self.shards = shards  # what this rank's optimizer steps (all of the stage without ZeRO)
         self.max_grad_norm = max_grad_norm
         self.grad_norm = self.indexer_grad_norm = None  # global norms of the last step, before clipping
         self.group_grad_norms: dict[str, torch.Tensor] = {}  # the same per parameter group (model/groups.py)
         self.nonfinite_steps = 0  # consecutive skipped steps
+        self.expert_loads: dict[str, torch.Tensor] = {}  # MoE layer -> expert loads of the last step, all replicas
         self.last_step_skipped = False
         self._shadow_links = self._link_shadows()
+        self._replica_links = self._link_draft_embedding()
 
     def _link_stages(self) -> StageLinks:
         module: CSA2PipelineModule = self.module
@@ -149,18 +241,84 @@ class CSA2PipelineEngine(PipelineEngine):
                 links.append((group, ranks[0], tensors))
         return links
 
+    def _link_draft_embedding(self) -> list[tuple[object, int, list[torch.Tensor]]]:
+        """(process group, owner rank, my tensors) of the draft head's embedding replica on the last stage, when
+        the first stage holds the embedding (groups made in the same order on every rank)."""
+        module: CSA2PipelineModule = self.module
+        topo, last = module._topo, self.num_stages - 1
+        if last == 0 or not module.run_dspark:
+            return []
+        links = []
+        for data in range(topo.get_dim("data")):
+            ranks = [topo.get_rank(pipe=0, data=data), topo.get_rank(pipe=last, data=data)]
+            group = dist.new_group(ranks)
+            if self.global_rank in ranks:
+                stage = module.stage
+                links.append((group, ranks[0], [stage.model.embed.weight if self.stage_id == 0 else stage.draft_embed]))
+        return links
+
     def owned_named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This stage's optimised parameters under the full model's names."""
         return dict(self.module.stage.model.named_parameters())
 
+    @property
+    def writes_optimizer_state(self) -> bool:
+        """Whether this rank's optimizer state belongs in a checkpoint: its dense rows' (``OptimizerShards``), or
+        rows of a table shard, which only this rank holds."""
+        return self.shards.writes_state or bool(self.tables)
+
     def optimizer_state_by_name(self) -> dict[str, dict]:
         """This rank's optimizer state keyed by full-model parameter name and row range, so that it can be loaded
-        under another stage split and data-parallel size (DeepSpeed's own files are keyed by stage and rank)."""
-        return self.shards.state_by_name(self.optimizer)
+        under another stage split and data-parallel size (DeepSpeed's own files are keyed by stage and rank). A
+        table shard's sparse Adam state is keyed by its rows of the whole table, so it re-shards the same way."""
+        state = self.shards.state_by_name(self.optimizer) if self.shards.writes_state else {}
+        for name, p in self.tables.items():
+            start, rows = self.module.row_shards[name]
+            stop = min(start + p.shape[0], rows)
+            if p in self.table_optimizer.state and stop > start:
+                state[name] = {"rows": (start, stop), "state": {
+                    k: v[:stop - start].detach().cpu() if torch.is_tensor(v) and v.dim() else v
+                    for k, v in self.table_optimizer.state[p].items()}}
+        return state
 
     def load_optimizer_state_by_name(self, pieces: dict[str, list[dict]]) -> None:
-        """Load my rows of the state that every saving rank wrote (``optimizer_state_by_name``), grouped by name."""
+        """Load my rows of the state that every saving rank wrote (``optimizer_state_by_name``), grouped by name;
+        a table shard's padding rows (past the table) start from zero moments."""
         self.shards.load_state_by_name(self.optimizer, pieces)
+        for name, p in self.tables.items():
+            start, rows = self.module.row_shards[name]
+            stop = min(start + p.shape[0], rows)
+            if name in pieces and stop > start:
+                state = rows_of_state(Shard(name, start, stop, 0), pieces[name], p.device)
+                self.table_optimizer.state[p] = {k: torch.nn.functional.pad(v, (0, 0, 0, p.shape[0] - v.shape[0]))
+                                                 if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
+
+    def _exec_reduce_grads(self):
+        """DeepSpeed's data-parallel reduction, then the tables' gradients over the replicas: each shard's already
+        sums every replica's lookups of its rows (the row exchange's backward), so it is divided by the replicas,
+        as the reduction averages every other gradient."""
+        super()._exec_reduce_grads()
+        replicas = self.grid.get_data_parallel_world_size()
+        for p in self.tables.values():
+            if p.grad is not None and replicas > 1:
+                p.grad.mul_(1.0 / replicas)
+
+    def _get_gradients_for_reduction(self):
+        """DeepSpeed's list of gradients to all-reduce, without the row-sharded tables (their shards hold other
+        rows on every replica: summing them would mix rows) and with no DeepSpeed MoE groups."""
+        sharded = {id(p) for p in self._sharded_tensors()}
+        grads = []
+        for p in self.module.parameters():
+            if not p.requires_grad or p.numel() == 0 or id(p) in sharded:
+                continue
+            if p.grad is None:  # every replica reduces the same tensors
+                p.grad = torch.zeros_like(p)
+            grads.append(SparseTensor(p.grad) if p.grad.is_sparse else p.grad.data)
+        return grads, {}
+
+    def _sharded_tensors(self) -> list[torch.nn.Parameter]:
+        named = dict(self.module.stage.model.named_parameters())
+        return [named[n] for n in self.module.row_shards]
 
     def _reduce_tied_and_shadow_grads(self):
         PipelineEngine._exec_reduce_tied_grads(self)
@@ -182,20 +340,33 @@ class CSA2PipelineEngine(PipelineEngine):
             bad.fill_(1)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         self.last_step_skipped = bool(bad.item())
+        self.expert_loads = self.module.stage.model.balance_experts(
+            partial(dist.all_reduce, group=self.grid.get_data_parallel_group()), apply=not self.last_step_skipped)
         if self.last_step_skipped:
             self.nonfinite_steps += 1
             self.optimizer.zero_grad()
             self.zero_grad()
+            self._clear_table_grads()
             self.skipped_steps += 1
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             return
         self.nonfinite_steps = 0
         self._clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves on inside the step below)
         with self.shards.gradients():
             PipelineEngine._exec_optimizer_step(self, lr_kwargs)
+        if self.table_optimizer is not None:
+            for group in self.table_optimizer.param_groups:
+                group["lr"] = lr
+            self.table_optimizer.step()
+        self._clear_table_grads()
         self.shards.broadcast()
         self.sync_shadows()
+
+    def _clear_table_grads(self) -> None:
+        for p in self.tables.values():
+            p.grad = None
 
     def eval_batch(self, *args, **kwargs):
         """DeepSpeed's, starting from no running loss: it sums ``total_loss`` over the forwards of a batch and
@@ -205,34 +376,43 @@ class CSA2PipelineEngine(PipelineEngine):
         return super().eval_batch(*args, **kwargs)
 
     def sync_shadows(self) -> None:
-        """Copy every owner's index-key projection to its replicas (after a step, and after loading weights)."""
-        for group, owner, tensors in self._shadow_links:
+        """Copy every owner's index-key projection, and the first stage's embedding to the draft head's replica,
+        to the replicas (after a step, and after loading weights)."""
+        for group, owner, tensors in self._shadow_links + self._replica_links:
             for t in tensors:
                 dist.broadcast(t.data, src=owner, group=group)
 
     def _clip_gradients(self) -> None:
-        """Clip trunk and indexer gradients, each group by its own norm over the whole pipeline.
+        """Clip the trunk's, the indexer's and the draft head's gradients, each clipping group
+        (``model.groups.CLIP_GROUPS``) by its own norm over the whole pipeline.
 
         The per-tensor squared norms of all stages are gathered and summed in the full model's parameter order,
         so each norm (and every clipped gradient) is bitwise the single-stage one. Runs after the data-parallel
         reduction, so every replica of a stage sees the same norms. ``grad_norm`` is the trunk's;
         ``group_grad_norms`` splits the same squares by parameter role (training-health diagnostics)."""
-        named = [(n, p.grad) for n, p in self.owned_named_parameters().items() if p.grad is not None]
-        group_ids = torch.tensor([GROUPS.index(param_group(n)) for n, _ in named], dtype=torch.long)
-        local = torch.stack([g.float().pow(2).sum().cpu() for _, g in named]) if named else torch.zeros(0)
+        owned = self.owned_named_parameters()
+        named = [(n, p.grad) for n, p in owned.items() if p.grad is not None or n in self.tables]  # tables: on
+        group_ids = torch.tensor([GROUPS.index(param_group(n)) for n, _ in named], dtype=torch.long)  # every replica
+        local = torch.stack([_squares(g) for _, g in named]) if named else torch.zeros(0)
+        if self.tables:  # a table's shards hold other rows on every replica: its square is the sum of theirs
+            at = torch.tensor([i for i, (n, _) in enumerate(named) if n in self.tables])
+            summed = local[at]
+            dist.all_reduce(summed, group=self.grid.get_data_parallel_group())
+            local[at] = summed
         per_stage = [None] * self.num_stages
         dist.all_gather_object(per_stage, (local, group_ids), group=self.grid.get_pipe_parallel_group())
         squares, all_group_ids = (torch.cat(parts) for parts in zip(*per_stage))
         self.group_grad_norms = {group: squares[all_group_ids == i].sum().sqrt() for i, group in enumerate(GROUPS)
                                  if (all_group_ids == i).any()}
-        is_indexer = all_group_ids == GROUPS.index("indexer")
-        norms = {False: squares[~is_indexer].sum().sqrt(), True: squares[is_indexer].sum().sqrt()}
-        self.grad_norm, self.indexer_grad_norm = norms[False], norms[True]
+        clip_of = torch.tensor([CLIP_GROUPS.index(clip_group(group)) for group in GROUPS])[all_group_ids]
+        norms = {group: squares[clip_of == i].sum().sqrt() for i, group in enumerate(CLIP_GROUPS)}
+        self.grad_norm, self.indexer_grad_norm = norms["trunk"], norms["indexer"]
         if self.max_grad_norm <= 0:
             return
         scales = {k: torch.clamp(self.max_grad_norm / (v + 1e-6), max=1.0) for k, v in norms.items()}
         for (_, g), group_id in zip(named, group_ids.tolist()):
-            g.mul_(scales[GROUPS[group_id] == "indexer"].to(g.device, g.dtype))
+            if g is not None:
+                g.mul_(scales[clip_group(GROUPS[group_id])].to(g.device, g.dtype))
 
     def _train_schedule(self):
         inner = super()._train_schedule()
@@ -296,10 +476,21 @@ def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
     if zero_stage not in (0, 1):
         raise ValueError(f"zero_optimization.stage={zero_stage} (parallel.zero_stage): use 0 or 1; DeepSpeed's "
                          "pipeline engine refuses stages 2 and 3, which partition gradients or weights")
-    shards = OptimizerShards(dict(module.stage.model.named_parameters()), module.mpu(), partitioned=zero_stage == 1)
+    shards = OptimizerShards(module.dense_named_parameters(), module.mpu(), partitioned=zero_stage == 1)
     groups = shards.param_groups(model_parameters or [{"params": module.owned_parameters()}])
     config_class = DeepSpeedConfig(config, module.mpu())
     return CSA2PipelineEngine(args=None, model=module, optimizer=None, model_parameters=groups, training_data=None,
                               lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=False, collate_fn=None,
                               config=config, config_class=config_class, shards=shards, max_grad_norm=max_grad_norm,
-                              p2p=p2p)
+                              p2p=p2p, table_optimizer=table_optimizer(module, config))
+
+
+def table_optimizer(module: CSA2PipelineModule, config: dict) -> torch.optim.Optimizer | None:
+    """Adam for the row-sharded tables, whose gradients are sparse: ``torch.optim.SparseAdam`` (lazy: a row's
+    moments move only in the steps that looked it up), with the dense optimizer's betas and epsilon and its
+    learning rate at every step; no weight decay (the tables are embeddings)."""
+    tables = list(module.table_parameters().values())
+    if not tables:
+        return None
+    params = config["optimizer"]["params"]
+    return torch.optim.SparseAdam(tables, lr=params["lr"], betas=tuple(params["betas"]), eps=params["eps"])

@@ -2,12 +2,14 @@
 
 A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
 - state, per parameter: fp32 weight and gradient (8 B) and AdamW's two fp32 moments (8 B, divided by the
-  data-parallel size under ZeRO-1);
+  data-parallel size under ZeRO-1); an Engram table's rows are sharded over the data-parallel ranks, with no
+  dense gradient (it is sparse) and sparse Adam's two moments when the table trains;
 - casts: under bf16 autocast the bf16 copy of every weight of the stage lives until its forward ends (2 B per
   parameter); it is gone before a backward starts (a recomputed layer casts again, inside its transient);
 - retained activations, per microbatch in flight: under 1F1B stage s holds min(M, P - s) microbatches between their
   forward and backward, so the first stage holds the most. Per layer: its fp32 input (what a recomputed layer's
-  checkpoint keeps) plus, for a layer that is not recomputed, the tensors its backward reads (``_saved_bytes``),
+  checkpoint keeps; with hyper-connections its copies and pending pre-mix) plus, for a layer that is not
+  recomputed, the tensors its backward reads (``_saved_bytes``),
   plus the shared tensors it produces (``model/state.py``); per stage the payloads it received (the buffer and the
   copy DeepSpeed's forward makes) and sent (kept for the backward);
 - kept attention: a recomputed layer that keeps its sparse-attention outputs (``parallel.keep_attention_layers``,
@@ -32,12 +34,15 @@ GIB = 2 ** 30
 KERNEL_WORKSPACE = 4 * GIB  # the sparse-attention backward's chunk buffer (docs/KERNELS.md), on CUDA
 
 
-def layer_parameters(args: ModelArgs, layout: Layout) -> list[int]:
-    """Parameters of each layer, the embedding counted in layer 0 and the final norm and head in the last."""
+def layer_parameters(args: ModelArgs, layout: Layout, tables: bool = False) -> list[int]:
+    """Parameters of each layer, the embedding counted in layer 0 and the final norm, head and draft head in the
+    last; the Engram tables apart (``tables``: only them; else everything but them)."""
     with torch.device("meta"):
         model = Transformer(args, layout, init=False)
     counts = [0] * layout.n_layers
     for name, p in model.named_parameters():
+        if (".engram.embed." in name) != tables:
+            continue
         layer = int(name.split(".")[1]) if name.startswith("layers.") else (0 if name.startswith("embed.") else -1)
         counts[layer] += p.numel()
     return counts
@@ -49,10 +54,24 @@ def _saved_bytes(args: ModelArgs, layout: Layout, layer: int, tokens: int, items
     the window latent (head_dim), the grouped output's input (o_groups x o_lora) and the FFN's three hidden tensors
     (3 x inter_dim), in the compute dtype; the indexer's query side for a selecting layer."""
     width = (2 * args.dim + args.q_lora_rank + 2 * args.n_heads * args.head_dim + args.head_dim
-             + args.o_groups * args.o_lora_rank + 3 * args.inter_dim)
+             + args.o_groups * args.o_lora_rank)
     if layout.plan[layer].selects:
         width += args.index_n_heads * args.index_head_dim + args.index_n_heads
-    return tokens * width * itemsize
+    fp32 = 0  # per token, fp32 values
+    if args.ffn == "dense":
+        width += 3 * args.inter_dim
+    else:  # per activated expert: its sorted input and hidden output, the fp32 gate and up values; the scores
+        moe = args.moe
+        active = moe.n_activated_experts + moe.n_shared_experts
+        width += active * (args.dim + moe.inter_dim)
+        fp32 += active * 2 * moe.inter_dim + moe.n_routed_experts
+    if args.hc_mult > 1:  # the normalised stream of each sublayer's mixes, and what expand reads of the stream
+        fp32 += 2 * 2 * args.hc_mult * args.dim
+    if layer in args.engram.layers:  # the looked-up rows, the keys and value, the stream the gate reads
+        engram = args.engram
+        width += (engram.max_ngram_size - 1) * engram.n_heads * engram.head_dim
+        fp32 += (args.hc_mult + 1) * args.dim + args.hc_mult * args.dim
+    return tokens * (width * itemsize + fp32 * 4)
 
 
 def _produced_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype) -> list[float]:
@@ -108,7 +127,10 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     recomputed otherwise (an upper bound for ``block``). ``measured``: a ``LayerTimes`` whose per-mode bytes
     replace the analytic retained and transient figures."""
     params = layer_parameters(args, layout)
-    state = [n * (8 + 8 / (data_parallel if zero_stage == 1 else 1)) for n in params]
+    tables = layer_parameters(args, layout, tables=True)  # row-sharded over the stage's data-parallel ranks
+    per_row = 4 + (8 if args.engram.train else 0)  # fp32 weight, sparse Adam's moments (no dense gradient)
+    state = [n * (8 + 8 / (data_parallel if zero_stage == 1 else 1)) + t * per_row / data_parallel
+             for n, t in zip(params, tables)]
     casts = [n * 2 if dtype == torch.bfloat16 else 0 for n in params]
     tokens = micro_batch * seq_len
     produced = _produced_bytes(args, layout, micro_batch, seq_len, dtype)
@@ -116,7 +138,8 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     retained, transient = [], []
     for i in range(layout.n_layers):
         saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize)
-        retained.append(4 * tokens * args.dim + produced[i] + (0 if all_recomputed else saved))
+        stream = 4 * tokens * args.dim * args.hc_mult + (4 * tokens * args.hc_mult if args.hc_mult > 1 else 0)
+        retained.append(stream + produced[i] + (0 if all_recomputed else saved))
         transient.append((saved if all_recomputed else 0) + (KERNEL_WORKSPACE if cuda else 0))
     if measured is not None:
         retained, transient = measured.memory(layout, retained, transient)

@@ -2,7 +2,8 @@
 
 The cost of a layer is its forward FLOPs at the configured sequence length, counted per mode (projections,
 window + sparse attention, compressor and index keys for Full layers, index scoring for Full/Reindex layers,
-dense FFN); the LM head is charged to the last layer. Measured times can stand in for it (``parallel/balance.py``).
+the FFN: dense, or a MoE's gate and active experts; hyper-connection mixes, Engram's projection where there is
+one); the LM head is charged to the last layer. Measured times can stand in for it (``parallel/balance.py``).
 Stages are contiguous and minimise the largest stage cost; given a stage-memory estimate, the split with the
 smallest largest stage memory among those within a slack of that cost, under a capacity where possible.
 """
@@ -28,18 +29,34 @@ class StagePlan:
         return [layers.start for layers in self.stages[1:]]
 
 
+def ffn_flops(args: ModelArgs, T: int) -> float:
+    """Forward FLOPs of one layer's FFN on ``T`` tokens: the dense SwiGLU, or a MoE's gate plus the experts a
+    token activates (top-k routed and the shared one)."""
+    if args.ffn == "dense":
+        return 6 * T * args.dim * args.inter_dim
+    moe = args.moe
+    return 2 * T * args.dim * moe.n_routed_experts + 6 * T * args.dim * moe.inter_dim * (
+        moe.n_activated_experts + moe.n_shared_experts)
+
+
 def layer_costs(args: ModelArgs, layout: Layout, seq_len: int) -> list[float]:
     """Forward FLOPs of every layer at ``seq_len`` tokens (one sequence)."""
     T, D, H, hd = seq_len, args.dim, args.n_heads, args.head_dim
     Hi, Di = args.index_n_heads, args.index_head_dim
     projections = 2 * T * (D * args.q_lora_rank + args.q_lora_rank * H * hd + D * hd
                            + H * hd * args.o_lora_rank + args.o_groups * args.o_lora_rank * D)
-    ffn = 6 * T * D * args.inter_dim
+    ffn = ffn_flops(args, T)
+    if args.hc_mult > 1:  # the mixes of the attention and FFN sublayers
+        projections += 2 * 2 * T * args.hc_mult * D * (2 + args.hc_mult) * args.hc_mult
+    engram = args.engram
+    engram_cost = 2 * T * (engram.max_ngram_size - 1) * engram.n_heads * engram.head_dim * D * (args.hc_mult + 1)
     costs = []
     for p in layout.plan:
         entries = T // p.ratio if p.ratio else 0
         read = min(args.index_topk, entries)
         cost = projections + ffn + 4 * T * H * hd * (min(args.window_size, T) + read)
+        if p.layer_id in engram.layers:
+            cost += engram_cost
         if p.mode is Mode.FULL:
             cost += 2 * T * D * hd * (2 if p.ratio > 1 else 1) + 2 * entries * hd * Di
         if p.selects:

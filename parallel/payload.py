@@ -3,15 +3,15 @@
 The schema of each boundary is planned statically from the layout's producer -> last-consumer edges and the
 stage split. On the wire it is two tensors, because DeepSpeed's pipeline engine runs one backward pass per
 floating-point tensor it sends and requires each to carry a gradient:
-- one float tensor with every differentiable field (hidden state, KV latents, index keys in ``payload`` mode,
-  student index logits, finished indexer losses), so a stage runs exactly one backward traversal. Each field
+- one float tensor with every differentiable field (hidden state, with hyper-connections its copies and the
+  pending pre-mix, KV latents, index keys in ``payload`` mode, student index logits, finished indexer losses), so a stage runs exactly one backward traversal. Each field
   travels in its own dtype: a bf16 field (an m = 1 latent, index keys, under autocast) is carried as its bits,
   two per fp32 slot, and its gradient comes back the same way, so it costs half of an upcast and round trips
   exactly. Packing and unpacking are one autograd function each, whose backward only moves bits (no gradient
   of a packed slot ever goes through an addition, which could turn -0.0 into +0.0 or quiet a NaN);
 - one uint8 tensor with everything else, bit-for-bit (selected entries as int32, candidate blocks as int16,
-  the running indexer-loss targets as fp32 bits, document ids), led by a fingerprint of the schema that the
-  receiver checks on its first microbatch.
+  the running indexer-loss targets as fp32 bits, document and token ids, the draft head's detached features),
+  led by a fingerprint of the schema that the receiver checks on its first microbatch.
 """
 import zlib
 from dataclasses import dataclass
@@ -51,12 +51,14 @@ class Field:
 
 
 def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batch: int, seq_len: int,
-                    dtype: torch.dtype, index_k: str = "shadow") -> list[Field]:
+                    dtype: torch.dtype, index_k: str = "shadow", dspark: bool = False) -> list[Field]:
     """Fields that cross the boundary after ``last_layer``: produced at or before it, last used after it.
 
     ``dtype`` is the compute dtype of projections (bf16 under autocast); the residual stream ``h`` stays fp32
     (fp32 master weights, the embedding's dtype), and so does the latent of an m > 1 Full layer (its gated
-    pooling runs in fp32)."""
+    pooling runs in fp32). With hyper-connections ``h`` holds the copies [B,T,hc,D] and ``pre_mix`` the pending
+    pre-mix of the next block's attention. The token ids cross when a later layer hashes n-grams or the draft
+    head trains (``dspark``: it also needs the features of its target layers up to here)."""
     B, T, K = micro_batch, seq_len, args.index_topk
     ratio = layout.compress_ratios
     n_blocks = layout.candidate_topk_blocks
@@ -70,8 +72,13 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
                        block_id, False),
         "index_target": (lambda s: (B, T, K), torch.float32, torch.float32, False),
     }
-    fields = [Field("h", None, (B, T, args.dim), torch.float32, torch.float32, True),
-              Field("doc_ids", None, (B, T), torch.int64, torch.int32, False)]
+    stream = (B, T, args.dim) if args.hc_mult == 1 else (B, T, args.hc_mult, args.dim)
+    fields = [Field("h", None, stream, torch.float32, torch.float32, True)]
+    if args.hc_mult > 1:
+        fields.append(Field("pre_mix", None, (B, T, args.hc_mult), torch.float32, torch.float32, True))
+    fields.append(Field("doc_ids", None, (B, T), torch.int64, torch.int32, False))
+    if dspark or any(layer > last_layer for layer in args.engram.layers):
+        fields.append(Field("input_ids", None, (B, T), torch.int64, torch.int32, False))
     for (name, source), last in sorted(layout.last_use.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if source <= last_layer < last and not (name == "index_k" and index_k == "shadow"):
             shape, model_dtype, wire, diff = specs[name]
@@ -81,6 +88,9 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
     for source in layout.index_source_layer_ids:
         if max(layout.readers(source)) <= last_layer:
             fields.append(Field("indexer_loss", source, (), torch.float32, torch.float32, True))
+    for layer in args.dspark.target_layers if dspark else ():
+        if layer <= last_layer:  # detached: its bits, no gradient
+            fields.append(Field("dspark_feature", layer, (B, T, args.dim), torch.float32, torch.float32, False))
     return fields
 
 
@@ -164,8 +174,8 @@ class Payload:
         """Elements of the float tensor (``float_dtype``) and bytes of the uint8 tensor that ``pack`` makes."""
         return sum(self.slots(f) for f in self.float_fields), ALIGN + sum(f.padded_bytes for f in self.byte_fields)
 
-    def pack(self, h: torch.Tensor, state: SharedState) -> tuple[torch.Tensor, torch.Tensor]:
-        values = {f: self._value(f, h, state) for f in self.fields}
+    def pack(self, h: torch.Tensor, pre: torch.Tensor | None, state: SharedState) -> tuple[torch.Tensor, torch.Tensor]:
+        values = {f: self._value(f, h, pre, state) for f in self.fields}
         for f in self.float_fields:
             if values[f].dtype != f.wire_dtype:
                 raise RuntimeError(f"pipeline payload: field {f.name}[{f.source}] is {values[f].dtype} in the model "
@@ -178,8 +188,9 @@ class Payload:
             chunks.append(torch.nn.functional.pad(raw, (0, f.padded_bytes - f.nbytes)))
         return floats, torch.cat(chunks)
 
-    def unpack(self, floats: torch.Tensor, raw: torch.Tensor, state_factory) -> tuple[torch.Tensor, SharedState]:
-        """(hidden state, a SharedState holding the carried fields); ``state_factory(doc_ids)`` makes the state."""
+    def unpack(self, floats: torch.Tensor, raw: torch.Tensor, state_factory):
+        """(stream ``h``, its pending pre-mix or None, a SharedState holding the carried fields);
+        ``state_factory(doc_ids, input_ids)`` makes the state (``input_ids`` None when they do not cross)."""
         self._check(floats, raw)
         self.device = floats.device
         values = dict(zip(self.float_fields, _UnpackFloats.apply(self, floats)))
@@ -188,18 +199,24 @@ class Payload:
             values[f] = raw[offset: offset + f.nbytes].view(f.wire_dtype).view(f.shape).to(f.dtype)
             offset += f.padded_bytes
         by_name = {(f.name, f.source): v for f, v in values.items()}
-        state = state_factory(by_name.pop(("doc_ids", None)))
-        h = by_name.pop(("h", None))
+        state = state_factory(by_name.pop(("doc_ids", None)), by_name.pop(("input_ids", None), None))
+        h, pre = by_name.pop(("h", None)), by_name.pop(("pre_mix", None), None)
         for (name, source), value in by_name.items():
-            target = state.indexer_losses if name == "indexer_loss" else getattr(state, name)
-            target[source] = value
-        return h, state
+            target = {"indexer_loss": state.indexer_losses, "dspark_feature": state.dspark_features}.get(name)
+            (getattr(state, name) if target is None else target)[source] = value
+        return h, pre, state
 
-    def _value(self, f: Field, h: torch.Tensor, state: SharedState) -> torch.Tensor:
+    def _value(self, f: Field, h: torch.Tensor, pre: torch.Tensor | None, state: SharedState) -> torch.Tensor:
         if f.name == "h":
             return h
+        if f.name == "pre_mix":
+            return pre
         if f.name == "doc_ids":
             return state.geometry.doc_ids
+        if f.name == "input_ids":
+            return state.input_ids
+        if f.name == "dspark_feature":
+            return state.dspark_features[f.source]
         if f.name == "indexer_loss":
             return state.indexer_losses[f.source]
         return getattr(state, f.name)[f.source]

@@ -17,9 +17,11 @@ class RowExchange:
     """``lookup(weight, ids)``: the rows of ``ids`` (row numbers of the whole table) from the ranks of ``group``,
     each holding ``weight``, the range of ``weight.shape[0]`` rows from ``rank * weight.shape[0]``."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, ranks: list[int] | None = None):
+        """``ranks``: the group's global ranks, in group-rank order (default: the whole world's)."""
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.ranks = list(range(self.world)) if ranks is None else list(ranks)
 
     def lookup(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return _Lookup.apply(weight, ids, self)
@@ -56,5 +58,6 @@ class _Lookup(torch.autograd.Function):
         grad_rows = grad_rows.reshape(-1, grad_rows.shape[-1])
         per_wanted = grad_rows.new_zeros(sum(send), grad_rows.shape[1]).index_add_(0, inverse, grad_rows)
         grad_lent = ctx.exchange.all_to_all(per_wanted, send, receive)
-        grad_weight = torch.sparse_coo_tensor(lent.unsqueeze(0), grad_lent, ctx.weight_shape).coalesce()
+        grad_weight = torch.sparse_coo_tensor(lent.unsqueeze(0), grad_lent, ctx.weight_shape,
+                                              check_invariants=False).coalesce()
         return grad_weight, None, None

@@ -34,29 +34,41 @@ def owner_name(source: int, shadow_param: str) -> str:
 class PipelineStage(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, stage_id: int, micro_batch: int,
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
-                 recompute_layers: int = 0, keep_attention_layers: int = 0):
+                 recompute_layers: int = 0, keep_attention_layers: int = 0, token_map=None,
+                 run_dspark: bool = False, engram_rows=None):
         """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights.
         The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints; the first
-        ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention."""
+        ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention.
+        ``token_map`` feeds the Engram hashes, ``engram_rows`` shards their tables, ``run_dspark`` trains the draft
+        head (``model.transformer``)."""
         super().__init__()
         if index_k not in ("shadow", "payload"):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
         layers = plan.stages[stage_id]
         self.stage_id, self.layout, self.compute_dtype = stage_id, layout, dtype
-        self.model = Transformer(args, layout, layers, seed)
+        self.model = Transformer(args, layout, layers, seed, token_map=token_map, engram_rows=engram_rows,
+                                 run_dspark=run_dspark)
         for i, block in enumerate(self.model.layers.values()):
             block.recompute = i < recompute_layers
             block.keep_attention = i < min(recompute_layers, keep_attention_layers)
         sources = shadow_sources(layout, layers) if index_k == "shadow" else []
         self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in sources})
         for s, shadow in self.shadows.items():
-            init_parameters(shadow.named_parameters(), args, layout.n_layers, seed, lambda n, s=s: owner_name(s, n))
+            init_parameters(shadow.named_parameters(), args, layout.n_layers, seed,
+                            rename=lambda n, s=s: owner_name(s, n))
             for p in shadow.parameters():
                 p.ds_pipe_replicated = True  # DeepSpeed leaves replicas out of the gradient norm
         self.shadow_rotary = Rotary.for_layer(args, compressed=True)
+        # The draft head reads the input embedding (frozen for it): a last stage without the embedding holds a
+        # replica, kept equal to the first stage's by the engine after every step (not trained, not saved).
+        if self.model.run_dspark and not self.model.has_embed:
+            self.draft_embed = torch.nn.Parameter(torch.empty(args.vocab_size, args.dim), requires_grad=False)
+            self.draft_embed.ds_pipe_replicated = True
+            init_parameters([("embed.weight", self.draft_embed)], args, layout.n_layers, seed)  # the owner's draw
 
         def payload(last_layer):
-            return Payload(boundary_fields(args, layout, last_layer, micro_batch, seq_len, dtype, index_k))
+            return Payload(boundary_fields(args, layout, last_layer, micro_batch, seq_len, dtype, index_k,
+                                           run_dspark))
 
         self.incoming = payload(layers.start - 1) if layers.start > 0 else None
         self.outgoing = payload(layers.stop - 1) if layers.stop < layout.n_layers else None
@@ -74,19 +86,23 @@ class PipelineStage(nn.Module):
     def _forward(self, inputs):
         if self.incoming is None:
             input_ids, doc_ids = inputs
-            state = self.model.new_state(doc_ids)
-            h = self.model.embed_tokens(input_ids)
+            state = self.model.new_state(doc_ids, input_ids)
+            h, pre = self.model.embed_tokens(input_ids)
         else:
-            h, state = self.incoming.unpack(*inputs, self.model.new_state)
+            h, pre, state = self.incoming.unpack(*inputs, self.model.new_state)
             self._recompute_index_keys(state)
         self.ledger.watch(state)
         if h.requires_grad:
             h.register_hook(self._count_traversal)
-        h = self.model.run_layers(h, state)
+        h, pre = self.model.run_layers(h, pre, state)
         if self.outgoing is not None:
-            return self.outgoing.pack(h, state)
+            return self.outgoing.pack(h, pre, state)
+        logits = self.model.logits(h, pre)
         losses = [state.indexer_losses[s] for s in sorted(state.indexer_losses)]
-        return self.model.logits(h), torch.stack(losses) if losses else h.new_zeros(0, dtype=torch.float32)
+        draft = self.model.draft(state, logits, getattr(self, "draft_embed", None))
+        if draft is not None:
+            losses += list(draft.losses.values())
+        return logits, torch.stack(losses) if losses else h.new_zeros(0, dtype=torch.float32)
 
     def whole_model(self, input_ids: torch.Tensor, doc_ids: torch.Tensor, collect_recall: bool = False):
         """The full model's forward (``ModelOutput``) when this single stage holds every layer: evaluation."""

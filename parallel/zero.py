@@ -153,7 +153,9 @@ def rows_of_state(shard: Shard, pieces: list[dict], device: torch.device) -> dic
         raise ValueError(f"the saved optimizer state of {shard.name} does not cover rows {shard.start}:{shard.stop}")
     state = {}
     for key, value in overlaps[0][2]["state"].items():
-        if value.dim() == 0:
+        if not torch.is_tensor(value):  # a plain count (sparse Adam's step)
+            state[key] = value
+        elif value.dim() == 0:
             state[key] = value.to(device, torch.float32, copy=True)
         else:
             state[key] = torch.cat([p["state"][key][start - p["rows"][0]: stop - p["rows"][0]]

@@ -28,22 +28,23 @@ def recompute_overrides(recompute: str) -> list[str]:
     return [f"parallel.recompute={mode}"] + ([f"parallel.recompute_layers={count}"] if count else [])
 
 
-def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p):
+def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, overrides):
     from model.cli import compose
     from train.engine import build_engine
 
     cfg = compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
                    f"parallel.index_k={index_k}", f"parallel.p2p={p2p}", *recompute_overrides(recompute),
                    f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
-                   f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1"])
+                   f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1", *overrides])
     engine = build_engine(cfg, precision, torch.device("cpu"))
     stage = engine.module.stage
     first_grads = {}
     clip = engine._clip_gradients
 
     def snapshot_then_clip():  # the reduced gradients of the first step, before clipping and the update
-        if not first_grads:
-            first_grads.update({n: p.grad.clone() for n, p in stage.model.named_parameters() if p.grad is not None})
+        if not first_grads:  # a table's sparse gradient as its dense form, for comparisons
+            first_grads.update({n: p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+                                for n, p in stage.model.named_parameters() if p.grad is not None})
         clip()
     engine._clip_gradients = snapshot_then_clip
     data = batches(cfg.model.vocab_size)
@@ -53,6 +54,7 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p):
         live_after.append(stage.ledger.live())
     torch.save({"losses": losses, "parts": {k: v.item() for k, v in engine.get_additional_losses().items()},
                 "params": {n: p.detach().clone() for n, p in stage.model.named_parameters()},
+                "state": {n: t.detach().clone() for n, t in stage.model.state_dict().items()},  # routing biases too
                 "first_grads": first_grads,
                 "shadows": {n: p.detach().clone() for n, p in stage.shadows.named_parameters()},
                 "recomputed": [int(i) for i, block in stage.model.layers.items() if block.recompute],
@@ -62,8 +64,9 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p):
 
 
 def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none", p2p: str = "overlap",
-        precision: str = "fp32"):
-    """Run the job in ``stages`` processes (``precision``: fp32, or bf16 autocast); returns the per-rank results."""
+        precision: str = "fp32", overrides: tuple[str, ...] = ()):
+    """Run the job in ``stages`` processes (``precision``: fp32, or bf16 autocast; ``overrides``: more config, e.g.
+    another model); returns the per-rank results."""
     os.makedirs(out, exist_ok=True)
-    spawn(_worker, stages, stages, out, cuts, index_k, recompute, precision, p2p)
+    spawn(_worker, stages, stages, out, cuts, index_k, recompute, precision, p2p, tuple(overrides))
     return [torch.load(f"{out}/rank{r}.pt", weights_only=True) for r in range(stages)]

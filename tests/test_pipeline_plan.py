@@ -70,10 +70,10 @@ def test_payload_round_trip_is_exact(tiny, last_layer, index_k):
     doc_ids = torch.zeros(2, 64, dtype=torch.long)
     doc_ids[:, 30:] = 1
     state = model.new_state(doc_ids)
-    h = model.run_layers(model.embed_tokens(torch.randint(0, args.vocab_size, (2, 64))), state)
-    floats, raw = payload.pack(h, state)
+    h, pre = model.run_layers(*model.embed_tokens(torch.randint(0, args.vocab_size, (2, 64))), state)
+    floats, raw = payload.pack(h, pre, state)
     assert floats.dtype == torch.float32 and raw.dtype == torch.uint8
-    h2, state2 = Payload(payload.fields).unpack(floats, raw, model.new_state)
+    h2, _, state2 = Payload(payload.fields).unpack(floats, raw, model.new_state)
     assert torch.equal(h2, h) and torch.equal(state2.geometry.doc_ids, doc_ids)
     for (name, source) in {(f.name, f.source) for f in payload.fields} - {("h", None), ("doc_ids", None)}:
         got = state2.indexer_losses[source] if name == "indexer_loss" else getattr(state2, name)[source]
@@ -94,15 +94,15 @@ def test_bf16_fields_travel_as_their_bits(tiny):
         model = Transformer(args, layout, range(0, last + 1))
         state = model.new_state(torch.zeros(2, 64, dtype=torch.long))
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            h = model.run_layers(model.embed_tokens(torch.randint(0, args.vocab_size, (2, 64))), state)
-            floats, raw = payload.pack(h, state)
+            h, pre = model.run_layers(*model.embed_tokens(torch.randint(0, args.vocab_size, (2, 64))), state)
+            floats, raw = payload.pack(h, pre, state)
         wire = {(f.name, f.source): f.wire_dtype for f in payload.float_fields}
         assert wire[("h", None)] == torch.float32
         assert wire[("kv", last - 1 if last == 7 else last)] == (torch.bfloat16 if last == 7 else torch.float32)
         assert last == 2 or wire[("index_k", 6)] == torch.bfloat16
         assert floats.dtype == torch.float32
         assert floats.numel() == sum(-(-f.numel * f.wire_dtype.itemsize // 4) for f in payload.float_fields)
-        h2, state2 = Payload(payload.fields).unpack(floats, raw, model.new_state)
+        h2, _, state2 = Payload(payload.fields).unpack(floats, raw, model.new_state)
         assert torch.equal(h2, h)
         for f in payload.float_fields[1:]:
             got = state2.indexer_losses[f.source] if f.name == "indexer_loss" else getattr(state2, f.name)[f.source]

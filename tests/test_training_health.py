@@ -92,7 +92,7 @@ def test_activation_stats_count_each_forward_once(setup):
             block.recompute = recompute
         stats = ActivationStats(model)
         seen = {}
-        model.layers["3"].register_forward_hook(lambda m, i, out: seen.setdefault("resid3", []).append(out))
+        model.layers["3"].register_forward_hook(lambda m, i, out: seen.setdefault("resid3", []).append(out[0]))
         with stats.recording():
             lm_loss(model, batch).total.backward()
         lengths = {k: len(v) for k, v in stats._squares.items()}

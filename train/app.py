@@ -3,10 +3,10 @@
 ``main`` is the Hydra entry point; ``run(cfg, run_dir)`` is the job itself, also called by the tests with a
 composed config. Every check that needs no engine runs first (``train/preflight.py``), so bad input fails in
 seconds. The run directory then receives the resolved ``config.yaml``, ``checkpoints/``, ``metrics.jsonl``,
-``loss_curve.png`` and the wandb run; the job ends with an evaluation summary and a closing line (steps, wall
-time, tokens, run directory). SIGINT / SIGTERM stop it after the current step with a checkpoint and a line that
-says how to resume (``train/interrupt.py``). A job that fails before its first step removes the run directory it
-made, so failed attempts leave nothing behind.
+``loss_curve.png`` (a MoE model's ``experts.jsonl`` and ``experts.png`` too) and the wandb run; the job ends with
+an evaluation summary and a closing line (steps, wall time, tokens, run directory). SIGINT / SIGTERM stop it after
+the current step with a checkpoint and a line that says how to resume (``train/interrupt.py``). A job that fails
+before its first step removes the run directory it made, so failed attempts leave nothing behind.
 """
 import logging
 import os
@@ -27,9 +27,9 @@ from tqdm import tqdm
 
 from model import ModelArgs, layout_from_config
 from model.flops import training_flops
-from train import checkpoint, distributed
+from train import checkpoint, distributed, routing
 from train.data import build_loader
-from train.engine import build_engine, train_step
+from train.engine import build_engine, train_step, trains_dspark
 from train.errors import ReportedError, reported
 from train.evaluate import Evaluator, data_tokenizer
 from train.health import ActivationStats
@@ -150,12 +150,14 @@ class Trainer:
         self.wandb_id = None
         self.flops_per_step = self._flops_per_step() if device.type == "cuda" else None
         self.activations = ActivationStats(engine.module.stage.model, scope=engine.module.stage)
+        self.routed = cfg.model.ffn == "moe" or trains_dspark(cfg)  # the same on every rank: gathers are collective
+        self.expert_loads: dict[str, list[float]] = {}  # of the last logged step (experts.jsonl)
 
     def _flops_per_step(self) -> float:
         """Model FLOPs of one optimizer step over all GPUs (``model/flops.py``): the MFU numerator."""
         cfg, engine = self.cfg, self.engine
         per_microbatch = training_flops(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout),
-                                        int(cfg.data.seq_len), int(cfg.data.micro_batch_size))
+                                        int(cfg.data.seq_len), int(cfg.data.micro_batch_size), trains_dspark(cfg))
         return per_microbatch * engine.micro_batches * engine.dp_world_size
 
     def train(self, logger: MetricsLogger, interrupts: Interrupts) -> None:
@@ -169,6 +171,8 @@ class Trainer:
                 row = self.step(step)
                 if step % train.log_every == 0 or row["skipped"]:
                     logger.log(row)
+                    if self.expert_loads:
+                        logger.log_experts(step, self.expert_loads)
                 bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                 **({"mfu": f"{row['mfu']:.1%}"} if "mfu" in row else {}), refresh=False)
                 bar.update(1)
@@ -207,7 +211,12 @@ class Trainer:
             tflops = self.flops_per_step / seconds / distributed.world_size() / 1e12
             row.update(tflops=tflops, mfu=tflops / float(self.cfg.train.peak_tflops))
         if logged:
-            row.update(self.activations.collect(self.engine.grid.get_pipe_parallel_group()))
+            pipe = self.engine.grid.get_pipe_parallel_group()
+            row.update(self.activations.collect(pipe))
+            if self.routed:
+                layers = routing.gather(self.engine, pipe)
+                row.update(routing.scalars(layers))
+                self.expert_loads = routing.normalised_loads(layers)
         return row
 
     def agreed_interrupt(self, interrupts: Interrupts) -> int:

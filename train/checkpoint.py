@@ -5,6 +5,7 @@ Layout of ``<checkpoint_dir>``::
     latest                 # tag of the newest complete checkpoint, replaced atomically
     step00000100/          # one tag directory per save
         layer_000.pt ...   # the weights, one file per transformer layer (plus embed.pt, head.pt)
+        rows_<name>_<first row>.pt  # a row-sharded table's rows, one file per data-parallel rank holding some
         trainer_state.json # step, bad-step counters, wandb run id, the resolved run config
         resume_state.pt    # RNG states, loader position, LR schedule and step counters
         optimizer_stage00_dp00.pt  # per rank whose optimizer state is its own (every data-parallel rank under
@@ -226,7 +227,7 @@ def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_st
     dist.barrier()
     (checkpoint_dir / partial).mkdir(parents=True, exist_ok=True)
     engine.module.save_weights(str(checkpoint_dir / partial))
-    if engine.shards.writes_state:
+    if engine.writes_optimizer_state:
         name = OPTIMIZER_STATE.format(stage=engine.stage_id, dp=engine.grid.data_parallel_id)
         torch.save(engine.optimizer_state_by_name(), checkpoint_dir / partial / name)
     if rank == 0:
@@ -309,6 +310,10 @@ def read_weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{path} is not a readable weight file ({error})") from error
     if not weights:
         raise CheckpointError(f"checkpoint {ref.path} holds no weight files ({', '.join(WEIGHT_FILES)})")
+    from parallel.engine import join_rows, saved_rows
+
+    for name, pieces in saved_rows(str(ref.path)).items():  # row-sharded tables, joined whole
+        weights[name] = join_rows(name, 0, max(p["rows"][1] for p in pieces), pieces)
     return weights
 
 

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, ListConfig
 
 from model import ModelArgs, layout_from_config
+from model.dspark import DRAFT_PARTS
 from model.transformer import ModelOutput
 from parallel.balance import split_stages
 from parallel.batch import batch_plan
@@ -150,24 +151,56 @@ def param_groups(parameters: list[tuple[str, torch.nn.Parameter]], weight_decay:
 
 
 class PipelineLoss:
-    """The last stage's loss function: ``train/loss.py``'s objective on (logits, stacked indexer losses).
+    """The last stage's loss function: ``train/loss.py``'s objective on (logits, stacked auxiliary losses: the
+    indexer KLs by source, then the draft head's parts when it trains).
 
     Keeps the parts of its latest microbatch (``parts``, named by ``part_names``) for the engine to average
     over microbatches and data-parallel ranks."""
 
-    def __init__(self, coef: float, sources: list[int]):
-        self.coef, self.sources = coef, sources
+    def __init__(self, coef: float, sources: list[int], dspark_coef: float = 0.0,
+                 draft_parts: tuple[str, ...] = ()):
+        self.coef, self.sources, self.dspark_coef, self.draft_parts = coef, sources, dspark_coef, draft_parts
         self.parts: OrderedDict | None = None
 
     def part_names(self) -> list[str]:
-        return ["loss", "lm_loss", "indexer_loss", *(f"indexer_loss/layer{s}" for s in self.sources)]
+        draft = ["dspark_loss", *(f"dspark_loss/{p}" for p in self.draft_parts)] if self.draft_parts else []
+        return ["loss", "lm_loss", "indexer_loss", *(f"indexer_loss/layer{s}" for s in self.sources), *draft]
 
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
-        logits, indexer = outputs
-        loss = compute_loss(ModelOutput(logits, dict(zip(self.sources, indexer)), {}), labels, self.coef)
+        logits, aux = outputs
+        indexer, draft = aux[:len(self.sources)], aux[len(self.sources):]
+        output = ModelOutput(logits, dict(zip(self.sources, indexer)), {}, dict(zip(self.draft_parts, draft)))
+        loss = compute_loss(output, labels, self.coef, self.dspark_coef)
         values = [loss.total, loss.lm, loss.indexer_total, *(loss.indexer[s] for s in self.sources)]
+        if self.draft_parts:
+            values += [loss.draft_total, *(loss.draft[p] for p in self.draft_parts)]
         self.parts = OrderedDict(zip(self.part_names(), (v.detach().float() for v in values)))
         return loss.total
+
+
+def trains_dspark(cfg: DictConfig) -> bool:
+    """Whether the job trains the draft head: the model has one and ``train.dspark_loss_coef`` > 0 (otherwise it
+    is carried, loaded and exported, but never run)."""
+    return int(cfg.model.dspark.blocks) > 0 and float(cfg.train.dspark_loss_coef) > 0
+
+
+def engram_token_map(cfg: DictConfig, args: ModelArgs):
+    """The Engram hashes' normalised token ids, built from the data tokenizer (None without Engram layers). Every
+    hash multiplier depends on their count: a model whose tables were hashed with another tokenizer
+    (``model.engram.compressed_vocab_size``) is refused."""
+    if not args.engram.layers:
+        return None
+    from model.engram import compressed_token_map
+    from train.evaluate import data_tokenizer
+
+    token_map, size = compressed_token_map(data_tokenizer(cfg.data))
+    expected = args.engram.compressed_vocab_size
+    if expected is not None and size != expected:
+        raise ValueError(f"the data tokenizer ({cfg.data.tokenizer or 'byte-level'}) normalises to {size} ids for the "
+                         f"Engram hashes, but model.engram.compressed_vocab_size={expected} (its tables were hashed "
+                         "with another tokenizer) — use that tokenizer, or model.engram.compressed_vocab_size=null "
+                         "for new tables")
+    return token_map, size
 
 
 def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2PipelineEngine:
@@ -190,13 +223,16 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2P
         if not split.fits:
             log.warning("the estimated peak memory of a stage exceeds the GPU's %.0f GiB (estimates above); "
                         "more stages, parallel.recompute=layer or a shorter data.seq_len lower it", capacity / 2 ** 30)
-    loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids))
+    run_dspark = trains_dspark(cfg)
+    loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids),
+                        float(cfg.train.dspark_loss_coef), DRAFT_PARTS if run_dspark else ())
     with torch.device(device), prints_to_debug():  # DeepSpeed prints seeds, topology and stage split
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
                                     int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
-                                    kept_attention_layers_per_stage(parallel))
+                                    kept_attention_layers_per_stage(parallel), engram_token_map(cfg, args),
+                                    run_dspark)
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
-    groups = param_groups(list(module.stage.model.named_parameters()), float(cfg.train.weight_decay))
+    groups = param_groups(list(module.dense_named_parameters().items()), float(cfg.train.weight_decay))
     return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches, fused_adam=device.type == "cuda"),
                                  model_parameters=groups,
                                  lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),

@@ -148,7 +148,8 @@ class Evaluator:
         for _ in range(self.cfg.train.eval.batches):
             batch = {k: v.to(self.device) for k, v in next(self.loader).items()}
             output = model(batch["input_ids"], batch["doc_ids"], collect_recall=True)
-            rows.append(compute_loss(output, batch["labels"], float(self.cfg.train.indexer_loss_coef)).metrics())
+            rows.append(compute_loss(output, batch["labels"], float(self.cfg.train.indexer_loss_coef),
+                                     float(self.cfg.train.dspark_loss_coef)).metrics())
             for layer, recall in output.index_recall.items():
                 recalls.setdefault(f"index_recall/layer{layer}", []).append(recall.item())
         row = mean_metrics(rows)

@@ -1,9 +1,10 @@
-"""The training objective (SPEC §2), in one place for the training step and for evaluation.
+"""The training objective (SPEC §2, §5.4), in one place for the training step and for evaluation.
 
-total = CE(logits, labels) + indexer_loss_coef * sum of the per-source indexer KLs. The model detaches the
-indexer's inputs and the KL target, so the coefficient scales the indexer's own learning signal and nothing else.
+total = CE(logits, labels) + indexer_loss_coef * sum of the per-source indexer KLs + dspark_loss_coef * the draft
+head's loss (when the job trains it). The model detaches the indexer's and the draft head's inputs and the KL
+target, so each coefficient scales its part's own learning signal and nothing else.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,15 +18,24 @@ class Loss:
     lm: torch.Tensor
     indexer: dict[int, torch.Tensor]  # index source layer -> KL
     tokens: int  # label tokens that entered the LM loss
+    draft: dict[str, torch.Tensor] = field(default_factory=dict)  # the draft head's loss parts (when it trains)
 
     @property
     def indexer_total(self) -> torch.Tensor:
         return sum(self.indexer.values(), torch.zeros((), device=self.lm.device))
 
+    @property
+    def draft_total(self) -> torch.Tensor:
+        return sum(self.draft.values(), torch.zeros((), device=self.lm.device))
+
     def metrics(self) -> dict[str, float]:
-        """Scalars for logs: ``loss``, ``lm_loss``, ``indexer_loss`` and ``indexer_loss/layer{N}`` per source."""
+        """Scalars for logs: ``loss``, ``lm_loss``, ``indexer_loss`` and ``indexer_loss/layer{N}`` per source;
+        with the draft head trained, ``dspark_loss`` and ``dspark_loss/<part>``."""
         row = {"loss": self.total.item(), "lm_loss": self.lm.item(), "indexer_loss": self.indexer_total.item()}
         row.update({f"indexer_loss/layer{layer}": kl.item() for layer, kl in sorted(self.indexer.items())})
+        if self.draft:
+            row["dspark_loss"] = self.draft_total.item()
+            row.update({f"dspark_loss/{name}": value.item() for name, value in self.draft.items()})
         return row
 
 
@@ -41,12 +51,12 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, i
     return summed / max(count, 1), count
 
 
-def compute_loss(output, labels: torch.Tensor, indexer_loss_coef: float) -> Loss:
+def compute_loss(output, labels: torch.Tensor, indexer_loss_coef: float, dspark_loss_coef: float = 0.0) -> Loss:
     """The objective of one forward (``model.ModelOutput``) against its ``labels`` (-100 = ignored)."""
     lm, count = lm_loss(output.logits, labels)
-    indexer = dict(output.indexer_losses)
-    total = lm + indexer_loss_coef * sum(indexer.values(), torch.zeros((), device=lm.device))
-    return Loss(total, lm, indexer, count)
+    loss = Loss(lm, lm, dict(output.indexer_losses), count, dict(output.draft_losses))
+    loss.total = lm + indexer_loss_coef * loss.indexer_total + dspark_loss_coef * loss.draft_total
+    return loss
 
 
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

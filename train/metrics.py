@@ -4,7 +4,8 @@ Only rank 0 writes. ``metrics.jsonl`` holds one JSON object per logged training 
 (``"split": "eval"``); a resumed run first drops the rows past its checkpoint, so the file reads as one run.
 A non-finite number (the loss of a skipped step) is written as ``null``, so that the file stays strict JSON.
 The PNGs are drawn from that file, for people without a wandb account: ``loss_curve.png`` here, the per-layer and
-synthetic-task dashboards in ``train/dashboards.py`` (also logged to wandb, with the layout as a Table).
+synthetic-task dashboards in ``train/dashboards.py`` (also logged to wandb, with the layout as a Table). A MoE
+model's expert loads go to ``experts.jsonl`` beside it, drawn as ``experts.png`` (``train/routing.py``).
 
 What the layout costs (``model.accounting`` at ``data.seq_len``) and the tokens of one optimizer step are logged
 once per run: in the first training row of the file, and in the wandb config next to the resolved config and the
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from model import ModelArgs, layout_from_config
 from model.accounting import account
-from train import dashboards
+from train import dashboards, routing
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
@@ -40,13 +41,15 @@ class MetricsLogger:
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.plot_path = run_dir / PLOT_FILE
+        self.experts_path = run_dir / routing.EXPERTS_FILE
         self.window = int(cfg.model.window_size)
         self.wandb_run = None
         self.once = {}
         if not enabled:
             return
-        kept = [row for row in read_rows(self.path) if row["step"] <= start_step]
-        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        for path in (self.path, self.experts_path):
+            kept = [row for row in read_rows(path) if row["step"] <= start_step]
+            path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         constants = run_constants(cfg)
         self.once = constants if start_step == 0 else {}  # a resumed run kept its first row
         if cfg.logger.mode != "disabled":
@@ -63,6 +66,11 @@ class MetricsLogger:
         """A training row (``step`` and scalars); the first one of a run also carries ``run_constants``."""
         self._write(row, prefix="train", file_only=self.once)
         self.once = {}
+
+    def log_experts(self, step: int, loads: dict[str, list[float]]) -> None:
+        """The normalised expert loads of a logged step, per MoE layer, into ``experts.jsonl``."""
+        if self.enabled:
+            routing.append(self.experts_path, step, loads)
 
     def log_eval(self, row: dict) -> None:
         """An evaluation row; marked ``"split": "eval"`` in the file and logged under ``eval/`` in wandb (with its
@@ -94,6 +102,12 @@ class MetricsLogger:
         plot_losses(rows, self.plot_path)
         plot_health(rows, self.path.parent / HEALTH_PLOT_FILE)
         dashboards.draw_and_log(rows, self.path.parent, self.window, self.wandb_run)
+        experts_plot = self.path.parent / routing.EXPERTS_PLOT
+        if routing.plot_experts(self.experts_path, experts_plot) and self.wandb_run is not None:
+            import wandb
+
+            self.wandb_run.log({"dashboards/experts": wandb.Image(str(experts_plot))},
+                               step=max((r["step"] for r in rows), default=0))
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None

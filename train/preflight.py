@@ -18,7 +18,7 @@ from parallel.batch import BatchPlan, batch_plan
 from parallel.partition import partition
 from train import checkpoint, init_from, sft
 from train.data import build_documents, data_config, synthetic_tasks
-from train.engine import check_parallel, resolve_device, resolve_precision
+from train.engine import check_parallel, engram_token_map, resolve_device, resolve_precision
 from train.evaluate import build_probes, data_tokenizer
 
 LOGGER_MODES = ("offline", "online", "disabled")
@@ -41,7 +41,10 @@ class Checked:
 
 def check_config(cfg: DictConfig) -> None:
     """Fail before any work on settings that cannot run; each message names the setting."""
-    layout_from_config(cfg.layout).check_candidate_capacity(ModelArgs.from_config(cfg.model).index_topk)
+    layout, args = layout_from_config(cfg.layout), ModelArgs.from_config(cfg.model)
+    layout.check_candidate_capacity(args.index_topk)
+    args.check_stack(layout.n_layers)
+    engram_token_map(cfg, args)  # the data tokenizer against the Engram tables
     if OmegaConf.is_missing(cfg.data, "path"):
         raise ValueError(f"data.source={cfg.data.source} needs data.path — set data.path=<a file, a directory of "
                          "files, or a dataset name>")
