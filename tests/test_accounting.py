@@ -27,6 +27,22 @@ def test_v41_flash_numbers_match_spec():
     assert figures["params_full_extra_m2"] - figures["params_full_extra_m1"] == 5120 * 512  # only m>1 has wgate
 
 
+def test_v41_flash_parts_match_spec():
+    """SPEC §5.5: backbone ~552 B without the Engram tables and the draft head, the tables 2 x ~384.0 M x 256 rows
+    (exactly the released row counts), ~16 B active per token; §5.1's 13.59 B routed parameters a layer. Counting the
+    tables or the draft head in the backbone, or every routed expert as active, misses these by billions."""
+    figures = accounting("model=v41_flash", "layout=v41")
+    routed_per_layer = 384 * 3 * 2304 * 5120
+    assert routed_per_layer / 1e9 == pytest.approx(13.59, abs=0.005)
+    assert figures["params_backbone"] / 1e9 == pytest.approx(552, abs=1)
+    assert figures["params_engram_tables"] == (384006168 + 384016682) * 256
+    assert figures["params_active_per_token"] / 1e9 == pytest.approx(16, abs=0.5)
+    idle = 40 * routed_per_layer * (384 - 6) // 384
+    assert figures["params_active_per_token"] == figures["params_backbone"] - 129280 * 5120 - idle
+    assert figures["params_total"] == (figures["params_backbone"] + figures["params_engram_tables"]
+                                       + figures["params_dspark"])
+
+
 def test_all_full_shows_what_sharing_saves():
     figures = accounting("model=v41_flash", "layout=all_full")
     assert figures["entries_per_token"] == 18 / 2 + 20
