@@ -13,14 +13,25 @@ Conventions (SPEC §1, DESIGN "Packed sequences"):
   blocks of the candidate source (same query);
 - the indexer loss of an index source is averaged over all queries of the batch that select >= 1 entry;
   if no query selects anything, the loss is 0.
+
+The V4.1 parts around the attention (SPEC §5), each off unless ``dims`` turns it on:
+- MoE FFN: every routed expert runs on every token, with routing weight 0 where the biased top-k did not pick it
+  (a dense sum, unlike the model's sorted dispatch), plus the shared expert;
+- staggered mHC (``hc_mult`` > 1): the stream is [B,T,hc,D], copies mixed with explicit sums over copies;
+- Engram before its layers, the table rows found by plain-int n-gram hashes of each document (``engram_hash_ids``),
+  every token its own normalised id;
+- the DSpark draft head's loss parts (``draft=True``), per anchor, on detached features of the streams entering
+  its target layers.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-__all__ = ["oracle_forward", "layer_plan", "rope_freqs", "doc_segments", "param_shapes", "random_params"]
+__all__ = ["oracle_forward", "layer_plan", "rope_freqs", "doc_segments", "param_shapes", "random_params",
+           "engram_primes", "engram_hash_ids"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -115,14 +126,297 @@ def linear(x, w):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the V4.1 parts around the attention (SPEC §5)
+# ----------------------------------------------------------------------------------------------------------
+def one_hot_pre(X):
+    """The first block's pre-mix [..., hc]: all on copy 0."""
+    pre = torch.zeros(X.shape[:-1], dtype=X.dtype)
+    pre[..., 0] = 1
+    return pre
+
+
+def collapse(X, pre):
+    """sum_c pre_c X_c: X [..., hc, D], pre [..., hc] -> [..., D]."""
+    return sum(pre[..., c, None] * X[..., c, :] for c in range(X.shape[-2]))
+
+
+def expand(y, X, post, comb):
+    """Copy k after a sublayer with output y [..., D]: post_k y + sum_j comb[j, k] X_j."""
+    hc = X.shape[-2]
+    return torch.stack([post[..., k, None] * y + sum(comb[..., j, k, None] * X[..., j, :] for j in range(hc))
+                        for k in range(hc)], dim=-2)
+
+
+def hc_mixes(X, fn, scale, base, iters, norm_eps, hc_eps):
+    """(pre, post, comb [j, k]) of the stream X [..., hc, D]: one projection of the flattened copies over one RMS
+    statistic of all hc*D values; sigmoids; a row softmax, then Sinkhorn starting with the columns."""
+    hc = X.shape[-2]
+    flat = X.flatten(-2)
+    m = linear(flat, fn) / torch.sqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    logit = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = torch.softmax(logit, dim=-1) + hc_eps
+
+    def columns(c):  # divide every column k by its sum over j
+        return c / (c.sum(-2, keepdim=True) + hc_eps)
+
+    def rows(c):
+        return c / (c.sum(-1, keepdim=True) + hc_eps)
+
+    comb = columns(comb)
+    for _ in range(iters - 1):
+        comb = columns(rows(comb))
+    return pre, post, comb
+
+
+def block(P, p, X, pre, attn_branch, ffn_branch, dims):
+    """One pre-norm block on the stream X [..., hc, D] (params under prefix p; the branches take the normed input).
+    hc 1 (``pre`` None): x + attn, then + ffn. Otherwise staggered mHC: the attention collapses with ``pre`` (the
+    previous block's FFN pre-mix), the FFN with this block's attention pre-mix; returns the FFN's pre-mix too."""
+    eps = dims["norm_eps"]
+    if pre is None:
+        h = X[..., 0, :]
+        h = h + attn_branch(rms_norm(h, P[p + "attn_norm.weight"], eps))
+        h = h + ffn_branch(rms_norm(h, P[p + "ffn_norm.weight"], eps))
+        return h.unsqueeze(-2), None
+    mix = dims["hc_sinkhorn_iters"], eps, dims["hc_eps"]
+    a_pre, a_post, a_comb = hc_mixes(X, P[p + "hc_attn_fn"], P[p + "hc_attn_scale"], P[p + "hc_attn_base"], *mix)
+    X = expand(attn_branch(rms_norm(collapse(X, pre), P[p + "attn_norm.weight"], eps)), X, a_post, a_comb)
+    f_pre, f_post, f_comb = hc_mixes(X, P[p + "hc_ffn_fn"], P[p + "hc_ffn_scale"], P[p + "hc_ffn_base"], *mix)
+    X = expand(ffn_branch(rms_norm(collapse(X, a_pre), P[p + "ffn_norm.weight"], eps)), X, f_post, f_comb)
+    return X, f_pre
+
+
+def swiglu_expert(x, P, e, limit, weight, counts=None):
+    """W2 (silu(min(W1 x, limit)) * clamp(W3 x, +-limit) * weight) (no clamp for limit 0); ``counts`` (4 ints) adds
+    the hidden values past the limit where weight != 0: up above, up below, gate above, gate below."""
+    g, u = linear(x, P[e + "w1.weight"]), linear(x, P[e + "w3.weight"])
+    if limit > 0:
+        if counts is not None:
+            live = (weight != 0).expand_as(g)
+            for n, v in enumerate((u > limit, u < -limit, g > limit, g < -limit)):
+                counts[n] += int((v & live).sum())
+        u = torch.clamp(u, -limit, limit)
+        g = torch.clamp(g, max=limit)
+    return linear(g * torch.sigmoid(g) * u * weight, P[e + "w2.weight"])
+
+
+def ffn(P, f, y, dims, n_experts, k, diag=None):
+    """The FFN under prefix f on y [..., D]: dense SwiGLU, or the MoE (``n_experts`` routed, top ``k``) computed
+    densely: every routed expert on every token with weight 0 where not chosen, plus the shared expert."""
+    if dims.get("ffn", "dense") == "dense":
+        return swiglu_expert(y, P, f, 0, 1)
+    args = dims["moe"]
+    assert args["score_func"] == "sqrtsoftplus", "the oracle knows V4.1's score function only"
+    x = y.reshape(-1, y.shape[-1])
+    scores = torch.sqrt(torch.nn.functional.softplus(linear(x, P[f + "gate.weight"]) / args["gate_temp"]))
+    biased = (scores + P[f + "gate.bias"]).detach()  # the bias picks experts, never weights them
+    order = torch.sort(biased, dim=-1, descending=True).indices
+    chosen = order[:, :k]
+    picked = torch.zeros_like(scores).scatter(1, chosen, 1.0)
+    w = scores * picked
+    if args["norm_topk_prob"] and k > 1:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * args["route_scale"]
+    if diag is not None:
+        if k < n_experts:
+            gap = biased.gather(1, order[:, k - 1:k]) - biased.gather(1, order[:, k:k + 1])
+            diag["route_margin"] = min(diag["route_margin"], float(gap.min()))
+        unbiased = torch.sort(scores.detach(), dim=-1, descending=True).indices[:, :k]
+        changed = sum(set(a) != set(b) for a, b in zip(chosen.tolist(), unbiased.tolist()))
+        diag["routes"][f[:-1]] = (chosen, changed)
+    counts = diag["clamped"].setdefault(f[:-1], [0, 0, 0, 0]) if diag is not None else None
+    out = sum(swiglu_expert(x, P, f"{f}experts.{e}.", args["swiglu_limit"], w[:, e:e + 1], counts)
+              for e in range(n_experts))
+    if args["n_shared_experts"]:
+        out = out + swiglu_expert(x, P, f + "shared_experts.", args["swiglu_limit"], 1)
+    return out.view(y.shape)
+
+
+def engram_update(P, g, X, ids, eps, diag=None, layer=None):
+    """X [B,T,hc,D] + gate_c * value, per copy c: the looked-up rows ids [B,T,cols] of the table, flattened, through
+    wkv give one key per copy and one value; the gate is the signed square root of the scaled dot product of
+    the copy and its key (each normalised over D on its own), through a sigmoid."""
+    hc, D = X.shape[-2:]
+    kv = linear(P[g + "embed.weight"][ids].flatten(-2), P[g + "wkv.weight"])
+    value = kv[..., hc * D:]
+    out, gates = [], []
+    for c in range(hc):
+        x, key = X[:, :, c], kv[..., c * D:(c + 1) * D]
+        dot = (x * P[g + "q_weight"][c] * P[g + "k_weight"][c] * key).sum(-1)
+        dot = dot / torch.sqrt(x.pow(2).mean(-1) + eps) / torch.sqrt(key.pow(2).mean(-1) + eps) / math.sqrt(D)
+        gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(torch.clamp(dot.abs(), min=1e-6)))
+        gates.append(gate.detach())
+        out.append(x + gate[..., None] * value)
+    if diag is not None:
+        diag["engram_gates"][layer] = torch.stack(gates, -1)
+    return torch.stack(out, dim=2)
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
+
+
+def engram_primes(vocab_size: int, n_layers: int, max_ngram: int, heads: int) -> list[list[list[int]]]:
+    """[layer][n-gram size][head]: per n-gram size a search from vocab_size - 1, per head the next prime not drawn."""
+    drawn, primes = set(), []
+    for _ in range(n_layers):
+        primes.append([])
+        for _ in range(max_ngram - 1):
+            prime, row = vocab_size - 1, []
+            for _ in range(heads):
+                prime += 1
+                while not _is_prime(prime) or prime in drawn:
+                    prime += 1
+                drawn.add(prime)
+                row.append(prime)
+            primes[-1].append(row)
+    return primes
+
+
+def engram_hash_ids(tokens, doc_start, token_map, map_size, engram) -> list:
+    """ids[b][t][layer][col] with plain ints (``engram``: a mapping or object with EngramArgs' fields): n-gram of
+    size n at t = tokens t-n+1..t of its document, slots before the document's start the pad's normalised id; XOR
+    of id * multiplier (odd, from numpy's default_rng(10007 * layer id)); mod the (n, head) prime; + its offset."""
+    get = engram.get if isinstance(engram, dict) else lambda name: getattr(engram, name)
+    layers, size, pad = list(get("layers")), get("max_ngram_size"), get("pad_id")
+    primes = engram_primes(get("vocab_size"), len(layers), size, get("n_heads"))
+    bound = ((2 ** 63 - 1) // map_size) // 2
+    mult = [[int(v) * 2 + 1 for v in np.random.default_rng(10007 * layer).integers(0, bound, size=size, dtype=np.int64)]
+            for layer in layers]
+    out = []
+    for row, starts in zip(tokens, doc_start):
+        out.append([])
+        for t in range(len(row)):
+            back = [token_map[row[t - s]] if t - s >= starts[t] else token_map[pad] for s in range(size)]
+            per_layer = []
+            for layer in range(len(layers)):
+                cols, offset = [], 0
+                for n in range(2, size + 1):
+                    h = 0
+                    for s in range(n):
+                        h ^= back[s] * mult[layer][s]
+                    for p in primes[layer][n - 2]:
+                        cols.append(h % p + offset)
+                        offset += p
+                per_layer.append(cols)
+            out[-1].append(per_layer)
+    return out
+
+
+def dspark_attention(P, a, xn, main_x, segs, dims):
+    """A draft block's attention: xn [B,T,bs,D] the normed draft stream (anchor i's slots), main_x [B,T,D].
+
+    Slot j of anchor i (doc-relative position pos_i) sits at pos_i + 1 + j; its query reads the main KV of its
+    document's last ``window_size`` positions up to i and the KV of all bs slots of its block, with the sink;
+    window-only RoPE (rope_theta, no YaRN); the output rotated back per slot, then the grouped projection."""
+    B, T, bs, D = xn.shape
+    eps, H, hd, G, ol, W = (dims[k] for k in ("norm_eps", "n_heads", "head_dim", "o_groups", "o_lora_rank",
+                                              "window_size"))
+    freqs = rope_freqs(dims["rope_head_dim"], dims["rope_theta"], False, dims)
+
+    def kv(v, pos):
+        return rope(rms_norm(linear(v, P[a + "wkv.weight"]), P[a + "kv_norm.weight"], eps), pos, freqs)
+
+    out = torch.zeros(B, T, bs, D, dtype=xn.dtype)
+    for b in range(B):
+        for s0, s1 in segs[b]:
+            kv_main = kv(main_x[b, s0:s1], torch.arange(s1 - s0))
+            for i in range(s0, s1):
+                pos = torch.arange(bs) + (i - s0) + 1
+                q = linear(rms_norm(linear(xn[b, i], P[a + "wq_a.weight"]), P[a + "q_norm.weight"], eps),
+                           P[a + "wq_b.weight"])
+                q = rope(q.view(bs, H, hd), pos, freqs)
+                keys = torch.cat([kv_main[max(0, i - s0 - W + 1):i - s0 + 1], kv(xn[b, i], pos)])
+                s = torch.einsum("jhd,nd->jhn", q, keys) * hd ** -0.5
+                sink = P[a + "attn_sink"].view(1, H, 1).expand(bs, H, 1)
+                prob = torch.exp(s - torch.logsumexp(torch.cat([s, sink], -1), -1, keepdim=True))
+                o = rope(torch.einsum("jhn,nd->jhd", prob, keys), pos, freqs, inverse=True)
+                hg = H // G
+                low = [linear(o[:, g * hg:(g + 1) * hg].flatten(1), P[a + "wo_a.weight"][g * ol:(g + 1) * ol])
+                       for g in range(G)]
+                out[b, i] = linear(torch.cat(low, -1), P[a + "wo_b.weight"])
+    return out
+
+
+def draft_losses(P, dims, features, input_ids, segs, main_logits, diag=None) -> dict:
+    """The draft head's loss parts (SPEC §5.4), every position i an anchor: slot 0 holds t_{i+1}, the others the
+    noise token; slot j predicts t_{i+2+j} (when that token is in i's document), its Markov bias from t_{i+1+j}
+    (noise past the row), its L1 teacher the main model's distribution at i+1+j. Means over the predicted slots of:
+    cross-entropy, L1 between the draft and teacher distributions, BCE of the confidence logit against "argmax is
+    the target". The main embedding, head, features and teacher are detached."""
+    d = dims["dspark"]
+    bs, noise, n_blocks, eps = d["block_size"], d["noise_token_id"], d["blocks"], dims["norm_eps"]
+    B, T = input_ids.shape
+    ids = input_ids.tolist()
+    doc = [[si for si, (s0, s1) in enumerate(segs[b]) for _ in range(s0, s1)] for b in range(B)]
+
+    def token(b, p):
+        return ids[b][p] if p < T else noise
+
+    main_x = rms_norm(linear(torch.cat([f.detach() for f in features], -1), P["mtp.0.main_proj.weight"]),
+                      P["mtp.0.main_norm.weight"], eps)
+    draft_in = torch.tensor([[[token(b, i + 1)] + [noise] * (bs - 1) for i in range(T)] for b in range(B)])
+    hc = dims.get("hc_mult", 1)
+    X = P["embed.weight"].detach()[draft_in].unsqueeze(-2).repeat(1, 1, 1, hc, 1)  # [B,T,bs,hc,D]
+    pre = one_hot_pre(X) if hc > 1 else None
+    counts = d["n_routed_experts"], d["n_activated_experts"]
+    for k in range(n_blocks):
+        p = f"mtp.{k}."
+        X, pre = block(P, p, X, pre, lambda h, p=p: dspark_attention(P, p + "attn.", h, main_x, segs, dims),
+                       lambda y, p=p: ffn(P, p + "ffn.", y, dims, *counts, diag), dims)
+    last = f"mtp.{n_blocks - 1}."
+    hidden = X[..., 0, :] if pre is None else collapse(X, pre)
+    prev = torch.tensor([[[token(b, i + 1 + j) for j in range(bs)] for i in range(T)] for b in range(B)])
+    markov = P[last + "markov_head.embed.weight"][prev]
+    logits = linear(rms_norm(hidden, P[last + "norm.weight"], eps), P["head.weight"].detach()) \
+        + linear(markov, P[last + "markov_head.head.weight"])
+    confidence = linear(torch.cat([hidden, markov], -1), P[last + "confidence_head.proj.weight"])[..., 0]
+    teacher = main_logits.detach()
+    ce, l1, bce, n, hits = 0, 0, 0, 0, 0
+    for b in range(B):
+        for i in range(T):
+            for j in range(bs):
+                p = i + 2 + j
+                if p >= T or doc[b][p] != doc[b][i]:
+                    continue
+                n += 1
+                y, z, c = ids[b][p], logits[b, i, j], confidence[b, i, j]
+                ce = ce - torch.log_softmax(z, -1)[y]
+                l1 = l1 + (torch.softmax(z, -1) - torch.softmax(teacher[b, p - 1], -1)).abs().sum()
+                top2 = torch.topk(z.detach(), 2).values
+                hit = float(int(z.argmax()) == y)
+                bce = bce - hit * torch.log(torch.sigmoid(c)) - (1 - hit) * torch.log(torch.sigmoid(-c))
+                hits += int(hit)
+                if diag is not None:
+                    diag["argmax_margin"] = min(diag["argmax_margin"], float(top2[0] - top2[1]))
+    if diag is not None:
+        diag["draft_hits"] = (hits, n)
+    n = max(n, 1)
+    return {"ce": ce / n, "l1": l1 / n, "confidence": bce / n}
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the model
 # ----------------------------------------------------------------------------------------------------------
-def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tensor, doc_ids=None, diag=None):
-    """Returns (logits [B,T,V], {index source layer id: scalar KL}).
+def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tensor, doc_ids=None, diag=None,
+                   draft: bool = False):
+    """Returns (logits [B,T,V], {index source layer id: scalar KL}); with ``draft`` also the draft head's loss parts
+    ``{"ce", "l1", "confidence"}`` (empty without a draft head).
+
+    ``dims`` holds ModelArgs' fields, the V4.1 parts as nested dicts (``moe``, ``engram``, ``dspark``); a missing
+    part is off (dense FFN, ``hc_mult`` 1, no Engram, no draft head), so the dims of the plain trunk still work.
 
     ``diag`` (optional dict) receives ``topk_margin`` and ``block_margin``: the smallest score gap at a
     selection boundary (k-th vs (k+1)-th best), so tests can check that the selection is unambiguous, and
-    ``selections``: {(layer, b, t): sorted list of selected doc-relative entry indices}.
+    ``selections``: {(layer, b, t): sorted list of selected doc-relative entry indices}; with the V4.1 parts also
+    ``route_margin`` (the same gap of every MoE's biased expert scores), ``routes`` {MoE name: (chosen experts
+    [N,k], tokens whose choice the bias changed)}, ``clamped`` {MoE name: counts of routed hidden values past the
+    limit: up above, up below, gate above, gate below}, ``engram_gates`` {layer: [B,T,hc]}, ``copies`` {layer: the
+    stream entering its block [B,T,hc,D]}, ``pre_mixes`` {layer: the pre-mix its block hands on [B,T,hc]},
+    ``argmax_margin`` (the smallest top-1 vs top-2 gap of the draft logits at a predicted slot: the confidence
+    target is discrete) and ``draft_hits`` (predicted slots whose argmax is the target, predicted slots).
     """
     P = params
     B, T = input_ids.shape
@@ -146,6 +440,10 @@ def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tens
         diag.setdefault("topk_margin", math.inf)
         diag.setdefault("block_margin", math.inf)
         diag.setdefault("selections", {})
+        for key in ("route_margin", "argmax_margin"):
+            diag.setdefault(key, math.inf)
+        for key in ("routes", "clamped", "engram_gates", "copies", "pre_mixes"):
+            diag.setdefault(key, {})
 
     # shared[(layer, b, seg)] = {"latent", "index_k", "sel": [LongTensor per query], "student": [...],
     #                            "blocks": [set per query]}
@@ -153,14 +451,12 @@ def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tens
     # target[(s, b, seg, t)] = list of reader distributions over s's selected slots (detached)
     target: dict = {}
 
-    h = P["embed.weight"][input_ids]  # [B,T,D]
-    for i in range(n_layers):
-        pre = f"layers.{i}."
-        a = pre + "attn."
+    def attention(i, x):
+        """Layer i's attention on its normed input x [B,T,D] -> [B,T,D]; fills ``shared`` and ``target``."""
+        a = f"layers.{i}.attn."
         info = plan[i]
         m = info["m"]
         freqs = freqs_comp if m > 0 else freqs_window
-        x = rms_norm(h, P[pre + "attn_norm.weight"], eps)
         rows = []
         for b in range(B):
             parts = []
@@ -274,12 +570,35 @@ def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tens
                 low = [linear(o[:, g * hg:(g + 1) * hg].reshape(L, hg * hd), wo_a[g * ol:(g + 1) * ol]) for g in range(G)]
                 parts.append(linear(torch.cat(low, -1), P[a + "wo_b.weight"]))
             rows.append(torch.cat(parts, 0))
-        h = h + torch.stack(rows)
-        y = rms_norm(h, P[pre + "ffn_norm.weight"], eps)
-        f = pre + "ffn."
-        h = h + linear(torch.nn.functional.silu(linear(y, P[f + "w1.weight"])) * linear(y, P[f + "w3.weight"]),
-                       P[f + "w2.weight"])
-    logits = linear(rms_norm(h, P["norm.weight"], eps), P["head.weight"])
+        return torch.stack(rows)
+
+    hc = dims.get("hc_mult", 1)
+    engram = dims.get("engram") or {}
+    engram_layers = list(engram.get("layers", ()))
+    dspark = dims.get("dspark") or {}
+    feature_layers = list(dspark.get("target_layers", ())) if dspark.get("blocks", 0) else []
+    if engram_layers:  # every token its own normalised id (the model without a tokenizer's map)
+        doc_start = [[s0 for s0, s1 in segs[b] for _ in range(s0, s1)] for b in range(B)]
+        vocab = list(range(dims["vocab_size"]))
+        hash_ids = torch.tensor(engram_hash_ids(input_ids.tolist(), doc_start, vocab, len(vocab), engram))
+    moe = (dims.get("moe", {}).get("n_routed_experts"), dims.get("moe", {}).get("n_activated_experts"))
+    X = P["embed.weight"][input_ids].unsqueeze(2).repeat(1, 1, hc, 1)  # [B,T,hc,D]: the embedding in every copy
+    pre = one_hot_pre(X) if hc > 1 else None
+    features = {}
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        if i in engram_layers:
+            X = engram_update(P, p + "engram.", X, hash_ids[:, :, engram_layers.index(i)], eps, diag, i)
+        if i in feature_layers:
+            features[i] = X.mean(2).detach()
+        if diag is not None:
+            diag["copies"][i] = X.detach()
+        X, pre = block(P, p, X, pre, lambda x, i=i: attention(i, x),
+                       lambda y, p=p: ffn(P, p + "ffn.", y, dims, *moe, diag), dims)
+        if diag is not None and pre is not None:
+            diag["pre_mixes"][i] = pre.detach()
+    hidden = X[:, :, 0] if pre is None else collapse(X, pre)
+    logits = linear(rms_norm(hidden, P["norm.weight"], eps), P["head.weight"])
 
     # --- indexer losses
     losses = {}
@@ -297,7 +616,11 @@ def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tens
                     total = kl if total is None else total + kl
                     count += 1
         losses[s] = total / count if count else torch.zeros((), dtype=logits.dtype)
-    return logits, losses
+    if not draft:
+        return logits, losses
+    if not feature_layers:
+        return logits, losses, {}
+    return logits, losses, draft_losses(P, dims, [features[i] for i in feature_layers], input_ids, segs, logits, diag)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Engram (model/engram.py) against references written here from SPEC §5.3 and the reference engram.py's formulas:
-the token map against a Python (unicodedata) normaliser, the hash ids against plain-int n-gram hashes, the update
-against a per-token, per-copy fp64 loop. Each test names the planted bug it was seen to catch."""
+the token map against a Python (unicodedata) normaliser, the hash ids against plain-int n-gram hashes (those of
+``tests/oracle.py``, which the whole-model oracle uses too), the update against a per-token, per-copy fp64 loop. Each test names the planted bug it was seen to catch."""
 import math
+import os
 import re
+import sys
 import unicodedata
 
-import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -13,6 +14,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from model.config import EngramArgs
 from model.engram import Engram, EngramHash, EngramTable, compressed_token_map
 from train.tokenizer import ByteTokenizer, HFTokenizer
+
+sys.path.insert(0, os.path.dirname(__file__))
+from oracle import engram_hash_ids, engram_primes  # noqa: E402  (the plain-int hash, shared with the model oracle)
 
 
 @pytest.fixture(autouse=True)
@@ -103,55 +107,6 @@ def test_token_map_needs_token_texts():
 # --- the hash ----------------------------------------------------------------------------------------------------
 
 
-def is_prime(n: int) -> bool:
-    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
-
-
-def reference_primes(vocab_size: int, n_layers: int, max_ngram: int, heads: int) -> list[list[list[int]]]:
-    """[layer][n-gram size][head]: per n-gram size a search from vocab_size - 1, per head the next prime not drawn."""
-    drawn, primes = set(), []
-    for _ in range(n_layers):
-        primes.append([])
-        for _ in range(max_ngram - 1):
-            prime, row = vocab_size - 1, []
-            for _ in range(heads):
-                prime += 1
-                while not is_prime(prime) or prime in drawn:
-                    prime += 1
-                drawn.add(prime)
-                row.append(prime)
-            primes[-1].append(row)
-    return primes
-
-
-def reference_ids(tokens, doc_start, token_map, map_size, args: EngramArgs) -> list:
-    """ids[b][t][layer][col] with plain ints: n-gram of size n at t = tokens t-n+1..t of its document, slots before
-    the document's start the pad's normalised id; XOR of id * multiplier; mod the (n, head) prime; + its offset."""
-    primes = reference_primes(args.vocab_size, len(args.layers), args.max_ngram_size, args.n_heads)
-    bound = ((2 ** 63 - 1) // map_size) // 2
-    mult = [[int(v) * 2 + 1 for v in np.random.default_rng(10007 * layer).integers(
-        0, bound, size=args.max_ngram_size, dtype=np.int64)] for layer in args.layers]
-    out = []
-    for row, starts in zip(tokens, doc_start):
-        out.append([])
-        for t in range(len(row)):
-            back = [token_map[row[t - s]] if t - s >= starts[t] else token_map[args.pad_id]
-                    for s in range(args.max_ngram_size)]
-            per_layer = []
-            for layer in range(len(args.layers)):
-                cols, offset = [], 0
-                for n in range(2, args.max_ngram_size + 1):
-                    h = 0
-                    for s in range(n):
-                        h ^= back[s] * mult[layer][s]
-                    for p in primes[layer][n - 2]:
-                        cols.append(h % p + offset)
-                        offset += p
-                per_layer.append(cols)
-            out[-1].append(per_layer)
-    return out
-
-
 SMALL = EngramArgs(layers=(1, 3), vocab_size=40, n_heads=2, max_ngram_size=3, pad_id=0)
 
 
@@ -159,7 +114,7 @@ def test_bucket_layout():
     """The row counts are the sums of the layers' primes as the reference draws them. Planted: primes reused
     across layers (each layer's search ignoring the other's draws): fails."""
     token_map = [0, 1, 2]
-    primes = reference_primes(SMALL.vocab_size, 2, SMALL.max_ngram_size, SMALL.n_heads)
+    primes = engram_primes(SMALL.vocab_size, 2, SMALL.max_ngram_size, SMALL.n_heads)
     engram_hash = EngramHash(SMALL, token_map, 3)
     assert [engram_hash.table_rows(layer) for layer in SMALL.layers] == [sum(map(sum, p)) for p in primes]
 
@@ -184,7 +139,7 @@ def test_hash_ids_by_hand():
     engram_hash = EngramHash(SMALL, token_map, map_size)
     ids = engram_hash(torch.tensor(tokens), torch.tensor(doc_start))
     assert ids.dtype == torch.int64 and ids.shape == (2, 8, 2, (SMALL.max_ngram_size - 1) * SMALL.n_heads)
-    assert ids.tolist() == reference_ids(tokens, doc_start, token_map, map_size, SMALL)
+    assert ids.tolist() == engram_hash_ids(tokens, doc_start, token_map, map_size, SMALL)
     rows = [engram_hash.table_rows(layer) for layer in SMALL.layers]
     assert all(0 <= v < r for layer, r in enumerate(rows) for v in ids[:, :, layer].flatten().tolist())
 
