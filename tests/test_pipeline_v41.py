@@ -35,10 +35,15 @@ def _merged(ranks, key):
 
 
 def test_losses_equal_single_stage(reference, pipelined):
-    """Both steps' losses and every part (LM, each indexer KL, the draft head's three) bitwise. A boundary that
-    dropped the pre-mix, a draft feature or the token ids, or a stale embedding replica, changes them."""
+    """Both steps' losses and every part of step 2 (LM, the draft head's three) bitwise, but the indexer KLs, which
+    see the shadow replica's rounding of layer 6's index keys from step 2 on (``tests/test_pipeline.py``: measured
+    there 1e-5 of a KL; here 2.7e-6). A boundary that dropped the pre-mix, a draft feature or the token ids, or a
+    stale embedding replica, changes them."""
     assert pipelined[-1]["losses"] == reference["losses"]
-    assert pipelined[-1]["parts"] == reference["parts"]
+    parts = pipelined[-1]["parts"]
+    assert parts.keys() == reference["parts"].keys()
+    for name, want in reference["parts"].items():
+        assert parts[name] == (pytest.approx(want, rel=1e-4) if name.startswith("indexer_loss") else want), name
     assert {"dspark_loss/ce", "dspark_loss/l1", "dspark_loss/confidence"} <= reference["parts"].keys()
 
 

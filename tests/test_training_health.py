@@ -10,7 +10,7 @@ import torch
 
 from model import build_model
 from model.cli import compose
-from model.groups import param_group
+from model.groups import clip_group, param_group
 from train.data import build_loader
 from train.engine import param_groups, warmup_cosine
 from train.health import ActivationStats, stability
@@ -21,10 +21,16 @@ SCALED_SMALL = ["model.dim=128", "model.n_heads=4", "model.head_dim=512", "model
                 "model.inter_dim=256", "model.kernel_backend=torch", "data.seq_len=256", "data.micro_batch_size=2"]
 
 
-@pytest.fixture(scope="module")
-def setup():
+# Every V4.1 part on (MoE, 4 hyper-connected copies, Engram, the draft head built): issue 34's criteria at the CPU
+# scale. At init its head carries 2.8 and no other group exceeds 0.02; the warm-up below falls at every step (5.55
+# -> 3.22).
+V41_MINI = ["model=v41_mini", "model.kernel_backend=torch", "data.seq_len=256", "data.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module", params=["scaled_small", "v41_mini"])
+def setup(request):
     torch.manual_seed(0)
-    cfg = compose(SCALED_SMALL)
+    cfg = compose(SCALED_SMALL if request.param == "scaled_small" else V41_MINI)
     loader = build_loader(cfg.data, vocab_size=int(cfg.model.vocab_size))
     return cfg, next(loader), next(loader)
 
@@ -43,8 +49,9 @@ def test_gradient_at_init_is_carried_by_the_head(setup):
     lm_loss(model, batch).total.backward()
     squares = {}
     for name, p in model.named_parameters():
-        if p.grad is not None:
-            squares[param_group(name)] = squares.get(param_group(name), 0.0) + p.grad.pow(2).sum().item()
+        if p.grad is not None:  # an Engram table's gradient is sparse: its values are the looked-up rows'
+            grad = p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+            squares[param_group(name)] = squares.get(param_group(name), 0.0) + grad.pow(2).sum().item()
     head = squares.pop("head") ** 0.5
     others = {group: value ** 0.5 for group, value in squares.items()}
     assert 0.3 < head < 8, head
@@ -62,7 +69,11 @@ def test_warmup_to_a_high_lr_lowers_the_loss_every_step(setup):
     (AVX2 against AVX-512 GEMMs). At 5e-3 the same perturbations leave every loss within 0.01."""
     cfg, batch, heldout = setup
     model = build_model(cfg.model, cfg.layout)
-    optimizer = torch.optim.AdamW(param_groups(list(model.named_parameters()), 0.1), lr=5e-3, betas=(0.9, 0.95))
+    tables = {n for n in model.row_shards()}  # sparse gradients: the trainer steps them with SparseAdam
+    optimizer = torch.optim.AdamW(param_groups([(n, p) for n, p in model.named_parameters() if n not in tables],
+                                               0.1), lr=5e-3, betas=(0.9, 0.95))
+    sparse = [p for n, p in model.named_parameters() if n in tables]
+    table_optimizer = torch.optim.SparseAdam(sparse, lr=5e-3, betas=(0.9, 0.95)) if sparse else None
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(8, 100, 0.1))
     with torch.no_grad():
         initial = lm_loss(model, heldout).lm.item()
@@ -70,8 +81,13 @@ def test_warmup_to_a_high_lr_lowers_the_loss_every_step(setup):
     for _ in range(8):
         optimizer.zero_grad()
         lm_loss(model, batch).total.backward()
-        trunk = [p for n, p in model.named_parameters() if p.grad is not None and param_group(n) != "indexer"]
+        trunk = [p for n, p in model.named_parameters() if p.grad is not None and n not in tables
+                 and clip_group(param_group(n)) == "trunk"]
         torch.nn.utils.clip_grad_norm_(trunk, 1.0)
+        if table_optimizer is not None:
+            table_optimizer.param_groups[0]["lr"] = optimizer.param_groups[0]["lr"]
+            table_optimizer.step()
+            table_optimizer.zero_grad()
         optimizer.step()
         schedule.step()
         with torch.no_grad():
