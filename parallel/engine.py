@@ -33,6 +33,7 @@ from deepspeed.runtime.pipe import schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from deepspeed.runtime.sparse_tensor import SparseTensor
+from deepspeed.utils import groups as ds_groups
 
 from model.config import ModelArgs
 from model.groups import CLIP_GROUPS, GROUPS, clip_group, param_group
@@ -293,11 +294,11 @@ class CSA2PipelineEngine(PipelineEngine):
                 self.table_optimizer.state[p] = {k: torch.nn.functional.pad(v, (0, 0, 0, p.shape[0] - v.shape[0]))
                                                  if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
 
-    def _exec_reduce_grads(self):
+    def _reduce_grads(self):
         """DeepSpeed's data-parallel reduction, then the tables' gradients over the replicas: each shard's already
         sums every replica's lookups of its rows (the row exchange's backward), so it is divided by the replicas,
         as the reduction averages every other gradient."""
-        super()._exec_reduce_grads()
+        PipelineEngine._exec_reduce_grads(self)
         replicas = self.grid.get_data_parallel_world_size()
         for p in self.tables.values():
             if p.grad is not None and replicas > 1:
@@ -315,6 +316,15 @@ class CSA2PipelineEngine(PipelineEngine):
                 p.grad = torch.zeros_like(p)
             grads.append(SparseTensor(p.grad) if p.grad.is_sparse else p.grad.data)
         return grads, {}
+
+    def _broadcast_model(self):
+        """DeepSpeed's start-up broadcast of the weights from the first data-parallel rank, but the row-sharded
+        tables: each replica holds other rows of them (DeepSpeed would give every replica the first one's)."""
+        sharded = {id(p) for p in self._sharded_tensors()}
+        for p in self.module.parameters():
+            if id(p) not in sharded:
+                dist.broadcast(p.data.view(torch.uint8), ds_groups._get_broadcast_src_rank(),
+                               group=self.seq_data_parallel_group)
 
     def _sharded_tensors(self) -> list[torch.nn.Parameter]:
         named = dict(self.module.stage.model.named_parameters())
@@ -353,14 +363,13 @@ class CSA2PipelineEngine(PipelineEngine):
             return
         self.nonfinite_steps = 0
         self._clip_gradients()
-        lr = self.optimizer.param_groups[0]["lr"]  # this step's (the schedule moves on inside the step below)
-        with self.shards.gradients():
-            PipelineEngine._exec_optimizer_step(self, lr_kwargs)
-        if self.table_optimizer is not None:
+        if self.table_optimizer is not None:  # first: DeepSpeed's step below clears every module gradient
             for group in self.table_optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = self.optimizer.param_groups[0]["lr"]  # this step's, as the dense one's
             self.table_optimizer.step()
         self._clear_table_grads()
+        with self.shards.gradients():
+            PipelineEngine._exec_optimizer_step(self, lr_kwargs)
         self.shards.broadcast()
         self.sync_shadows()
 
@@ -455,6 +464,7 @@ class CSA2PipelineEngine(PipelineEngine):
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         schedule.ReduceTiedGrads: _reduce_tied_and_shadow_grads,
+        schedule.ReduceGrads: _reduce_grads,
         schedule.OptimizerStep: _guarded_optimizer_step,
         schedule.SendActivation: _send_activations,
         schedule.RecvActivation: _recv_activations,
