@@ -5,17 +5,41 @@
 #   bash bench/gpu_health.sh demo    # start the >= 300-step 16K runs, CSA2 (small, v41) and the dense-attention
 #                                    # model, detached; wait up to WAIT seconds (default 560); copy what exists
 #   bash bench/gpu_health.sh collect # a later call on the same machine: wait for them to end, copy the results
+#   CSA2_CODE=<commit> bash bench/gpu_health.sh moe  # issue 34: `model=small_moe` at 16K in one call (below)
+#   SMOKE=1 bash bench/gpu_health.sh moe             # the same on the CPU: v41_mini at 256 tokens, 8 steps
+# moe: one run in the foreground, cut at WAIT seconds (default 470; SIGTERM: the trainer stops after its step and
+# writes its plots), of STEPS (default 100) steps warming up over WARMUP (40) to LR (3e-4, as the `small` demo),
+# the held-out loss every EVERY (10) steps, so 4 evaluations inside the warm-up; then bench/health_criteria.py
+# (init gradient norms against the head's, the warm-up's held-out losses, train.health's criteria after it) into
+# $OUT/small_moe/criteria.json. Sized from the `small` model's 16K demo (5,580 tokens/s: 2.9 s a step on an H200,
+# bench/results/health/demo_16k): small_moe has 27% fewer FLOPs a step (model/flops.py, 343 vs 474 TFLOP) but
+# the hyper-connections' elementwise passes on 4 fp32 copies; at ~3 s a step, 100 steps take ~300 s after ~90 s of
+# start (wheels, build, first Triton compile) plus ~10 evaluations of 2 batches. Files: gpu.txt and small_moe/
+# {metrics.jsonl, experts.jsonl, health.png, loss_curve.png, experts.png, tail.log, criteria.json}: 8.
 set -uo pipefail
-mode=${1:?probe, demo or collect}
+mode=${1:?probe, demo, collect or moe}
 : "${OUT:?set OUT}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-gpus=$(nvidia-smi -L | wc -l)
+SMOKE=${SMOKE:-0}
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+elif [ "$SMOKE" = 1 ]; then
+  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+else
+  echo "error: no wheels in .whl (../shared/gpu/fetch-wheels.sh .whl, and carry .whl)" >&2
+  exit 1
+fi
+mkdir -p "$OUT"
+if [ "$SMOKE" = 1 ]; then
+  gpus=0
+else
+  nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+  gpus=$(nvidia-smi -L | wc -l)
+fi
 second=$(( gpus > 1 ? 1 : 0 ))
 
-COMMON=(model=small data.seq_len=16384 data.micro_batch_size=1 parallel.recompute=layer train.checkpoint_every=0
+COMMON=(data.seq_len=16384 data.micro_batch_size=1 parallel.recompute=layer train.checkpoint_every=0
         train.eval.batches=2 train.eval.probe_examples=0 logger.mode=disabled train.progress=false)
 DEMO=(train.max_steps=${STEPS:-300} train.warmup_steps=${WARMUP:-50} train.lr=${LR:-3e-4} train.eval.every=100)
 
@@ -46,7 +70,7 @@ wait_for() {  # seconds names...: until every named run has ended or the seconds
 
 case $mode in
   probe)
-    train_run short_embed1 "$second" layout=v41 train.max_steps=40 train.warmup_steps=20 train.lr=3e-4 \
+    train_run short_embed1 "$second" model=small layout=v41 train.max_steps=40 train.warmup_steps=20 train.lr=3e-4 \
       model.embed_init_std=1.0 model.init_std=0.02 model.head_init_std=0.02 &
     [ "$gpus" -gt 1 ] || wait
     CUDA_VISIBLE_DEVICES=0 python3 bench/init_health.py --variants "${VARIANTS:-before,embed1,std006,embed1_std006}" \
@@ -56,16 +80,35 @@ case $mode in
     ;;
   demo)
     setsid nohup bash -c "$(declare -p COMMON); $(declare -f train_run); \
-      train_run csa2 0 layout=v41 ${DEMO[*]}" > /dev/null 2>&1 &
+      train_run csa2 0 model=small layout=v41 ${DEMO[*]}" > /dev/null 2>&1 &
     setsid nohup bash -c "$(declare -p COMMON); $(declare -f train_run); \
       $( [ "$gpus" -gt 1 ] || echo 'while [ ! -f /tmp/csa2.done ]; do sleep 5; done;' ) \
-      train_run dense $second layout=window_only model.attention=dense ${DEMO[*]}" > /dev/null 2>&1 &
+      train_run dense $second model=small layout=window_only model.attention=dense ${DEMO[*]}" > /dev/null 2>&1 &
     wait_for "${WAIT:-560}" csa2 dense
     copy_results csa2 dense
     ;;
   collect)
     wait_for "${WAIT:-580}" csa2 dense
     copy_results csa2 dense
+    ;;
+  moe)
+    if [ "$SMOKE" = 1 ]; then
+      RUN=(model=v41_mini layout=v41_scaled data.seq_len=256 train.device=cpu train.precision=fp32)
+      STEPS=${STEPS:-8} WARMUP=${WARMUP:-4} EVERY=${EVERY:-2}
+    else
+      [ -n "${CSA2_CODE:-}" ] || { echo "error: set CSA2_CODE=<commit> to label criteria.json" >&2; exit 2; }
+      RUN=(model=small_moe layout=v41)
+      STEPS=${STEPS:-100} WARMUP=${WARMUP:-40} EVERY=${EVERY:-10}
+    fi
+    rm -rf /tmp/small_moe /tmp/small_moe.done
+    CUDA_VISIBLE_DEVICES=0 timeout --kill-after=60 "${WAIT:-470}" python3 -m train "${COMMON[@]}" "${RUN[@]}" \
+      train.max_steps="$STEPS" train.warmup_steps="$WARMUP" train.lr="${LR:-3e-4}" train.eval.every="$EVERY" \
+      hydra.run.dir=/tmp/small_moe > /tmp/small_moe.log 2>&1
+    echo $? > /tmp/small_moe.done
+    copy_results small_moe
+    cp /tmp/small_moe/experts.{jsonl,png} "$OUT/small_moe/" 2>/dev/null
+    python3 bench/health_criteria.py /tmp/small_moe --warmup "$WARMUP" --out "$OUT/small_moe/criteria.json" 2>&1 \
+      | grep -v -i warn
     ;;
 esac
 for f in "$OUT"/*/tail.log; do echo "== $f"; tail -n 4 "$f"; done

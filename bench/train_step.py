@@ -1,14 +1,15 @@
 """Whole-model training steps at 64K on one GPU: CSA2 (Triton) vs the same model with dense attention vs the
-PyTorch reference path of CSA2 (issue 6).
+PyTorch reference path of CSA2 (issue 6); the V4.1-shaped ``model=small_moe`` beside ``model=small`` (issue 34).
 
     python bench/train_step.py [overrides] [--variant csa2|dense|reference] [--steps N] [--warmup N]
-                               [--device cuda|cpu] [--out FILE.json]
+                               [--device cuda|cpu] [--kernel-table] [--out FILE.json]
     python bench/train_step.py --all --out-dir DIR [overrides]   # every variant, each in its own process
 
 The engine is ``train/engine.py``'s (DeepSpeed pipeline engine, one stage, bf16 autocast over fp32 masters, AdamW),
 built from ``model.cli.compose`` with the defaults ``model=small layout=v41 data.seq_len=65536
-data.micro_batch_size=1 train.grad_accum_steps=1 parallel.recompute=layer train.precision=bf16`` (argv overrides win).
-Batches are synthetic: random byte tokens, one document per row (the kernels' cost does not depend on the tokens).
+data.micro_batch_size=1 train.grad_accum_steps=1 parallel.recompute=layer train.precision=bf16`` (argv overrides win,
+e.g. ``model=small_moe``). Batches are synthetic: random byte tokens, one document per row (the kernels' cost does
+not depend on the tokens; the MoE's routing does, so its tokens per expert are those of random text at init).
 Weights are drawn on the device (``layer_probe.device_init``: same normal(0, init_std) with the residual scaling,
 another random stream) to save the CPU draw of ~3 B values; the benchmark does not need the training run's exact
 initial values.
@@ -20,10 +21,21 @@ Variants:
   state); FFN, norms, head equal.
 - ``reference``: ``model.kernel_backend=torch``.
 
-Printed / written (JSON): tokens/s, model TFLOP/s and MFU against a bf16 matmul rate measured in the same process
-(8192^3, median of 20), peak memory, per-layer-mode forward and backward time (CUDA events from module/tensor
-hooks; with recompute the backward includes the layer's recomputed forward), and CUDA kernel launches in one
-Reuse layer's forward (torch profiler, prefill: no_grad).
+Printed / written (JSON), from ``--steps`` timed steps after ``--warmup``: tokens/s, model TFLOP/s and MFU against
+a bf16 matmul rate measured in the same process (8192^3, median of 20), peak memory of the timed steps, per-layer-
+mode forward and backward time (CUDA events from module/tensor hooks, during the timed steps; with recompute the
+backward includes the layer's recomputed forward), and for a MoE the routed tokens per expert of the last timed
+step (``tokens_per_expert``: per layer min/max and idle experts; the mean is T x top-k / experts). Then, unless
+``--no-detail``, each in turn, the file rewritten after each:
+- ``parts``: one more step under ``layer_probe.PartProbe``: GPU time per part of the blocks (``attention``,
+  ``moe`` or ``ffn``, ``mhc``, ``engram``), summed over the layers, each split into ``forward_ms`` (the training
+  forward), ``recompute_ms`` (the recomputed layer's forward inside the backward) and ``backward_ms`` (the gradient
+  computation alone), with ``total_ms`` and ``share`` of the probed step (``step_ms``; ``probe_overhead`` against
+  the unprobed median); ``rest``: ``recompute_ms`` outside the parts and ``other_ms`` (embedding, head, loss,
+  optimizer and everything else); the parts and the rest add up to the step;
+- ``reuse_launches``: CUDA kernel launches in one Reuse layer's forward (torch profiler, prefill: no_grad), on the
+  inputs kept in the probed step;
+- ``kernel_table`` (``--kernel-table``): device time by kernel and by host op over one more step (torch profiler).
 
 FLOPs are model FLOPs of one step, computed work only (``model/flops.py``, which the training metrics use too).
 """
@@ -39,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from layer_probe import Clock, LayerProbe, use_device_init  # noqa: E402
+from layer_probe import Clock, LayerProbe, PartProbe, use_device_init  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 
 DEFAULTS = ["model=small", "layout=v41", "data.seq_len=65536", "data.micro_batch_size=1",
@@ -74,6 +86,7 @@ def run_variant(a) -> dict:
     from train.engine import build_engine, resolve_device, resolve_precision, train_step
 
     from model import layout_from_config
+    from model.engram import EngramTable
     from model.flops import model_flops
     overrides = list(DEFAULTS)
     if a.variant == "reference":
@@ -112,7 +125,9 @@ def run_variant(a) -> dict:
     layout, args = model.layout, model.args
     T, B = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
     n_params = sum(p.numel() for p in engine.module.parameters())
-    res.update(T=T, micro_batch=B, params=n_params, params_no_embed=n_params - model.embed.weight.numel())
+    res.update(model=cfg.model.name, T=T, micro_batch=B, params=n_params,
+               params_no_embed=n_params - model.embed.weight.numel(),
+               params_engram_tables=sum(m.weight.numel() for m in model.modules() if isinstance(m, EngramTable)))
     res["flops"] = model_flops(model, layout, args, T, B, a.variant == "dense")
 
     g = torch.Generator().manual_seed(0)
@@ -123,11 +138,8 @@ def run_variant(a) -> dict:
                  "doc_ids": torch.zeros(B, T, dtype=torch.long, device=device)}]
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    capture = None if a.no_detail else capture_reuse_inputs(model)
     for _ in range(a.warmup):
         r = train_step(engine, batch())
-    if capture is not None:
-        capture["restore"]()
     probe = None if a.no_detail or not cuda else LayerProbe(model, Clock(cuda))
     sync()
     if cuda:
@@ -151,19 +163,44 @@ def run_variant(a) -> dict:
         res["peak_fraction"] = res["peak_reserved_gib"] / res["gpu_total_gib"]
         res["mfu_vs_measured_matmul"] = res["model_tflops"] / res["matmul_tflops"]
         res["mfu_vs_989"] = res["model_tflops"] / 989.0
-    print(json.dumps({k: v for k, v in res.items() if k != "overrides"}), flush=True)
+    if engine.expert_loads:
+        slots = args.moe.n_activated_experts * B * T * engine.micro_batches  # (token, choice) pairs per layer
+        res["tokens_per_expert"] = tokens_per_expert(engine.expert_loads, slots)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("overrides", "tokens_per_expert")}), flush=True)
     if a.no_detail:
         return res
-    if a.out_path:
-        Path(a.out_path).write_text(json.dumps(res, indent=1, default=str))
-    try:
-        if a.kernel_table and cuda:
-            res["kernel_table"] = kernel_table(lambda: train_step(engine, batch()), sync)
-        details(a, res, model, sync, cuda, device, precision, probe, capture)
-    except Exception as err:  # the step results above stand without the details
-        res["details_error"] = f"{type(err).__name__}: {err}"[:500]
-        print("details failed:", res["details_error"], flush=True)
+    save = (lambda: Path(a.out_path).write_text(json.dumps(res, indent=1, default=str))) if a.out_path \
+        else (lambda: None)
+    save()
+    errors = []
+    for name, detail in details(a, res, engine, batch, sync, cuda, device, precision, probe, step_s):
+        try:  # each detail on its own: the step results and the details before it stand without it
+            detail()
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"{name}: {type(err).__name__}: {err}"[:500])
+            print("detail failed:", errors[-1], flush=True)
+            res["details_error"] = "; ".join(errors)
+        save()
     return res
+
+
+def tokens_per_expert(loads: dict, slots: int) -> dict:
+    """Routed tokens per expert of one step (``engine.expert_loads``: layer -> tokens of each expert, summed over
+    the step's microbatches), per MoE layer and over all of them: the row counts of the grouped GEMMs. ``slots``
+    is the step's routed (token, choice) pairs per layer, the sum each layer's loads must reach."""
+    per_layer = {}
+    for name, load in loads.items():
+        load = [float(v) for v in load]
+        mean = sum(load) / len(load)
+        per_layer[name] = {"min": min(load), "max": max(load), "max_over_mean": max(load) / mean if mean else None,
+                           "zero_experts": sum(v == 0 for v in load)}
+        if sum(load) != slots:
+            per_layer[name]["slots_counted"] = sum(load)
+    n_experts = len(next(iter(loads.values())))
+    return {"mean": slots / n_experts, "experts": n_experts,
+            "min": min(r["min"] for r in per_layer.values()), "max": max(r["max"] for r in per_layer.values()),
+            "layers_with_an_idle_expert": sum(r["zero_experts"] > 0 for r in per_layer.values()),
+            "per_layer": per_layer}
 
 
 def kernel_table(step, sync, top: int = 40) -> dict:
@@ -201,9 +238,10 @@ def capture_reuse_inputs(model):
     blk = model.layers[str(lid)]
     orig, cap = blk._compute, {"layer": lid}
 
-    def capture(x, geometry, reads, collect_recall):
-        cap.setdefault("args", (x.detach(), geometry, {k: v.detach() for k, v in reads.items()}))
-        return orig(x, geometry, reads, collect_recall)
+    def capture(x, pre, geometry, reads, engram_ids, collect_recall):
+        cap.setdefault("args", (x.detach(), None if pre is None else pre.detach(), geometry,
+                                {k: v.detach() for k, v in reads.items()}, engram_ids))
+        return orig(x, pre, geometry, reads, engram_ids, collect_recall)
     blk._compute = capture
     cap["restore"] = lambda: blk.__dict__.pop("_compute", None)
     return cap
@@ -231,9 +269,17 @@ def copy_origins(prof) -> list[str]:
     return origins
 
 
-def details(a, res, model, sync, cuda, device, precision, probe, capture):
+def details(a, res, engine, batch, sync, cuda, device, precision, probe, step_s):
+    """The detail measurements after the timed steps, most valuable first, as (name, callable filling ``res``):
+    per-layer-mode times (of the timed steps), time per part (one more step, ``PartProbe``, which also keeps one
+    Reuse layer's inputs), that Reuse layer's launches, the device time by kernel (``--kernel-table``: one more step
+    under the profiler, whose event processing takes longest)."""
     import torch
-    if probe is not None:
+    from train.engine import train_step
+    model = engine.module.stage.model
+    capture = {}  # one Reuse layer's inputs, kept in the probed step (capture_reuse_inputs)
+
+    def per_mode():
         per_mode = {}
         for row in probe.per_layer():
             d = per_mode.setdefault("dense" if a.variant == "dense" else row["mode"],
@@ -249,15 +295,47 @@ def details(a, res, model, sync, cuda, device, precision, probe, capture):
         print(json.dumps({m: {k: round(v, 1) for k, v in d.items() if k.endswith("mean")} for m, d in per_mode.items()}),
               flush=True)
 
-    if capture is not None and "args" in capture:
+    def parts():
+        capture.update(cap=capture_reuse_inputs(model))
+        part_probe = PartProbe(model, Clock(cuda))
+        try:
+            mb = batch()
+            sync()
+            part_probe.begin()
+            train_step(engine, mb)
+            part_probe.end()
+        finally:
+            part_probe.remove()
+            if capture["cap"] is not None:
+                capture["cap"]["restore"]()
+        times = part_probe.result()
+        times["unprobed_step_ms"] = 1e3 * step_s
+        times["probe_overhead"] = times["step_ms"] / times["unprobed_step_ms"] - 1
+        res["parts"] = times
+        print(f"{'part':>10} {'fwd ms':>9} {'recomp ms':>9} {'bwd ms':>9} {'total ms':>9} {'share':>6}  (rest: "
+              "recomputation outside the parts, everything else)", flush=True)
+        for name, row in times["parts"].items():
+            first, last = (row["forward_ms"], row["backward_ms"]) if "forward_ms" in row else (0.0, row["other_ms"])
+            print(f"{name:>10} {first:9.1f} {row['recompute_ms']:9.1f} {last:9.1f} {row['total_ms']:9.1f} "
+                  f"{row['share']:6.1%}", flush=True)
+        print(f"probed step {times['step_ms']:.1f} ms (unprobed {times['unprobed_step_ms']:.1f}), anomalies "
+              f"{times['anomalies']}", flush=True)
+
+    def kernels():
+        res["kernel_table"] = kernel_table(lambda: train_step(engine, batch()), sync)
+
+    def reuse_launches():
         from torch.profiler import ProfilerActivity, profile
-        blk = model.layers[str(capture["layer"])]
-        x, geometry, reads = capture.pop("args")
+        from model import hyper
+        cap = capture.pop("cap")
+        blk = model.layers[str(cap["layer"])]
+        x, pre, geometry, reads, engram_ids = cap.pop("args")
         counts = {}
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            xn = blk.attn_norm(x)
+            xn = blk.attn_norm(x if pre is None else hyper.collapse(x, pre))
             attention = lambda: blk.attn(xn, geometry, reads)  # noqa: E731
-            runs = [("attention", attention, None), ("block", lambda: blk._compute(x, geometry, reads, False), None)]
+            runs = [("attention", attention, None),
+                    ("block", lambda: blk._compute(x, pre, geometry, reads, engram_ids, False), None)]
             if cuda:  # the same attention forward with cuBLAS (not cuBLASLt) GEMMs: are the memsets the library's?
                 runs.append(("attention_cublas", attention, "cublas"))
                 default_library = torch.backends.cuda.preferred_blas_library()
@@ -276,10 +354,18 @@ def details(a, res, model, sync, cuda, device, precision, probe, capture):
                     counts[what] = {"cpu_ops": len(prof.events())}
                 if library:
                     torch.backends.cuda.preferred_blas_library(default_library)
-        res["reuse_layer"] = capture["layer"]
+        res["reuse_layer"] = cap["layer"]
         res["reuse_launches"] = counts
-        print(json.dumps({"reuse_layer": capture["layer"], **{k: {kk: vv for kk, vv in v.items() if kk != "names"}
+        print(json.dumps({"reuse_layer": cap["layer"], **{k: {kk: vv for kk, vv in v.items() if kk != "names"}
                                                              for k, v in counts.items()}}), flush=True)
+
+    if probe is not None:
+        yield "per_mode", per_mode
+    yield "parts", parts
+    if capture.get("cap") and "args" in capture["cap"]:
+        yield "reuse_launches", reuse_launches
+    if a.kernel_table and cuda:
+        yield "kernel_table", kernels
 
 
 # ----------------------------------------------------------------------------------------------- orchestration
