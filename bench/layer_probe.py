@@ -17,6 +17,8 @@ time on CPU, and per-layer time and memory probes of a training step.
 - ``PartProbe``: time per part of the blocks (attention, the FFN or MoE, the hyper-connections' mixes, collapse
   and expand, Engram) over one training step, forward, recomputation and backward apart (``exclusive_ms``).
 """
+import contextlib
+import itertools
 import statistics
 import time
 from functools import partial
@@ -181,9 +183,10 @@ OUTSIDE = (REST, "other")
 def exclusive_ms(marks: list[tuple[float, str, int, tuple | None]]) -> tuple[dict[tuple, float], dict[tuple, int], int]:
     """Exclusive time per label from ordered marks ``(t_ms, action, key, label)``: ``open`` starts span ``key``
     (``label``), ``close`` ends it, ``close_nested`` ends it and every span opened after it that is still open (a
-    recomputation stopped early, before its parts' own ends), ``mark`` only marks the time (the timeline's ends). The time from each mark to the next goes to the
-    innermost open span, i.e. the most recently opened one still open, or to ``OUTSIDE`` outside every span; the last mark ends the timeline. Returns (ms per label, opened spans per label, anomalies: closes of
-    spans not open plus spans left open)."""
+    recomputation stopped early, before its parts' own ends), ``mark`` only marks the time (the timeline's ends).
+    The time from each mark to the next goes to the innermost open span, i.e. the most recently opened one still
+    open, or to ``OUTSIDE`` outside every span; the last mark ends the timeline. Returns (ms per label, opened
+    spans per label, anomalies: closes of spans not open plus spans left open)."""
     totals: dict[tuple, float] = {}
     counts: dict[tuple, int] = {}
     spans: dict[int, tuple] = {}  # open spans in opening order (dicts keep it): the last is the innermost
@@ -255,7 +258,7 @@ class PartProbe:
 
         self.clock, self.kernels = clock, kernels
         self.marks: list[tuple] = []
-        self._keys = iter(range(1 << 62))
+        self._keys = itertools.count()
         self.handles, self._restore = [], []
         for block in model.layers.values():
             self._module_span("attention", block.attn_norm, block.attn)
@@ -297,30 +300,31 @@ class PartProbe:
     def _phase(self) -> str:
         return "recompute" if self.kernels.recomputing() else "forward"
 
-    def _enter(self, part: str, values: tuple) -> tuple[tuple, int | None]:
-        """``values`` with their gradient-carrying tensors through a boundary whose backward ends the part's
-        backward span; and that span's key (None: nothing here carries a gradient)."""
+    @staticmethod
+    def _through(values: tuple, callback) -> tuple | None:
+        """``values`` with their gradient-carrying tensors through a ``_Boundary`` of ``callback`` (None: none
+        carries a gradient here)."""
         carried = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
         if not carried or not torch.is_grad_enabled():
-            return values, None
-        key = next(self._keys)
+            return None
         out = list(values)
-        for i, t in zip(carried, _Boundary.apply(lambda: self._close(key), *(values[i] for i in carried))):
-            out[i] = t
-        return tuple(out), key
-
-    def _exit(self, part: str, key: int | None, values: tuple) -> tuple:
-        """``values`` through a boundary whose backward opens the part's backward span ``key``."""
-        carried = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
-        if key is None or not carried:
-            return values
-
-        def start():
-            self.marks.append((self.clock.mark(), "open", key, (part, "backward")))
-        out = list(values)
-        for i, t in zip(carried, _Boundary.apply(start, *(values[i] for i in carried))):
+        for i, t in zip(carried, _Boundary.apply(callback, *(values[i] for i in carried))):
             out[i] = t
         return tuple(out)
+
+    def _enter(self, values: tuple) -> tuple[tuple, int | None]:
+        """A part's inputs through a boundary whose backward ends the part's backward span, and that span's key
+        (None: no input carries a gradient)."""
+        key = next(self._keys)
+        entered = self._through(values, lambda: self._close(key))
+        return (values, None) if entered is None else (entered, key)
+
+    def _exit(self, part: str, key: int | None, values: tuple) -> tuple:
+        """A part's outputs through a boundary whose backward opens the part's backward span ``key``."""
+        def start():
+            self.marks.append((self.clock.mark(), "open", key, (part, "backward")))
+        exited = None if key is None else self._through(values, start)
+        return values if exited is None else exited
 
     def _module_span(self, part: str, first, last) -> None:
         """A part that runs from ``first``'s forward start to ``last``'s forward end (hooks)."""
@@ -328,7 +332,7 @@ class PartProbe:
 
         def start(module, args):
             span = self._open((part, self._phase()))
-            args, key = self._enter(part, args)
+            args, key = self._enter(args)
             pending.append((span, key))
             return args
 
@@ -343,7 +347,7 @@ class PartProbe:
     def _function_span(self, part: str, fn):
         def probed(*args):
             span = self._open((part, self._phase()))
-            args, key = self._enter(part, args)
+            args, key = self._enter(args)
             out = fn(*args)
             self._close(span)
             if isinstance(out, tuple):
@@ -354,8 +358,6 @@ class PartProbe:
     def _recompute_span(self, checkpoint_contexts):
         """``kernels.checkpoint_contexts`` whose recomputation context is a ``(rest, recompute)`` span; it ends every
         span opened inside it (an early-stopped recomputation never reaches its last parts' ends)."""
-        import contextlib
-
         @contextlib.contextmanager
         def span(inner):
             key = self._open((REST, "recompute"))

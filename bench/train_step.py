@@ -312,12 +312,14 @@ def details(a, res, engine, batch, sync, cuda, device, precision, probe, step_s)
         times["unprobed_step_ms"] = 1e3 * step_s
         times["probe_overhead"] = times["step_ms"] / times["unprobed_step_ms"] - 1
         res["parts"] = times
-        print(f"{'part':>10} {'fwd ms':>9} {'recomp ms':>9} {'bwd ms':>9} {'total ms':>9} {'share':>6}  (rest: "
-              "recomputation outside the parts, everything else)", flush=True)
+        print(f"{'part':>10} {'fwd ms':>9} {'recomp ms':>9} {'bwd ms':>9} {'total ms':>9} {'share':>6}", flush=True)
         for name, row in times["parts"].items():
-            first, last = (row["forward_ms"], row["backward_ms"]) if "forward_ms" in row else (0.0, row["other_ms"])
-            print(f"{name:>10} {first:9.1f} {row['recompute_ms']:9.1f} {last:9.1f} {row['total_ms']:9.1f} "
-                  f"{row['share']:6.1%}", flush=True)
+            if name != "rest":
+                print(f"{name:>10} {row['forward_ms']:9.1f} {row['recompute_ms']:9.1f} {row['backward_ms']:9.1f} "
+                      f"{row['total_ms']:9.1f} {row['share']:6.1%}", flush=True)
+        rest = times["parts"]["rest"]
+        print(f"{'rest':>10} {rest['total_ms']:9.1f} ms {rest['share']:6.1%}: recomputation outside the parts "
+              f"{rest['recompute_ms']:.1f}, everything else {rest['other_ms']:.1f}", flush=True)
         print(f"probed step {times['step_ms']:.1f} ms (unprobed {times['unprobed_step_ms']:.1f}), anomalies "
               f"{times['anomalies']}", flush=True)
 
