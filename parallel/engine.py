@@ -403,11 +403,11 @@ class CSA2PipelineEngine(PipelineEngine):
         named = [(n, p.grad) for n, p in owned.items() if p.grad is not None or n in self.tables]  # tables: on
         group_ids = torch.tensor([GROUPS.index(param_group(n)) for n, _ in named], dtype=torch.long)  # every replica
         local = torch.stack([_squares(g) for _, g in named]) if named else torch.zeros(0)
-        if self.tables:  # a table's shards hold other rows on every replica: its square is the sum of theirs
-            at = torch.tensor([i for i, (n, _) in enumerate(named) if n in self.tables])
-            summed = local[at]
+        if self.tables and self.grid.get_data_parallel_world_size() > 1:  # a table's shards hold other rows on
+            at = torch.tensor([i for i, (n, _) in enumerate(named) if n in self.tables])  # every replica: its
+            summed = local[at].to(self.device)  # square is the sum of theirs (on the device: NCCL has no CPU)
             dist.all_reduce(summed, group=self.grid.get_data_parallel_group())
-            local[at] = summed
+            local[at] = summed.cpu()
         per_stage = [None] * self.num_stages
         dist.all_gather_object(per_stage, (local, group_ids), group=self.grid.get_pipe_parallel_group())
         squares, all_group_ids = (torch.cat(parts) for parts in zip(*per_stage))
