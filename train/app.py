@@ -114,7 +114,7 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     seed_everything(cfg.train.seed)
-    engine = build_engine(cfg, checked.precision, checked.device)
+    engine = build_engine(cfg, checked.precision, checked.device, checked.split, checked.memory_line)
     loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
                           vocab_size=cfg.model.vocab_size, documents=checked.train_documents)
     evaluator = Evaluator(cfg, checked.device, engine, checked.heldout_documents, checked.probes)
