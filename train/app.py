@@ -70,7 +70,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     started = time.perf_counter()
     made_dir = not _holds_a_run(run_dir)
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    trainer = None
+    trainer, own_dir = None, run_dir
     try:
         with Interrupts(announce=rank0) as interrupts:
             datasets.disable_progress_bars()  # one progress bar: the training loop's
@@ -93,6 +93,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     except BaseException as error:
         if made_dir and rank0 and (trainer is None or trainer.steps_run == 0):
             shutil.rmtree(run_dir, ignore_errors=True)
+        if not rank0:
+            _remove_if_empty(own_dir)  # Hydra made it for this rank too (rank 0's, or its own a second off)
         if isinstance(error, Interrupted) and trainer is not None:
             raise Interrupted(error.signum, trainer.interrupted_line(error.signum)) from None
         raise
@@ -101,6 +103,13 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         print(summary_table(final, cfg, chance))
         print(closing_line(trainer, time.perf_counter() - started, run_dir), flush=True)
     return final
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (rank 0's run, or another job's), or gone already
+        pass
 
 
 def _holds_a_run(run_dir: Path) -> bool:
