@@ -130,6 +130,7 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
     log.info("%s model (%.2fM parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
              cfg.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, cfg.layout.name,
              checked.precision, checked.device.type, distributed.world_size(), run_dir)
+    log.info("%s", checked.data_line)
     ref, saved = checked.resume, checked.saved
     if ref:
         resume_state = checkpoint.load(engine, ref, saved["config"]["parallel"]["pipeline_stages"])

@@ -53,7 +53,7 @@ from train import sft
 from train.bad_rows import Rows, check_rows, row_problem, unreadable
 from train.rows import RankRows
 from train.synthetic import SyntheticConfig, SyntheticLoader, SyntheticTasks
-from train.tokenizer import Tokenizer, load_tokenizer
+from train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
 SAMPLE_BY = ("auto", "document", "paragraph", "line")
@@ -106,6 +106,9 @@ class MapDocuments:
             raise ValueError(f"dataset is empty: {description}")
         self._dataset = dataset.select_columns([text_field])
         self.text_field, self.seed, self.description, self.format = text_field, seed, description, format
+
+    def __len__(self) -> int:
+        return len(self._dataset)
 
     def texts(self, epoch: int, start: int) -> Iterator[str]:
         """Texts of `epoch` from its `start`-th document on."""
@@ -565,12 +568,68 @@ def synthetic_tasks(config: DataConfig, tokenizer: Tokenizer | None = None) -> S
 def _packed_loader(config: DataConfig, tokenizer: Tokenizer, heldout: bool, rank: int, world_size: int,
                    vocab_size: int | None, documents=None, micro_batch_size: int | None = None) -> PackedLoader:
     documents = build_documents(config, heldout) if documents is None else documents
-    encode = sft.ChatEncoder(tokenizer, config.seq_len + 1) if documents.format == "chat" else None
     return PackedLoader(documents, tokenizer, seq_len=config.seq_len,
                         micro_batch_size=micro_batch_size or config.micro_batch_size,
                         shuffle_seed=config.shuffle_seed, pack_buffer=config.pack_buffer,
                         pack_carry=config.pack_carry, rank=rank, world_size=world_size, vocab_size=vocab_size,
-                        encode=encode)
+                        encode=document_encoder(documents, tokenizer, config.seq_len))
+
+
+def document_encoder(documents, tokenizer: Tokenizer, seq_len: int):
+    """How the loader turns one of ``documents`` into tokens: None (``[BOS] text [EOS]``, every label trained) for
+    text, a ``sft.ChatEncoder`` (cut to ``seq_len + 1`` tokens) for conversations."""
+    return sft.ChatEncoder(tokenizer, seq_len + 1) if documents.format == "chat" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SetSize:
+    """How big a part of the data is: documents, and the tokens the loader makes of them (positions: a document
+    of n tokens trains n + 1 next-token predictions, BOS and EOS included)."""
+
+    documents: int | None  # None: a streaming source, not counted in advance
+    tokens: int | None
+    exact: bool  # False: tokens estimated from the first ``SIZE_SAMPLE`` characters' documents
+
+    def describe(self) -> str:
+        if self.documents is None:
+            return "streaming (its size is not counted in advance)"
+        return f"{self.documents:,} documents, {'' if self.exact else '~'}{self.tokens:,} tokens"
+
+
+SIZE_SAMPLE = 4_000_000  # characters tokenised to estimate a set's tokens, with a tokenizer that is not byte-level
+
+
+def set_size(documents, tokenizer: Tokenizer, seq_len: int) -> SetSize:
+    """The size of ``documents`` (``build_documents``), tokenised as the loader does (``document_encoder``):
+    exact with the byte tokenizer, else estimated from the first ``SIZE_SAMPLE`` characters of epoch 0's (random)
+    order when the set is larger."""
+    if not isinstance(documents, MapDocuments):
+        return SetSize(None, None, False)
+    chat = document_encoder(documents, tokenizer, seq_len)
+
+    def positions(text) -> int:
+        if chat is not None:
+            tokens = chat(text)
+            return 0 if tokens is None else len(tokens) - 1
+        byte_level = isinstance(tokenizer, ByteTokenizer)  # its tokens are the UTF-8 bytes: no need to encode
+        return (len(text.encode("utf-8", errors="surrogatepass")) if byte_level else len(tokenizer.encode_array(text))
+                ) + 1  # [BOS] text [EOS]: one prediction more than the text's tokens
+
+    budget = None if isinstance(tokenizer, ByteTokenizer) else SIZE_SAMPLE
+    total, counted, tokens, characters = len(documents), 0, 0, 0
+    sft_log = logging.getLogger(sft.__name__)
+    level = sft_log.level
+    sft_log.setLevel(logging.ERROR)  # the loader warns about conversations it cuts; counting them need not
+    try:
+        for text in documents.texts(0, 0):
+            counted += 1
+            tokens += positions(text) if text else 0
+            characters += len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
+            if budget is not None and characters >= budget and counted < total:
+                return SetSize(total, round(tokens * total / counted), False)
+    finally:
+        sft_log.setLevel(level)
+    return SetSize(total, tokens, True)
 
 
 def data_config(cfg) -> DataConfig:

@@ -20,7 +20,7 @@ from parallel.balance import Split, split_stages
 from parallel.batch import BatchPlan, batch_plan
 from parallel.plan import check_memory, device_memory
 from train import checkpoint, init_from, sft
-from train.data import build_documents, data_config, synthetic_tasks
+from train.data import SetSize, build_documents, data_config, set_size, synthetic_tasks
 from train.engine import check_parallel, resolve_device, resolve_precision
 from train.evaluate import build_probes, data_tokenizer
 
@@ -38,6 +38,7 @@ class Checked:
     memory_line: str  # the memory verdict of the split (it fits: else preflight fails)
     train_documents: object  # train.data.MapDocuments | StreamingDocuments; None: data.synthetic_fraction=1
     heldout_documents: object
+    data_line: str  # the sizes of the training and held-out sets, for the run's header
     probes: dict
     resume: checkpoint.CheckpointRef | None
     saved: dict  # the checkpoint's trainer state ({} for a fresh run)
@@ -148,7 +149,36 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     heldout_documents = build_documents(data, heldout=True) if reads_text else None
     if train_documents is not None and train_documents.format == "chat":
         sft.check_template(data_tokenizer(cfg.data))
+    sizes = [set_size(d, data_tokenizer(cfg.data), data.seq_len) if d is not None else None
+             for d in (train_documents, heldout_documents)]
     ref = checkpoint.find(cfg.train.resume, checkpoint_dir(cfg, run_dir))
     saved = checkpoint.check_compatible(ref, cfg) if ref else {}
     warm_start = None if ref else init_from.from_config(cfg)
-    return Checked(device, precision, batch, split, memory_line, train_documents, heldout_documents, probes, ref, saved, warm_start)
+    return Checked(device, precision, batch, split, memory_line, train_documents, heldout_documents,
+                   data_line(cfg, batch, *sizes), probes, ref, saved, warm_start)
+
+
+def data_line(cfg: DictConfig, batch: BatchPlan, train: SetSize | None, heldout: SetSize | None) -> str:
+    """``data: training set <documents, tokens> (<what the run reads of it: epochs>); held-out set <...> (<what an
+    evaluation reads: how many times over>)``, and the synthetic tasks when the rows are (partly) synthetic. A
+    held-out set smaller than an evaluation repeats within it: its loss is then that of a few documents."""
+    data, seq_len = data_config(cfg.data), int(cfg.data.seq_len)
+    parts = []
+    if train is not None:
+        reads = int(cfg.train.max_steps) * batch.global_batch * seq_len * (1 - data.synthetic_fraction)
+        part = f"training set {train.describe()}"
+        if train.tokens:
+            part += f" ({cfg.train.max_steps} steps read {reads:,.0f} positions of it: {reads / train.tokens:.2g} epochs)"
+        parts.append(part)
+    tasks = synthetic_tasks(data)
+    if tasks is not None:
+        parts.append(f"synthetic rows ({data.synthetic_fraction:.0%}): {', '.join(tasks.tasks)}, drawn afresh every "
+                     f"step, {tasks.config.eval_examples} held-out examples per task")
+    if heldout is not None:
+        reads = int(cfg.train.eval.batches) * int(cfg.data.micro_batch_size) * seq_len * batch.data_parallel
+        part = f"held-out set {heldout.describe()} (an evaluation reads {reads:,} positions"
+        if heldout.tokens and reads > heldout.tokens:
+            part += (f": the set {reads / heldout.tokens:.1f} times over; its loss is that of these documents, a "
+                     "larger data.heldout_fraction makes it steadier")
+        parts.append(part + ")")
+    return "data: " + "; ".join(parts)
