@@ -9,6 +9,7 @@ says how to resume (``train/interrupt.py``). A job that fails before its first s
 made, so failed attempts leave nothing behind.
 """
 import logging
+import math
 import os
 import random
 import shlex
@@ -273,9 +274,11 @@ def summary_table(final: dict[str, float], cfg: DictConfig, chance: dict[str, fl
     chance = chance or {}
     lines = [f"evaluation after {final['step']} steps ({cfg.model.name} model, {cfg.layout.name} layout)"]
     for key, value in final.items():
-        if key == "step":
+        if key in ("step", "lm_loss_se"):
             continue
         line = f"  {key:<32} {value:10.4f}"
+        if key == "lm_loss" and math.isfinite(final.get("lm_loss_se", math.nan)):
+            line += f"   (± {final['lm_loss_se']:.4f}, its standard error over the evaluation batches)"
         if key.split("/")[0] in chance:
             line += f"   (chance {chance[key.split('/')[0]]:.4f})"
         lines.append(line)
