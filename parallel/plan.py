@@ -118,7 +118,7 @@ def device_memory(on_gpu: bool, processes: int, given: float | None = None) -> M
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2 ** 30:,.1f} GiB"
+    return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:,.1f} MiB"
 
 
 @dataclass(frozen=True)
