@@ -106,6 +106,19 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     return final
 
 
+def shared_cpu_warning(device: torch.device) -> str | None:
+    """On a CPU other jobs keep busy, torch's threads of one process wait for each other at every parallel op: the
+    default job took 3.4 s a step on 2 shared cores against 0.92 s with one thread (README, "CPU threads"). The
+    warning is for a load average above the core count with more than one thread."""
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    if device.type != "cpu" or threads == 1 or load <= cores:
+        return None
+    return (f"the CPU is shared (load average {load:.1f} on {cores} cores) and torch runs {threads} threads in this "
+            "process, which then wait on each other: a step can take several times longer — OMP_NUM_THREADS=1 "
+            "python -m train ... runs one thread")
+
+
 def _remove_if_empty(directory: Path) -> None:
     try:
         directory.rmdir()
@@ -132,6 +145,9 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
              cfg.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, cfg.layout.name,
              checked.precision, checked.device.type, distributed.world_size(), run_dir)
     log.info("%s", checked.data_line)
+    crowded = shared_cpu_warning(checked.device)
+    if crowded:
+        log.warning("%s", crowded)
     ref, saved = checked.resume, checked.saved
     if ref:
         resume_state = checkpoint.load(engine, ref, saved["config"]["parallel"]["pipeline_stages"])
