@@ -129,8 +129,8 @@ def _train(tmp_path, *overrides):
 def test_train_refuses_with_one_line(tmp_path, case):
     path = tmp_path / "notes.jsonl"
     if case == "config":
-        overrides, line = ["train.eval.probe_lens=[128,long]"], ("error: train.eval.probe_lens=[128,'long'] has element "
-                                                                 "2 'long', text — give a list of whole numbers")
+        overrides = ["train.eval.probe_lens=[128,long]"]
+        line = "error: train.eval.probe_lens=[128,'long'] has element 2 'long', text — give a list of whole numbers"
     else:
         bad = b'{"text": "cut off' if case == "malformed" else b'{"text": 5}'
         jsonl(path, GOOD, bad_line=9, bad=bad, blank=False)  # without a blank line Arrow reads the int

@@ -130,7 +130,8 @@ def _launcher_store():
 def _meet(store, world: int, line: str) -> list[str] | None:
     """Post this rank's line; every rank's line once all ranks posted theirs within ``ALL_RANKS_WAIT_S``, else
     None."""
-    prefix = f"csa2/failed/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/"
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    prefix = f"csa2/failed/{attempt}/"
     keys = [f"{prefix}{r}" for r in range(world)]
     try:
         store.set(keys[_rank()], line)

@@ -44,8 +44,9 @@ def load(path: str, device: torch.device) -> tuple[Transformer, Tokenizer]:
         source = init_from.CheckpointWeights(ref)
     if isinstance(source, ExportedWeights):
         settings = model_settings(source.config)
-        args = ModelArgs.from_config({k.removeprefix("model."): v for k, v in settings.items() if k.startswith("model.")})
-        layout = Layout(**{k.removeprefix("layout."): v for k, v in settings.items() if k.startswith("layout.")})
+        group = {g: {k.removeprefix(g + "."): v for k, v in settings.items() if k.startswith(g + ".")}
+                 for g in ("model", "layout")}
+        args, layout = ModelArgs.from_config(group["model"]), Layout(**group["layout"])
         beside = source.directory / "tokenizer.json"
         tokenizer = load_tokenizer(str(beside)) if beside.is_file() else ByteTokenizer()
     else:
@@ -84,7 +85,8 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
 @torch.no_grad()
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: torch.Tensor, max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[int]:
-    """The tokens after ``prompt`` (1-D ids), up to EOS (not included) or ``max_new_tokens``."""
+    """The tokens after ``prompt`` (1-D ids), up to EOS (not included) or ``max_new_tokens``; on a GPU under bf16
+    autocast over the fp32 weights, as training runs there."""
     device = next(model.parameters()).device
     banned = torch.zeros(model.args.vocab_size, dtype=torch.bool, device=device)
     banned[tokenizer.vocab_size:] = True  # ids past the tokenizer's: the model's spare rows
@@ -92,7 +94,8 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: torch.Tensor, max
     generator = torch.Generator().manual_seed(seed)
     ids, new = prompt.to(device)[None], []
     for _ in range(max_new_tokens):
-        logits = model(ids, torch.zeros_like(ids)).logits[0, -1].masked_fill(banned, float("-inf"))
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):  # as training computes on a GPU
+            logits = model(ids, torch.zeros_like(ids)).logits[0, -1].masked_fill(banned, float("-inf"))
         token = next_token(logits.float().cpu(), temperature, top_p, generator)
         if token == tokenizer.eos_id:
             break

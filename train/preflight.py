@@ -85,7 +85,8 @@ def check_pairing(cfg: DictConfig) -> None:
             "a layout without candidate blocks (layout.candidates=false)"
         raise LayoutError(f"model={cfg.model.name} (index_topk={index_topk}) is paired with layout={cfg.layout.name}, "
                           f"whose candidate blocks hold too few entries: {error} — pair the model with a layout whose "
-                          f"candidate blocks hold its top-k: {fix}; or change the blocks or the top-k as said") from None
+                          f"candidate blocks hold its top-k: {fix}; or change the blocks or the top-k as said"
+                          ) from None
 
 
 def layout_presets() -> list[str]:
@@ -168,7 +169,8 @@ def data_line(cfg: DictConfig, batch: BatchPlan, train: SetSize | None, heldout:
         reads = int(cfg.train.max_steps) * batch.global_batch * seq_len * (1 - data.synthetic_fraction)
         part = f"training set {train.describe()}"
         if train.tokens:
-            part += f" ({cfg.train.max_steps} steps read {reads:,.0f} positions of it: {reads / train.tokens:.2g} epochs)"
+            part += (f" ({cfg.train.max_steps} steps read {reads:,.0f} positions of it: "
+                     f"{reads / train.tokens:.2g} epochs)")
         parts.append(part)
     tasks = synthetic_tasks(data)
     if tasks is not None:
