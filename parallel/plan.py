@@ -225,7 +225,8 @@ def fitting_settings(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: 
 
 def check_memory(cfg, world: int, split, batch: BatchPlan, dtype: torch.dtype, on_gpu: bool,
                  memory: Memory | None) -> str:
-    """The verdict line for a job that fits (or has no memory to compare with); ``DoesNotFit`` otherwise."""
+    """The verdict line for a job that fits (or has no memory to compare with, or ``parallel.check_memory=false``);
+    ``DoesNotFit`` otherwise."""
     note = precision_note(cfg.train.get("precision", "auto"), dtype, on_gpu)
     if memory is None:
         return (f"memory: no verdict ({note}) — no GPU on this machine; --memory SIZE (e.g. --memory 80GiB) "
@@ -233,6 +234,8 @@ def check_memory(cfg, world: int, split, batch: BatchPlan, dtype: torch.dtype, o
     found = verdict(split, batch, memory)
     if found.fits:
         return f"memory: fits ({note}) — {found.describe()}"
+    if not cfg.parallel.get("check_memory", True):
+        return f"memory: does not fit ({note}) — {found.describe()}; running anyway (parallel.check_memory=false)"
     settings = fitting_settings(cfg, world, dtype, on_gpu, memory)
     if settings:
         fix = "settings that would fit (estimated need): " + "; ".join(settings)
@@ -242,7 +245,8 @@ def check_memory(cfg, world: int, split, batch: BatchPlan, dtype: torch.dtype, o
                ("" if on_gpu else ": more processes on this host share its RAM; plan it for GPUs "
                 "(python -m parallel.plan train.device=cuda --memory 80GiB --world-size N <overrides>)") +
                ", or choose a smaller model")
-    raise DoesNotFit(f"the job does not fit in memory ({note}): {found.describe()} — {fix}")
+    raise DoesNotFit(f"the job does not fit in memory ({note}): {found.describe()} — {fix}; or "
+                     "parallel.check_memory=false to run it anyway")
 
 
 _UNITS = {"": 2 ** 30, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}

@@ -70,6 +70,11 @@ def test_a_job_that_does_not_fit_names_settings_that_do():
     line = str(refused.value)
     assert line.startswith(f"the job does not fit in memory (bf16 on GPU, train.precision=auto): stage 0 needs an "
                            f"estimated {max(split.peaks) / GIB:,.1f} GiB") and "\n" not in line
+    assert line.endswith("; or parallel.check_memory=false to run it anyway")
+    anyway = check_memory(compose([*GPU_JOB, "parallel.check_memory=false"]), 1, split, batch, dtype, True,
+                          Memory(True, capacity, given=True))
+    assert anyway.startswith("memory: does not fit (bf16 on GPU") and anyway.endswith("running anyway "
+                                                                                     "(parallel.check_memory=false)")
     settings = fitting_settings(cfg, 1, dtype, True, Memory(True, capacity, given=True))
     assert settings and " — settings that would fit (estimated need): " + "; ".join(settings) in line
     for setting in settings:
