@@ -97,9 +97,9 @@ class Memory:
     def describe(self) -> str:
         source = "given by --memory" if self.given else "on this machine"
         if self.on_gpu:
-            return f"{_gib(self.capacity)} per GPU ({source})"
+            return f"{_size(self.capacity)} per GPU ({source})"
         shared = f", shared by {self.processes} processes" if self.processes > 1 else ""
-        return f"{_gib(self.capacity)} of host RAM available ({source}{shared})"
+        return f"{_size(self.capacity)} of host RAM available ({source}{shared})"
 
 
 def device_memory(on_gpu: bool, processes: int, given: float | None = None) -> Memory | None:
@@ -117,7 +117,7 @@ def device_memory(on_gpu: bool, processes: int, given: float | None = None) -> M
     return Memory(False, psutil.virtual_memory().available, processes)
 
 
-def _gib(n: float) -> str:
+def _size(n: float) -> str:
     return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:,.1f} MiB"
 
 
@@ -138,8 +138,8 @@ class Verdict:
     def describe(self) -> str:
         where = f"stage {self.stage} needs" if self.memory.on_gpu else (
             "the processes on this host need" if self.memory.processes > 1 else "the process needs")
-        return (f"{where} an estimated {_gib(self.need)} (weights, gradients and AdamW state "
-                f"{_gib(self.state)}), against {self.memory.describe()}")
+        return (f"{where} an estimated {_size(self.need)} (weights, gradients and AdamW state "
+                f"{_size(self.state)}), against {self.memory.describe()}")
 
 
 def verdict(split, batch: BatchPlan, memory: Memory) -> Verdict:
@@ -216,7 +216,7 @@ def fitting_settings(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: 
                 found = need({**extra, **changes}, processes)
                 if found is not None:
                     overrides = " ".join(f"{k}={'null' if v is None else v}" for k, v in {**extra, **changes}.items())
-                    settings.append(f"{overrides}{where} ({_gib(found)})")
+                    settings.append(f"{overrides}{where} ({_size(found)})")
                     break
         return settings
 
