@@ -32,9 +32,10 @@ def compose(overrides: list[str]) -> DictConfig:
 
 
 def compose_checked(overrides: list[str]) -> DictConfig:
-    """``compose``, refusing unknown keys: the ones Hydra cannot override, and the ones ``+key=``/``++key=`` would
-    add (accepted by Hydra and then read by nothing). ``hydra.*`` overrides are left to Hydra; of a sweep
-    (``key=a,b``) the first value is composed."""
+    """``compose``, refusing unknown keys (the ones Hydra cannot override, and the ones ``+key=``/``++key=`` would
+    add, accepted by Hydra and then read by nothing) and values of the wrong type (``check_types``), every value
+    of a sweep included. ``hydra.*`` overrides are left to Hydra; of a sweep (``key=a,b``) the first value is
+    composed."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import ConfigCompositionException
 
@@ -42,29 +43,155 @@ def compose_checked(overrides: list[str]) -> DictConfig:
               if not o.key_or_group.startswith("hydra.") and o.key_or_group != "hydra"]
     single = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override()
               else o.input_line for o in parsed]
-    adds = [o.key_or_group for o in parsed if o.is_add() or o.is_force_add()]
-    base = [line for o, line in zip(parsed, single) if not (o.is_add() or o.is_force_add())]
+    choices = [line for o, line in zip(parsed, single) if "." not in o.key_or_group  # group selections
+               and not (o.is_add() or o.is_force_add())]
+    defaults = compose(choices)
+    known = config_keys(defaults)
+    values = [o for o in parsed if "." in o.key_or_group or o.is_add() or o.is_force_add()]
+    for o in values:
+        if o.key_or_group not in known:
+            raise UnknownKeyError(o.key_or_group, known)
+    check_types(values, defaults)
     try:
-        cfg = compose(base)
-    except ConfigCompositionException as error:
+        return compose(single)
+    except ConfigCompositionException as error:  # a key Hydra refuses although the defaults have it
         key = re.match(r"Could not override '([^']+)'", str(error))
         if key is None:
             raise
-        choices = [line for o, line in zip(parsed, single) if "." not in o.key_or_group  # group selections
-                   and not (o.is_add() or o.is_force_add())]
-        raise UnknownKeyError(key.group(1), config_keys(_compose_or_default(choices))) from None
-    known = config_keys(cfg)
-    for key in adds:
-        if key not in known:
-            raise UnknownKeyError(key, known)
-    return compose(single)
+        raise UnknownKeyError(key.group(1), known) from None
 
 
-def _compose_or_default(overrides: list[str]) -> DictConfig:
-    try:
-        return compose(overrides)
-    except Exception:  # a bad group choice as well: suggest from the defaults
-        return compose([])
+# The type of each key whose default is null (the defaults give it for every other key): text, a whole number, or
+# a list of whole numbers.
+NULL_DEFAULT_TYPES = {
+    **dict.fromkeys(("data.path", "data.name", "data.tokenizer", "data.bos_token", "data.eos_token", "data.pad_token",
+                     "logger.entity", "logger.group", "logger.name", "parallel.layer_times", "train.checkpoint_dir",
+                     "train.init_from", "train.resume"), "str"),
+    **dict.fromkeys(("layout.candidate_source_layer_id", "parallel.recompute_layers", "train.global_batch_size",
+                     "train.grad_accum_steps", "train.stop_at"), "int"),
+    **dict.fromkeys(("layout.compress_ratios", "layout.index_source_layer_ids", "layout.kv_source_layer_ids",
+                     "parallel.cuts", "train.eval.probe_lens"), "list[int]"),
+}
+# Keys that take one whole number or a list of them, whichever form their default has.
+NUMBER_OR_LIST = ("parallel.keep_attention_layers", "data.synthetic.pairs", "data.synthetic.spacing",
+                  "data.synthetic.distance", "data.synthetic.copy_length")
+_NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "text",
+          "list[int]": "a list of whole numbers", "list[float]": "a list of numbers", "list[str]": "a list of texts",
+          "list[bool]": "a list of true/false", "list": "a list", "dict": "a mapping"}
+
+
+class ConfigTypeError(ValueError):
+    """An override whose value has the wrong type for its key."""
+
+
+def check_types(overrides, defaults: DictConfig) -> None:
+    """Every value of every (parsed) override has the type of its key's default: a bool for a bool, a whole number
+    for an int, a number for a float, text for a string, a list of such for a list (element by element), a mapping
+    for a mapping (key by key); keys with a null default by ``NULL_DEFAULT_TYPES``. An interpolation
+    (``${...}``) is resolved later and not checked here."""
+    plain = OmegaConf.to_container(defaults, resolve=False)
+    for override in overrides:
+        if override.is_delete():
+            continue
+        key = override.key_or_group
+        values = list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        for value in values:
+            problem = _type_problem(key, value, _default(plain, key))
+            if problem:
+                raise ConfigTypeError(f"{key}={_shown(value)} {problem}")
+
+
+def _default(plain: dict, key: str):
+    node = plain
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _kind(default, key: str) -> str | None:
+    """The type ``key`` takes, from its default (None: any)."""
+    if default is None:
+        return NULL_DEFAULT_TYPES.get(key)
+    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if isinstance(default, kind):
+            return name
+    if isinstance(default, list):
+        kinds = {_kind(item, key) for item in default}
+        return f"list[{kinds.pop()}]" if len(kinds) == 1 and None not in kinds else "list"
+    return "dict" if isinstance(default, dict) else None
+
+
+def _type_problem(key: str, value, default) -> str | None:
+    """What is wrong with ``value`` for ``key`` (whose default is ``default``), as ``is <what> — give <what>``;
+    None when nothing is."""
+    kind = _kind(default, key)
+    if kind is None or _interpolated(value) or (value is None and default is None):
+        return None
+    if key in NUMBER_OR_LIST:
+        fix = "give a whole number or a list of them"
+        if isinstance(value, list):
+            return _element_problem(value, "int", fix)
+        return None if _is(value, "int") else f"is {_described(value)} — {fix}"
+    if kind == "dict":
+        if not isinstance(value, dict):
+            return f"is {_described(value)} — give a mapping, e.g. {key}={_shown(default)}"
+        for name, item in value.items():
+            problem = _type_problem(f"{key}.{name}", item, default.get(name))
+            if problem:
+                return f"has {name}: {_shown(item)}, which {problem}"
+        return None
+    if kind.startswith("list"):
+        element = kind[5:-1] if kind != "list" else None
+        if not isinstance(value, list):
+            example = f"[{_shown(value)}]" if element and _is(value, element) else _shown(default or [1, 2])
+            return f"is {_described(value)} — give {_NAMES[kind]}, e.g. {key}={example}"
+        return _element_problem(value, element, f"give {_NAMES[kind]}") if element else None
+    if _is(value, kind):
+        return None
+    hint = f" (quote a value that reads as a number: '{key}=\"{value}\"')" if kind == "str" and \
+        isinstance(value, (int, float)) else ""
+    return f"is {_described(value)} — give {_NAMES[kind]}{hint}"
+
+
+def _element_problem(values: list, kind: str, fix: str) -> str | None:
+    for i, item in enumerate(values):
+        if not _interpolated(item) and not _is(item, kind):
+            return f"has element {i + 1} {_shown(item)}, {_described(item)} — {fix}"
+    return None
+
+
+def _interpolated(value) -> bool:
+    """An interpolation (``${...}``), which OmegaConf resolves later: not checked here."""
+    return isinstance(value, str) and "${" in value
+
+
+def _is(value, kind: str) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "str":
+        return isinstance(value, str)
+    return True
+
+
+def _described(value) -> str:
+    return {bool: "true/false", int: "a whole number", float: "a number", str: "text", list: "a list",
+            dict: "a mapping", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _shown(value) -> str:
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ",".join(_shown(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def config_keys(cfg: DictConfig) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 
 from model.config import ModelArgs
 from model.layout import Layout, LayerPlan, Mode
-from parallel.memory import estimate, kept_per_stage
+from parallel.memory import MemoryModel, estimate, kept_per_stage
 from parallel.partition import StagePlan, layer_costs, partition
 
 TIME_SLACK = 0.01
@@ -122,6 +122,7 @@ class Split:
     unit: str  # "FLOPs" or "measured ms"
     peaks: list[float]  # estimated peak memory per stage, bytes
     fits: bool  # every stage under the capacity the split was given (True without one)
+    memory: MemoryModel  # the per-layer figures the peaks come from
 
 
 def split_stages(cfg, dtype: torch.dtype, microbatches: int, data_parallel: int, capacity: float | None = None,
@@ -150,4 +151,4 @@ def split_stages(cfg, dtype: torch.dtype, microbatches: int, data_parallel: int,
                      capacity=capacity, slack=TIME_SLACK)
     peaks = memory.peaks(plan.stages, microbatches, keep)
     return Split(plan, costs, "measured ms" if times else "FLOPs", peaks,
-                 capacity is None or max(peaks) <= capacity)
+                 capacity is None or max(peaks) <= capacity, memory)

@@ -1,14 +1,19 @@
 """The pipeline plan a job prints before training: the batch (microbatches per step and the 1F1B bubble),
 stages, their layers and modes, and for every boundary the payload fields with their bytes per microbatch, plus
-what shadow indexers cost against sending index K.
+what shadow indexers cost against sending index K; and the memory verdict: every stage's estimated peak
+(``parallel/memory.py``, in the precision the job computes in) against the memory of the device it runs on.
 
-``python -m parallel.plan [--world-size N] [overrides]`` prints it for any config without starting a job, and
-fails as the job would on a batch that does not fit, e.g.
+``python -m parallel.plan [--world-size N] [--memory SIZE] [overrides]`` prints it for any config without starting
+a job (``--help``), and fails as the job would on a batch that does not fit, e.g.
 ``python -m parallel.plan model=v41_flash layout=v41 parallel.pipeline_stages=4 data.seq_len=65536``.
 The world size is ``--world-size``, else ``WORLD_SIZE``, else the stage count (one data-parallel replica).
+The device is the job's (``train.device``: ``auto`` is the GPU when this machine has one), and so is the
+precision (``train.precision=auto``: bf16 on a GPU, fp32 on CPU).
 """
+import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -74,38 +79,231 @@ def compute_dtype(precision: str, cuda: bool) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" or (precision == "auto" and cuda) else torch.float32
 
 
-def _world_size(argv: list[str]) -> tuple[int | None, list[str]]:
-    """``--world-size N`` (or ``--world-size=N``) out of ``argv``; else ``WORLD_SIZE`` (None: unset)."""
-    rest, world = [], os.environ.get("WORLD_SIZE")
-    args = iter(argv)
-    for arg in args:
-        if arg == "--world-size":
-            world = next(args, "")
-        elif arg.startswith("--world-size="):
-            world = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-    if world is not None and not world.isdigit():
-        raise SystemExit(f"error: --world-size {world!r} is not a process count — give a positive integer")
-    return (int(world) if world else None), rest
+def job_device(name: str) -> str:
+    """``train.device`` as the job would resolve it: ``auto`` is ``cuda`` when this machine has a GPU. A plan may
+    name ``cuda`` on a machine without one (planning a GPU job elsewhere)."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What a job's processes can hold: one GPU each, or the host's RAM, shared by the processes on it."""
+
+    on_gpu: bool
+    capacity: float  # bytes: one GPU's memory, or the host's available RAM
+    processes: int = 1  # on the host: how many of the job's processes share its RAM
+    given: bool = False  # from ``--memory``, not measured on this machine
+
+    def describe(self) -> str:
+        source = "given by --memory" if self.given else "on this machine"
+        if self.on_gpu:
+            return f"{_size(self.capacity)} per GPU ({source})"
+        shared = f", shared by {self.processes} processes" if self.processes > 1 else ""
+        return f"{_size(self.capacity)} of host RAM available ({source}{shared})"
+
+
+def device_memory(on_gpu: bool, processes: int, given: float | None = None) -> Memory | None:
+    """The memory of the device a job runs on: the GPU's total (``LOCAL_RANK``'s), else the host's available RAM
+    (psutil) shared by its ``processes``; ``given`` bytes instead when set; None for a GPU job planned on a machine
+    without a GPU."""
+    if given is not None:
+        return Memory(on_gpu, given, 1 if on_gpu else processes, given=True)
+    if on_gpu:
+        if not torch.cuda.is_available():
+            return None
+        return Memory(True, torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory)
+    import psutil
+
+    return Memory(False, psutil.virtual_memory().available, processes)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2 ** 30:,.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:,.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a split's estimated peaks fit the memory: each GPU holds one stage; on a host, its processes hold
+    their share of every stage's data-parallel replicas together."""
+
+    need: float  # bytes: the largest stage's peak (GPU), or what the host's processes hold together
+    stage: int  # the stage that needs the most
+    memory: Memory
+    state: float  # of ``need``: weights, gradients and AdamW state
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.memory.capacity
+
+    def describe(self) -> str:
+        where = f"stage {self.stage} needs" if self.memory.on_gpu else (
+            "the processes on this host need" if self.memory.processes > 1 else "the process needs")
+        return (f"{where} an estimated {_size(self.need)} (weights, gradients and AdamW state "
+                f"{_size(self.state)}), against {self.memory.describe()}")
+
+
+def verdict(split, batch: BatchPlan, memory: Memory) -> Verdict:
+    """``split``'s peaks (``parallel.balance.split_stages``) against ``memory``."""
+    state = [sum(split.memory.state[i] for i in layers) for layers in split.plan.stages]
+    if memory.on_gpu:
+        stage = max(range(len(split.peaks)), key=lambda s: split.peaks[s])
+        return Verdict(split.peaks[stage], stage, memory, state[stage])
+    world = batch.stages * batch.data_parallel
+    replicas = batch.data_parallel * min(memory.processes, world) / world  # this host's share of every stage
+    return Verdict(replicas * sum(split.peaks), 0, memory, replicas * sum(state))
+
+
+class DoesNotFit(ValueError):
+    """A job whose estimated peak memory exceeds its device's; the message names the estimate, the memory and
+    settings that would fit."""
+
+
+def precision_note(setting: str, dtype: torch.dtype, on_gpu: bool) -> str:
+    """Which precision the estimates are in and why: ``bf16 on GPU (train.precision=auto)``."""
+    return f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {'GPU' if on_gpu else 'CPU'}, train.precision={setting}"
+
+
+def _evaluate(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: Memory):
+    """The split and verdict of a job config on ``world`` processes."""
+    batch = batch_plan(cfg, world)
+    split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel,
+                         memory.capacity if on_gpu else None, cuda=on_gpu)
+    return split, verdict(split, batch, memory)
+
+
+def fitting_settings(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: Memory) -> list[str]:
+    """Overrides that bring the job under ``memory``, with the need they leave: every layer recomputed, one row
+    per microbatch, the longest shorter row (``data.seq_len`` halved up to 3 times), the fewest more pipeline
+    stages (on GPUs, each stage on GPUs of its own; on a host the processes share its RAM, so stages do not help).
+    When no single one fits, every layer recomputed together with each of the others."""
+    from omegaconf import OmegaConf
+
+    from model.layout import layout_from_config
+    from parallel.batch import BatchConfigError
+    from parallel.partition import PartitionError
+
+    base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+    stages, seq_len = int(cfg.parallel.pipeline_stages), int(cfg.data.seq_len)
+    replicas = world // stages
+    levers = []  # each: its alternatives, least drastic first, as (changes, processes, where)
+    if cfg.parallel.recompute != "layer":
+        levers.append([({"parallel.recompute": "layer"}, world, "")])
+    if int(cfg.data.micro_batch_size) > 1:
+        levers.append([({"data.micro_batch_size": 1}, world, "")])
+    levers.append([({"data.seq_len": seq_len >> k}, world, "") for k in (1, 2, 3) if seq_len >> k >= 64])
+    if on_gpu and not OmegaConf.is_list(cfg.parallel.get("keep_attention_layers", 0)):  # a list is per stage
+        cuts = {"parallel.cuts": None} if cfg.parallel.get("cuts") is not None else {}
+        counts = [stages * 2 ** k for k in range(1, 8) if stages * 2 ** k <= layout_from_config(cfg.layout).n_layers]
+        levers.append([({"parallel.pipeline_stages": p, **cuts}, p * replicas, f" on {p * replicas} GPUs")
+                       for p in counts])
+
+    def need(changes: dict, processes: int) -> float | None:
+        variant = base.copy()
+        for key, value in changes.items():
+            OmegaConf.update(variant, key, value)
+        try:
+            _, found = _evaluate(variant, processes, dtype, on_gpu, memory)
+        except (BatchConfigError, PartitionError):
+            return None
+        return found.need if found.fits else None
+
+    def fitting(extra: dict) -> list[str]:
+        settings = []
+        for alternatives in levers:
+            for changes, processes, where in alternatives:
+                if set(changes) & set(extra):
+                    break
+                found = need({**extra, **changes}, processes)
+                if found is not None:
+                    overrides = " ".join(f"{k}={'null' if v is None else v}" for k, v in {**extra, **changes}.items())
+                    settings.append(f"{overrides}{where} ({_size(found)})")
+                    break
+        return settings
+
+    return fitting({}) or (fitting({"parallel.recompute": "layer"}) if cfg.parallel.recompute != "layer" else [])
+
+
+def check_memory(cfg, world: int, split, batch: BatchPlan, dtype: torch.dtype, on_gpu: bool,
+                 memory: Memory | None) -> str:
+    """The verdict line for a job that fits (or has no memory to compare with, or ``parallel.check_memory=false``);
+    ``DoesNotFit`` otherwise."""
+    note = precision_note(cfg.train.get("precision", "auto"), dtype, on_gpu)
+    if memory is None:
+        return (f"memory: no verdict ({note}) — no GPU on this machine; --memory SIZE (e.g. --memory 80GiB) "
+                "compares the estimates with a GPU of that size")
+    found = verdict(split, batch, memory)
+    if found.fits:
+        return f"memory: fits ({note}) — {found.describe()}"
+    if not cfg.parallel.get("check_memory", True):
+        return f"memory: does not fit ({note}) — {found.describe()}; running anyway (parallel.check_memory=false)"
+    settings = fitting_settings(cfg, world, dtype, on_gpu, memory)
+    if settings:
+        fix = "settings that would fit (estimated need): " + "; ".join(settings)
+    else:
+        fix = ("no setting of parallel.recompute, data.micro_batch_size, data.seq_len" +
+               (" or parallel.pipeline_stages" if on_gpu else "") + " fits it" +
+               ("" if on_gpu else ": more processes on this host share its RAM; plan it for GPUs "
+                "(python -m parallel.plan train.device=cuda --memory 80GiB --world-size N <overrides>)") +
+               ", or choose a smaller model")
+    raise DoesNotFit(f"the job does not fit in memory ({note}): {found.describe()} — {fix}; or "
+                     "parallel.check_memory=false to run it anyway")
+
+
+_UNITS = {"": 2 ** 30, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
+
+
+def parse_memory(text: str) -> float:
+    """``80GiB``, ``141GB``, ``24g``, ``512MiB`` -> bytes (binary units; a bare number is GiB)."""
+    import re
+
+    found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not found or float(found.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size (e.g. 80GiB, 512MiB)")
+    return float(found.group(1)) * _UNITS[found.group(2)]
+
+
+def parser() -> argparse.ArgumentParser:
+    command = argparse.ArgumentParser(
+        prog="python -m parallel.plan",
+        description="Print a job's pipeline plan (batch and 1F1B bubble, stages and their layers, the tensors each "
+                    "boundary carries) and its memory verdict: every stage's estimated peak in the precision the job "
+                    "computes in, against the memory of the device it runs on. Fails (status 2, one line) where the "
+                    "job would: a batch or split that cannot run, or a job that does not fit.",
+        epilog="The overrides are those of python -m train, e.g. model=v41_flash layout=v41 data.seq_len=65536 "
+               "parallel.pipeline_stages=8 train.device=cuda. The device is train.device (auto: this machine's GPU "
+               "if any, else its CPU); the precision train.precision (auto: bf16 on a GPU, fp32 on CPU).")
+    command.add_argument("--world-size", type=int, default=None, metavar="N",
+                         help="processes of the job (default: WORLD_SIZE, else one per pipeline stage)")
+    command.add_argument("--memory", type=parse_memory, default=None, metavar="SIZE",
+                         help="memory per GPU (or of the host, for a CPU job) to judge the plan against, e.g. 80GiB "
+                              "(default: this machine's GPU, or its available RAM)")
+    command.add_argument("overrides", nargs="*", help="config overrides, as for python -m train")
+    return command
 
 
 def main(argv: list[str]) -> None:
     from model.cli import compose_checked, run_cli
     from model.layout import layout_from_config
 
-    world, overrides = _world_size(argv)
+    options = parser().parse_intermixed_args(argv)
+    world = options.world_size or (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)
+    if world is not None and world < 1:
+        raise SystemExit(f"error: --world-size {world} is not a process count — give a positive integer")
 
     def report():
-        cfg = compose_checked(overrides)
+        cfg = compose_checked(options.overrides)
         args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
         par = cfg.parallel
-        batch = batch_plan(cfg, world or par.pipeline_stages)
-        dtype = compute_dtype(cfg.train.get("precision", "auto"), torch.cuda.is_available())
-        cuda = torch.cuda.is_available() or dtype == torch.bfloat16  # bf16 jobs are GPU jobs: count kernel workspace
-        split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, cuda=cuda)
+        processes = world or par.pipeline_stages
+        batch = batch_plan(cfg, processes)
+        on_gpu = job_device(cfg.train.get("device", "auto")) == "cuda"
+        dtype = compute_dtype(cfg.train.get("precision", "auto"), on_gpu)
+        memory = device_memory(on_gpu, processes, options.memory)
+        split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel,
+                             memory.capacity if memory is not None and on_gpu else None, cuda=on_gpu)
         print(describe(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                       par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks))
+                       par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks), flush=True)
+        print(check_memory(cfg, processes, split, batch, dtype, on_gpu, memory))
 
     run_cli(report)
 

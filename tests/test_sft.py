@@ -98,7 +98,7 @@ def test_a_missing_column_is_named(tmp_path):
     path = jsonl(tmp_path / "text.jsonl", [{"body": "hello"}])
     with pytest.raises(ValueError, match=r"chat field 'messages' is not a column of .*data.format=chat looks for"):
         documents(path, format="chat")
-    with pytest.raises(ValueError, match="must be a list of"):
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 1: message 1 of 'messages' has no 'content'"):
         documents(jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user"}]}]))
 
 

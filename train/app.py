@@ -9,6 +9,7 @@ the current step with a checkpoint and a line that says how to resume (``train/i
 before its first step removes the run directory it made, so failed attempts leave nothing behind.
 """
 import logging
+import math
 import os
 import random
 import shlex
@@ -70,7 +71,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     started = time.perf_counter()
     made_dir = not _holds_a_run(run_dir)
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    trainer = None
+    trainer, own_dir = None, run_dir
     try:
         with Interrupts(announce=rank0) as interrupts:
             datasets.disable_progress_bars()  # one progress bar: the training loop's
@@ -93,6 +94,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
     except BaseException as error:
         if made_dir and rank0 and (trainer is None or trainer.steps_run == 0):
             shutil.rmtree(run_dir, ignore_errors=True)
+        if not rank0:
+            _remove_if_empty(own_dir)  # Hydra made it for this rank too (rank 0's, or its own a second off)
         if isinstance(error, Interrupted) and trainer is not None:
             raise Interrupted(error.signum, trainer.interrupted_line(error.signum)) from None
         raise
@@ -101,6 +104,26 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         print(summary_table(final, cfg, chance))
         print(closing_line(trainer, time.perf_counter() - started, run_dir), flush=True)
     return final
+
+
+def shared_cpu_warning(device: torch.device) -> str | None:
+    """On a CPU other jobs keep busy, torch's threads of one process wait for each other at every parallel op: the
+    default job took 3.4 s a step on 2 shared cores against 0.92 s with one thread (README, "CPU threads"). The
+    warning is for a load average above the core count with more than one thread."""
+    threads, cores = torch.get_num_threads(), os.cpu_count() or 1
+    load = os.getloadavg()[0]
+    if device.type != "cpu" or threads == 1 or load <= cores:
+        return None
+    return (f"the CPU is shared (load average {load:.1f} on {cores} cores) and torch runs {threads} threads in this "
+            "process, which then wait on each other: a step can take several times longer — OMP_NUM_THREADS=1 "
+            "python -m train ... runs one thread")
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (rank 0's run, or another job's), or gone already
+        pass
 
 
 def _holds_a_run(run_dir: Path) -> bool:
@@ -114,13 +137,17 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     seed_everything(cfg.train.seed)
-    engine = build_engine(cfg, checked.precision, checked.device)
+    engine = build_engine(cfg, checked.precision, checked.device, checked.split, checked.memory_line)
     loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
                           vocab_size=cfg.model.vocab_size, documents=checked.train_documents)
     evaluator = Evaluator(cfg, checked.device, engine, checked.heldout_documents, checked.probes)
     log.info("%s model (%.2fM parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
              cfg.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, cfg.layout.name,
              checked.precision, checked.device.type, distributed.world_size(), run_dir)
+    log.info("%s", checked.data_line)
+    crowded = shared_cpu_warning(checked.device)
+    if crowded:
+        log.warning("%s", crowded)
     ref, saved = checked.resume, checked.saved
     if ref:
         resume_state = checkpoint.load(engine, ref, saved["config"]["parallel"]["pipeline_stages"])
@@ -272,9 +299,11 @@ def summary_table(final: dict[str, float], cfg: DictConfig, chance: dict[str, fl
     chance = chance or {}
     lines = [f"evaluation after {final['step']} steps ({cfg.model.name} model, {cfg.layout.name} layout)"]
     for key, value in final.items():
-        if key == "step":
+        if key in ("step", "lm_loss_se"):
             continue
         line = f"  {key:<32} {value:10.4f}"
+        if key == "lm_loss" and math.isfinite(final.get("lm_loss_se", math.nan)):
+            line += f"   (± {final['lm_loss_se']:.4f}, its standard error over the evaluation batches)"
         if key.split("/")[0] in chance:
             line += f"   (chance {chance[key.split('/')[0]]:.4f})"
         lines.append(line)

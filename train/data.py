@@ -50,9 +50,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from train import sft
+from train.bad_rows import Rows, check_rows, row_problem, unreadable
 from train.rows import RankRows
 from train.synthetic import SyntheticConfig, SyntheticLoader, SyntheticTasks
-from train.tokenizer import Tokenizer, load_tokenizer
+from train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
 SAMPLE_BY = ("auto", "document", "paragraph", "line")
@@ -106,6 +107,9 @@ class MapDocuments:
         self._dataset = dataset.select_columns([text_field])
         self.text_field, self.seed, self.description, self.format = text_field, seed, description, format
 
+    def __len__(self) -> int:
+        return len(self._dataset)
+
     def texts(self, epoch: int, start: int) -> Iterator[str]:
         """Texts of `epoch` from its `start`-th document on."""
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self._dataset))
@@ -114,23 +118,40 @@ class MapDocuments:
 
 
 class StreamingDocuments:
-    """Texts of an IterableDataset, buffer-shuffled with a per-epoch seed; `start` is reached by re-reading."""
+    """Texts of an IterableDataset, buffer-shuffled with a per-epoch seed; `start` is reached by re-reading. Rows
+    are checked as they stream by (`train/bad_rows.py`); `rows` names the local files a parse error is in."""
 
     def __init__(self, dataset: datasets.IterableDataset, text_field: str = "text", seed: int = 0,
-                 shuffle_buffer: int = 10_000, description: str = "streaming dataset", format: str = "text"):
+                 shuffle_buffer: int = 10_000, description: str = "streaming dataset", format: str = "text",
+                 rows: Rows | None = None):
         if dataset.column_names is not None:
             _check_field(dataset.column_names, text_field, description)
         self._dataset = dataset
         self.text_field, self.seed, self.shuffle_buffer = text_field, seed, shuffle_buffer
-        self.description, self.format = description, format
+        self.description, self.format, self.rows = description, format, rows
 
     def texts(self, epoch: int, start: int) -> Iterator[str]:
         """Texts of `epoch` from its `start`-th document on."""
         generator = np.random.default_rng([self.seed, epoch])
-        shuffled = self._dataset.shuffle(generator=generator, buffer_size=self.shuffle_buffer)
-        for example in itertools.islice(shuffled, start, None):
+        shuffled = iter(self._dataset.shuffle(generator=generator, buffer_size=self.shuffle_buffer))
+        for position in itertools.count():
+            try:
+                example = next(shuffled)
+            except StopIteration:
+                return
+            except Exception as error:  # a local file the builder cannot parse, met while streaming
+                if self.rows is None or not self.rows.files:
+                    raise
+                raise ValueError(unreadable(self.rows.builder, self.rows.files, error)) from error
+            if position < start:
+                continue
             if self.text_field not in example:
                 _check_field(list(example), self.text_field, self.description)
+            problem = row_problem(example[self.text_field], "text" if self.format == "text" else "chat",
+                                  self.text_field)
+            if problem:
+                raise ValueError(f"a row of {self.description} (row {position + 1} of epoch {epoch}'s shuffled "
+                                 f"stream): {problem} — fix or remove that row")
             yield example[self.text_field]
 
 
@@ -174,20 +195,23 @@ _FILE_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json
 
 
 def hf_dataset(path: str, name: str | None = None, split: str = "train", streaming: bool = False,
-               sample_by: str = "auto") -> datasets.Dataset | datasets.IterableDataset:
-    """A `datasets` source: local data files (a file or a directory of them), else `load_dataset(path, name)`.
+               sample_by: str = "auto") -> tuple[datasets.Dataset | datasets.IterableDataset, Rows]:
+    """A `datasets` source: local data files (a file or a directory of them), else `load_dataset(path, name)`;
+    with the `Rows` that say where each row came from.
 
     A directory is read recursively; all its data files must have one format. Text files are decoded with
     replacement of invalid bytes and give one document per file, per paragraph or per line (`sample_by`);
     `auto` splits a single file by paragraph (by line if it has no blank line), so that it has documents to
-    hold out, and says so.
+    hold out, and says so. A local file that cannot be parsed is a ValueError naming its first bad line.
     """
     if sample_by not in SAMPLE_BY:
         raise ValueError(f"data.sample_by={sample_by!r} — use one of {', '.join(SAMPLE_BY)}")
     local = _local_data_files(path)
     if local is None:
-        return datasets.load_dataset(path, name, split=split, streaming=streaming)
+        rows = Rows(f"dataset {path!r} (name={name}, split={split})")
+        return datasets.load_dataset(path, name, split=split, streaming=streaming), rows
     builder, files = local
+    rows = Rows(f"data.path {path!r}", builder, files)
     if builder == "text" and sample_by == "auto":
         sample_by = _text_sampling(files)
         if sample_by != "document":
@@ -195,8 +219,16 @@ def hf_dataset(path: str, name: str | None = None, split: str = "train", streami
                      "data.sample_by=document|paragraph|line chooses)", path, sample_by, sample_by)
     options = {"sample_by": sample_by, "encoding_errors": "replace", "keep_linebreaks": True} \
         if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=streaming,
-                                 **options)
+    builders = logging.getLogger("datasets.packaged_modules")  # they log a parse error before raising it
+    level = builders.level
+    builders.setLevel(logging.CRITICAL)
+    try:
+        return datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=streaming,
+                                     **options), rows
+    except Exception as error:  # the builders' own (ArrowInvalid, pandas' ParserError, UnicodeDecodeError, ...)
+        raise ValueError(unreadable(builder, files, error)) from error
+    finally:
+        builders.setLevel(level)
 
 
 def _text_sampling(files: list[str]) -> str:
@@ -270,9 +302,14 @@ def _columns(dataset) -> list[str] | None:
     return None if first is None else list(first)
 
 
+_CHECKED: set[str] = set()  # fingerprints of the datasets whose rows were checked (train and held-out part: once)
+
+
 def build_documents(config: DataConfig, heldout: bool = False) -> MapDocuments | StreamingDocuments:
-    """The document source of `config`, train part or held-out part."""
+    """The document source of `config`, train part or held-out part. Every row of a map-style `hf` dataset is
+    checked first (`train/bad_rows.py`): a bad one is a ValueError naming its file and line (or its row)."""
     part = f"{'held-out' if heldout else 'train'} part, heldout_fraction={config.heldout_fraction}"
+    rows = None  # stdlib: every row is a file read by us
     if config.source == "stdlib":
         root = config.path or sysconfig.get_paths()["stdlib"]
         description = f"Python sources under {root!r} ({part})"
@@ -284,9 +321,14 @@ def build_documents(config: DataConfig, heldout: bool = False) -> MapDocuments |
         if config.path is None:
             raise ValueError("data.source=hf needs data.path (data files, a directory or a dataset name)")
         description = f"dataset {config.path!r} (name={config.name}, split={config.split}, {part})"
-        dataset = hf_dataset(config.path, config.name, config.split, config.streaming, config.sample_by)
+        dataset, rows = hf_dataset(config.path, config.name, config.split, config.streaming, config.sample_by)
         fmt = sft.resolve_format(config.format, _columns(dataset), config.text_field, config.messages_field,
                                  config.prompt_field, config.response_field, description)
+        fields = {"text": {config.text_field: "text"}, "chat": {config.messages_field: "chat"},
+                  "prompt_response": {config.prompt_field: "text", config.response_field: "text"}}[fmt]
+        if isinstance(dataset, datasets.Dataset) and dataset._fingerprint not in _CHECKED:
+            check_rows(dataset, fields, rows)
+            _CHECKED.add(dataset._fingerprint)
         text_field = {"text": config.text_field, "chat": config.messages_field}.get(fmt, sft.CONVERSATION)
         if fmt == "prompt_response":
             dataset = sft.prompt_response_conversations(dataset, config.prompt_field, config.response_field)
@@ -295,7 +337,8 @@ def build_documents(config: DataConfig, heldout: bool = False) -> MapDocuments |
         raise ValueError(f"unknown data.source {config.source!r} — use data=stdlib or data=hf")
     kind = "text" if fmt == "text" else "chat"
     if isinstance(dataset, datasets.IterableDataset):
-        return StreamingDocuments(dataset, text_field, config.shuffle_seed, config.shuffle_buffer, description, kind)
+        return StreamingDocuments(dataset, text_field, config.shuffle_seed, config.shuffle_buffer, description, kind,
+                                  rows)
     if len(dataset) == 0:
         fix = ("raise data.heldout_fraction or give more documents (split one text file with data.sample_by="
                "paragraph or line)" if heldout else "lower data.heldout_fraction or give more documents")
@@ -525,12 +568,68 @@ def synthetic_tasks(config: DataConfig, tokenizer: Tokenizer | None = None) -> S
 def _packed_loader(config: DataConfig, tokenizer: Tokenizer, heldout: bool, rank: int, world_size: int,
                    vocab_size: int | None, documents=None, micro_batch_size: int | None = None) -> PackedLoader:
     documents = build_documents(config, heldout) if documents is None else documents
-    encode = sft.ChatEncoder(tokenizer, config.seq_len + 1) if documents.format == "chat" else None
     return PackedLoader(documents, tokenizer, seq_len=config.seq_len,
                         micro_batch_size=micro_batch_size or config.micro_batch_size,
                         shuffle_seed=config.shuffle_seed, pack_buffer=config.pack_buffer,
                         pack_carry=config.pack_carry, rank=rank, world_size=world_size, vocab_size=vocab_size,
-                        encode=encode)
+                        encode=document_encoder(documents, tokenizer, config.seq_len))
+
+
+def document_encoder(documents, tokenizer: Tokenizer, seq_len: int):
+    """How the loader turns one of ``documents`` into tokens: None (``[BOS] text [EOS]``, every label trained) for
+    text, a ``sft.ChatEncoder`` (cut to ``seq_len + 1`` tokens) for conversations."""
+    return sft.ChatEncoder(tokenizer, seq_len + 1) if documents.format == "chat" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SetSize:
+    """How big a part of the data is: documents, and the tokens the loader makes of them (positions: a document
+    of n tokens trains n + 1 next-token predictions, BOS and EOS included)."""
+
+    documents: int | None  # None: a streaming source, not counted in advance
+    tokens: int | None
+    exact: bool  # False: tokens estimated from the first ``SIZE_SAMPLE`` characters' documents
+
+    def describe(self) -> str:
+        if self.documents is None:
+            return "streaming (its size is not counted in advance)"
+        return f"{self.documents:,} documents, {'' if self.exact else '~'}{self.tokens:,} tokens"
+
+
+SIZE_SAMPLE = 4_000_000  # characters tokenised to estimate a set's tokens, with a tokenizer that is not byte-level
+
+
+def set_size(documents, tokenizer: Tokenizer, seq_len: int) -> SetSize:
+    """The size of ``documents`` (``build_documents``), tokenised as the loader does (``document_encoder``):
+    exact with the byte tokenizer, else estimated from the first ``SIZE_SAMPLE`` characters of epoch 0's (random)
+    order when the set is larger."""
+    if not isinstance(documents, MapDocuments):
+        return SetSize(None, None, False)
+    chat = document_encoder(documents, tokenizer, seq_len)
+
+    def positions(text) -> int:
+        if chat is not None:
+            tokens = chat(text)
+            return 0 if tokens is None else len(tokens) - 1
+        byte_level = isinstance(tokenizer, ByteTokenizer)  # its tokens are the UTF-8 bytes: no need to encode
+        return (len(text.encode("utf-8", errors="surrogatepass")) if byte_level else len(tokenizer.encode_array(text))
+                ) + 1  # [BOS] text [EOS]: one prediction more than the text's tokens
+
+    budget = None if isinstance(tokenizer, ByteTokenizer) else SIZE_SAMPLE
+    total, counted, tokens, characters = len(documents), 0, 0, 0
+    sft_log = logging.getLogger(sft.__name__)
+    level = sft_log.level
+    sft_log.setLevel(logging.ERROR)  # the loader warns about conversations it cuts; counting them need not
+    try:
+        for text in documents.texts(0, 0):
+            counted += 1
+            tokens += positions(text) if text else 0
+            characters += len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
+            if budget is not None and characters >= budget and counted < total:
+                return SetSize(total, round(tokens * total / counted), False)
+    finally:
+        sft_log.setLevel(level)
+    return SetSize(total, tokens, True)
 
 
 def data_config(cfg) -> DataConfig:

@@ -6,7 +6,6 @@ Every job, a single CPU process included, runs on DeepSpeed's pipeline engine (`
 The engine itself clips gradients over all stages and skips a step whose loss is not finite, without touching
 the weights, the optimizer state or the schedule.
 """
-import logging
 import math
 import os
 from collections import OrderedDict
@@ -18,7 +17,7 @@ from omegaconf import DictConfig, ListConfig
 from model import ModelArgs, layout_from_config
 from model.dspark import DRAFT_PARTS
 from model.transformer import ModelOutput
-from parallel.balance import split_stages
+from parallel.balance import Split, split_stages
 from parallel.batch import batch_plan
 from parallel.engine import P2P, CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
 from parallel.memory import kept_per_stage
@@ -26,8 +25,6 @@ from parallel.plan import describe
 from train import distributed
 from train.loss import compute_loss
 from train.quiet import prints_to_debug
-
-log = logging.getLogger(__name__)
 
 RECOMPUTE = ("none", "layer", "block")
 INDEX_K = ("shadow", "payload")
@@ -203,26 +200,29 @@ def engram_token_map(cfg: DictConfig, args: ModelArgs):
     return token_map, size
 
 
-def build_engine(cfg: DictConfig, precision: str, device: torch.device) -> CSA2PipelineEngine:
+def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: Split | None = None,
+                 memory_line: str | None = None) -> CSA2PipelineEngine:
     """This process's pipeline stage of the model, on the engine, with the warmup-cosine schedule.
 
-    Prints the pipeline plan (batch and bubble, stages, layers, payload bytes per boundary) on rank 0 before
-    training."""
+    Prints the pipeline plan (batch and bubble, stages, layers, payload bytes per boundary) and ``memory_line``
+    (the preflight's memory verdict) on rank 0 before training. ``split``: the preflight's stage split (default:
+    computed here, within the GPU's memory)."""
     parallel = cfg.parallel
     check_parallel(parallel)
     batch = batch_plan(cfg, distributed.world_size())
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     seq_len, micro_batch = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, capacity, cuda=device.type == "cuda")
+    if split is None:
+        capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, capacity,
+                             cuda=device.type == "cuda")
     plan = split.plan
     if distributed.rank() == 0:
         print(describe(args, layout, plan, micro_batch, seq_len, dtype, parallel.index_k, batch, split.costs,
                        split.unit, split.peaks), flush=True)
-        if not split.fits:
-            log.warning("the estimated peak memory of a stage exceeds the GPU's %.0f GiB (estimates above); "
-                        "more stages, parallel.recompute=layer or a shorter data.seq_len lower it", capacity / 2 ** 30)
+        if memory_line:
+            print(memory_line, flush=True)
     run_dspark = trains_dspark(cfg)
     loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids),
                         float(cfg.train.dspark_loss_coef), DRAFT_PARTS if run_dspark else ())

@@ -4,23 +4,34 @@
 - a run that cannot continue (diverged, out of GPU memory): the same one line, status 1;
 - SIGINT / SIGTERM (``train/interrupt.py``): the line that says what was saved and how to resume, 130 / 143;
 - anything else is a bug: Python's traceback, status 1.
-With ``HYDRA_FULL_ERROR=1`` every error shows its traceback. Rank 0 reports at once; another rank first waits
-``OTHER_RANKS_WAIT_S``: when rank 0 failed too (the same input), the launcher ends the job in that time and the line
-appears once; when the failure is this rank's own, it reports it, prefixed with its rank.
+With ``HYDRA_FULL_ERROR=1`` every error shows its traceback.
+
+Under a launcher every process meets the same bad input, so each would print the line, and the first to exit would
+have the launcher kill the others (status -15 in its summary). Under ``torchrun`` the failing processes meet on the
+launcher's own store (``TORCHELASTIC_USE_AGENT_STORE``: a TCP store the workers reach before any process group
+exists): each posts its line and waits up to ``ALL_RANKS_WAIT_S`` for the others. When every rank failed, rank 0
+prints its line (and any other rank's that differs, prefixed with the rank) and all exit with their status
+together, so the launcher reports each worker's status; when only some failed, each of them prints its own line,
+prefixed with its rank, and exits. Without that store (the ``deepspeed`` launcher) rank 0 reports at once and
+another rank first waits ``OTHER_RANKS_WAIT_S``: when rank 0 failed too, the launcher ends the job in that time
+and the line appears once; when the failure is this rank's own, it reports it, prefixed with its rank.
 
 ``reported`` wraps both the command line (before Hydra) and the job inside Hydra's task function: a job's error
 must not reach Hydra, which would print its own "Error executing job" line first.
 """
 import contextlib
 import os
+import signal
 import sys
 import time
+from datetime import timedelta
 
 from model.cli import USAGE_ERROR, error_line
 from train.interrupt import Interrupted
 
 
 OTHER_RANKS_WAIT_S = 5.0
+ALL_RANKS_WAIT_S = 10.0  # ranks meet the same check within seconds of each other (imports, data read in parallel)
 SHOW_TRACEBACK = bool(os.environ.get("HYDRA_FULL_ERROR"))  # the user's setting, before ``reported`` changes it
 
 
@@ -87,7 +98,44 @@ def _rank() -> int:
 
 
 def _report(line: str) -> None:
-    if _rank() > 0:
+    """Print ``line`` once for the job (module docstring); returns when this process should exit."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    store = _launcher_store() if world > 1 else None
+    if store is not None:
+        lines = _meet(store, world, line)
+        if lines is not None:  # every rank failed: rank 0 speaks for all, then all exit together
+            if _rank() == 0:
+                print("\n".join([line, *(f"rank {r}: {other}" for r, other in enumerate(lines) if other != line)]),
+                      file=sys.stderr, flush=True)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a launcher's stop must not replace the exit status
+            return
+    elif _rank() > 0:
         time.sleep(OTHER_RANKS_WAIT_S)  # a launcher that saw rank 0 fail ends this process meanwhile
-        line = f"rank {_rank()}: {line}"
-    print(line, file=sys.stderr, flush=True)
+    print(f"rank {_rank()}: {line}" if _rank() > 0 else line, file=sys.stderr, flush=True)
+
+
+def _launcher_store():
+    """The store torchrun's agent serves to its workers (None under other launchers, or when unreachable)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=ALL_RANKS_WAIT_S))
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
+def _meet(store, world: int, line: str) -> list[str] | None:
+    """Post this rank's line; every rank's line once all ranks posted theirs within ``ALL_RANKS_WAIT_S``, else
+    None."""
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    prefix = f"csa2/failed/{attempt}/"
+    keys = [f"{prefix}{r}" for r in range(world)]
+    try:
+        store.set(keys[_rank()], line)
+        store.wait(keys, timedelta(seconds=ALL_RANKS_WAIT_S))
+        return [store.get(key).decode() for key in keys]
+    except RuntimeError:  # a timeout (DistStoreError is one): some rank did not fail
+        return None

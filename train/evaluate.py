@@ -60,6 +60,24 @@ def build_probes(cfg: DictConfig, stages: int) -> dict[tuple[str, int], list]:
     return probes
 
 
+def with_squares(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each loss part over evaluation batches, and ``lm_loss_sq``, the mean square of the LM loss
+    (``with_spread`` turns it into its standard error once averaged over ranks)."""
+    return {**mean_metrics(rows), "lm_loss_sq": sum(r["lm_loss"] ** 2 for r in rows) / len(rows)}
+
+
+def with_spread(row: dict[str, float], batches: int) -> dict[str, float]:
+    """``row`` with ``lm_loss_sq`` replaced by ``lm_loss_se``: the standard error of the held-out LM loss, the
+    sample standard deviation over its ``batches`` evaluation batches (all ranks) over sqrt(batches); left out for
+    one batch. Runs whose held-out losses differ by less than about twice it are not told apart by this evaluation
+    (``train/report.py``)."""
+    row = dict(row)
+    mean, square = row["lm_loss"], row.pop("lm_loss_sq")
+    if batches > 1:
+        row["lm_loss_se"] = math.sqrt(max(square - mean ** 2, 0.0) / (batches - 1))  # sqrt(sample variance / n)
+    return row
+
+
 class Evaluator:
     """The evaluation of one run: held-out loss parts, index recall, the synthetic tasks, and the probes.
 
@@ -116,7 +134,8 @@ class Evaluator:
                                    num_micro_batches=1)
             last = self.engine.is_last_stage()  # the other stages add zeros to the sum over ranks
             rows.append({name: loss_fn.parts[name].item() if last else 0.0 for name in loss_fn.part_names()})
-        return {k: v / self.engine.dp_world_size for k, v in distributed.sum_over_ranks(mean_metrics(rows)).items()}
+        row = {k: v / self.engine.dp_world_size for k, v in distributed.sum_over_ranks(with_squares(rows)).items()}
+        return with_spread(row, len(rows) * self.engine.dp_world_size)
 
     @torch.no_grad()
     def whole_model_logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
@@ -152,11 +171,11 @@ class Evaluator:
                                      float(self.cfg.train.dspark_loss_coef)).metrics())
             for layer, recall in output.index_recall.items():
                 recalls.setdefault(f"index_recall/layer{layer}", []).append(recall.item())
-        row = mean_metrics(rows)
+        row = with_squares(rows)
         for key, values in sorted(recalls.items()):  # every rank has every key: the ranks sum them below
             counted = [v for v in values if not math.isnan(v)]
             row[key] = sum(counted) / len(counted) if counted else math.nan
-        return distributed.mean_over_ranks(row)
+        return with_spread(distributed.mean_over_ranks(row), len(rows) * distributed.world_size())
 
     def scored(self, samples: list, logits_of):
         """``(logits [T,V], sample)`` for this replica's share of ``samples``.

@@ -1,8 +1,10 @@
 """Every check a job can make without the engine, run first so that bad input fails in seconds, before the
-process group, the engine or the run directory exist: config values, layout, tokenizer, device and precision,
-the batch against the stages and launched processes, the stage split, the probes, the data (path, format, text
-field, both parts non-empty, the chat template), the checkpoint to resume (manifest: sizes and SHA-256) or else
-the weights of ``train.init_from`` (matched tensor by tensor against the model).
+process group, the engine or the run directory exist: config values, layout (and that it pairs with the model),
+tokenizer, device and precision, the batch against the stages and launched processes, the stage split and its
+memory (every stage's estimated peak against the GPU's memory, or the host's RAM: ``parallel/plan.py``), the
+probes, the data (path, format, text field, every row's type, both parts non-empty, the chat template), the
+checkpoint to resume (manifest: sizes and SHA-256) or else the weights of ``train.init_from`` (matched tensor by
+tensor against the model).
 
 What the checks build (documents, probes, the checkpoint) is kept for the job, so nothing is read twice.
 """
@@ -13,11 +15,12 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from model import ModelArgs, layout_from_config
+from model import LayoutError, ModelArgs, layout_from_config
+from parallel.balance import Split, split_stages
 from parallel.batch import BatchPlan, batch_plan
-from parallel.partition import partition
+from parallel.plan import check_memory, device_memory
 from train import checkpoint, init_from, sft
-from train.data import build_documents, data_config, synthetic_tasks
+from train.data import SetSize, build_documents, data_config, set_size, synthetic_tasks
 from train.engine import check_parallel, engram_token_map, resolve_device, resolve_precision
 from train.evaluate import build_probes, data_tokenizer
 
@@ -31,8 +34,11 @@ class Checked:
     device: torch.device
     precision: str  # bf16 | fp32
     batch: BatchPlan
+    split: Split  # the stages, their costs and estimated peaks
+    memory_line: str  # the memory verdict of the split (it fits: else preflight fails)
     train_documents: object  # train.data.MapDocuments | StreamingDocuments; None: data.synthetic_fraction=1
     heldout_documents: object
+    data_line: str  # the sizes of the training and held-out sets, for the run's header
     probes: dict
     resume: checkpoint.CheckpointRef | None
     saved: dict  # the checkpoint's trainer state ({} for a fresh run)
@@ -41,9 +47,9 @@ class Checked:
 
 def check_config(cfg: DictConfig) -> None:
     """Fail before any work on settings that cannot run; each message names the setting."""
-    layout, args = layout_from_config(cfg.layout), ModelArgs.from_config(cfg.model)
-    layout.check_candidate_capacity(args.index_topk)
-    args.check_stack(layout.n_layers)
+    check_pairing(cfg)
+    args = ModelArgs.from_config(cfg.model)
+    args.check_stack(layout_from_config(cfg.layout).n_layers)
     engram_token_map(cfg, args)  # the data tokenizer against the Engram tables
     if OmegaConf.is_missing(cfg.data, "path"):
         raise ValueError(f"data.source={cfg.data.source} needs data.path — set data.path=<a file, a directory of "
@@ -68,6 +74,59 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"logger.mode={cfg.logger.mode!r} — use one of {', '.join(LOGGER_MODES)}")
 
 
+def check_pairing(cfg: DictConfig) -> None:
+    """The layout's candidate blocks hold a selection of the model's ``index_topk``. When they do not, the message
+    first says which model and layout were paired and names the layout presets with candidate blocks that do hold
+    it: a model preset without its layout (``model=v41_flash`` on the default ``v41_scaled``) is the usual cause,
+    and more blocks or a smaller top-k would only hide it."""
+    index_topk = ModelArgs.from_config(cfg.model).index_topk
+    try:
+        layout_from_config(cfg.layout).check_candidate_capacity(index_topk)
+    except LayoutError as error:
+        suited = [name for name in layout_presets() if _holds(name, index_topk)]
+        fix = f"layout={' or layout='.join(suited)}, or a preset without candidate blocks" if suited else \
+            "a layout without candidate blocks (layout.candidates=false)"
+        raise LayoutError(f"model={cfg.model.name} (index_topk={index_topk}) is paired with layout={cfg.layout.name}, "
+                          f"whose candidate blocks hold too few entries: {error} — pair the model with a layout whose "
+                          f"candidate blocks hold its top-k: {fix}; or change the blocks or the top-k as said"
+                          ) from None
+
+
+def layout_presets() -> list[str]:
+    from model.cli import CONF_DIR
+
+    return sorted(path.stem for path in (CONF_DIR / "layout").glob("*.yaml"))
+
+
+def _holds(preset: str, index_topk: int) -> bool:
+    """Whether layout preset ``preset`` (as Hydra composes it) restricts selections to candidate blocks that
+    hold ``index_topk`` entries."""
+    layout = layout_from_config(_compose([f"layout={preset}"]).layout)
+    try:
+        layout.check_candidate_capacity(index_topk)
+    except LayoutError:
+        return False
+    return any(p.candidate_source is not None for p in layout.plan)
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """The config of ``overrides``, inside a running Hydra app (``python -m train``) or outside one (tests)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        from hydra import compose
+
+        return compose(config_name="config", overrides=overrides)
+    from model.cli import compose
+
+    return compose(overrides)
+
+
+def local_processes(world_size: int) -> int:
+    """This host's processes of the job (torchrun's ``LOCAL_WORLD_SIZE``; else all of them)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
     return Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
 
@@ -82,8 +141,11 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
     batch = batch_plan(cfg, world_size)
-    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
-    partition(args, layout, int(cfg.data.seq_len), batch.stages, cfg.parallel.cuts)
+    on_gpu, dtype = device.type == "cuda", torch.bfloat16 if precision == "bf16" else torch.float32
+    memory = device_memory(on_gpu, local_processes(world_size))
+    split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, memory.capacity if on_gpu else None,
+                         cuda=on_gpu)
+    memory_line = check_memory(cfg, world_size, split, batch, dtype, on_gpu, memory)
     probes = build_probes(cfg, batch.stages)
     data = data_config(cfg.data)
     reads_text = data.synthetic_fraction < 1  # all-synthetic rows never read the text source
@@ -91,7 +153,37 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     heldout_documents = build_documents(data, heldout=True) if reads_text else None
     if train_documents is not None and train_documents.format == "chat":
         sft.check_template(data_tokenizer(cfg.data))
+    sizes = [set_size(d, data_tokenizer(cfg.data), data.seq_len) if d is not None else None
+             for d in (train_documents, heldout_documents)]
     ref = checkpoint.find(cfg.train.resume, checkpoint_dir(cfg, run_dir))
     saved = checkpoint.check_compatible(ref, cfg) if ref else {}
     warm_start = None if ref else init_from.from_config(cfg)
-    return Checked(device, precision, batch, train_documents, heldout_documents, probes, ref, saved, warm_start)
+    return Checked(device, precision, batch, split, memory_line, train_documents, heldout_documents,
+                   data_line(cfg, batch, *sizes), probes, ref, saved, warm_start)
+
+
+def data_line(cfg: DictConfig, batch: BatchPlan, train: SetSize | None, heldout: SetSize | None) -> str:
+    """``data: training set <documents, tokens> (<what the run reads of it: epochs>); held-out set <...> (<what an
+    evaluation reads: how many times over>)``, and the synthetic tasks when the rows are (partly) synthetic. A
+    held-out set smaller than an evaluation repeats within it: its loss is then that of a few documents."""
+    data, seq_len = data_config(cfg.data), int(cfg.data.seq_len)
+    parts = []
+    if train is not None:
+        reads = int(cfg.train.max_steps) * batch.global_batch * seq_len * (1 - data.synthetic_fraction)
+        part = f"training set {train.describe()}"
+        if train.tokens:
+            part += (f" ({cfg.train.max_steps} steps read {reads:,.0f} positions of it: "
+                     f"{reads / train.tokens:.2g} epochs)")
+        parts.append(part)
+    tasks = synthetic_tasks(data)
+    if tasks is not None:
+        parts.append(f"synthetic rows ({data.synthetic_fraction:.0%}): {', '.join(tasks.tasks)}, drawn afresh every "
+                     f"step, {tasks.config.eval_examples} held-out examples per task")
+    if heldout is not None:
+        reads = int(cfg.train.eval.batches) * int(cfg.data.micro_batch_size) * seq_len * batch.data_parallel
+        part = f"held-out set {heldout.describe()} (an evaluation reads {reads:,} positions"
+        if heldout.tokens and reads > heldout.tokens:
+            part += (f": the set {reads / heldout.tokens:.1f} times over; its loss is that of these documents, a "
+                     "larger data.heldout_fraction makes it steadier")
+        parts.append(part + ")")
+    return "data: " + "; ".join(parts)

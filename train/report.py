@@ -10,7 +10,16 @@ Everything comes from the run dirs themselves, so no wandb account is needed:
   run's ``data.seq_len``), and the median step time and tokens/s of its training steps;
 - names from ``.hydra/overrides.yaml``: the layout and the overrides that differ between runs (those common to
   all runs are printed once).
-Writes ``<sweep dir>/report.md`` (the table, also printed), ``<sweep dir>/report.json`` (each run's figures) and
+
+Noise. A tiny model trained for minutes differs from another by little, and a table of one number per run ranks
+them regardless. So the held-out LM loss carries its standard error over the evaluation batches (``lm_loss_se``,
+``train/evaluate.py``), and a run whose loss lies within ``NOISE_SIGMAS`` standard errors of the difference from the
+best run's is marked "within noise"; an accuracy within ``NOISE_SIGMAS`` binomial standard errors of its chance
+level (probes: ``train.eval.probe_examples`` samples; synthetic tasks: ``data.synthetic.eval_examples``) is marked
+"(chance)": such differences do not tell layouts apart. With several seeds per setting (``train.seed=0,1,2`` in the
+sweep) a second table gives each setting's mean and standard deviation over its seeds, and marks means within
+``NOISE_SIGMAS`` standard errors of the best mean; one run per setting measures no run-to-run variation at all.
+Writes ``<sweep dir>/report.md`` (the tables, also printed), ``<sweep dir>/report.json`` (each run's figures) and
 ``<sweep dir>/report.png``.
 """
 import json
@@ -31,6 +40,8 @@ from train.metrics import METRICS_FILE, read_rows
 CONFIG_FILE = "config.yaml"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 _PROBE_KEY = re.compile(r"(passkey|mqar)_acc/len(\d+)")
+NOISE_SIGMAS = 2.0
+SEED_KEYS = ("train.seed",)  # overrides that only reseed a run: runs differing in them alone are one setting
 _SYNTHETIC_KEY = re.compile(r"synthetic/(\w+)_(acc|acc_beyond_window|chance)")
 
 
@@ -105,7 +116,11 @@ def summarize(run: Run) -> dict:
         "layout": cfg.layout.name,
         "steps": train_rows[-1]["step"] if train_rows else 0,
         "eval_lm_loss": final.get("lm_loss", math.nan),
+        "eval_lm_loss_se": _number(final.get("lm_loss_se")),
         "probes": probe_scores(final),
+        "probe_chance": _probe_chance(cfg),
+        "probe_examples": int(OmegaConf.select(cfg, "train.eval.probe_examples", default=0) or 0),
+        "synthetic_examples": int(OmegaConf.select(cfg, "data.synthetic.eval_examples", default=0) or 0),
         "synthetic": synthetic_scores(final),
         "index_recall": _mean(v for k, v in final.items() if k.startswith("index_recall/")),
         "seq_len": int(cfg.data.seq_len),
@@ -115,6 +130,50 @@ def summarize(run: Run) -> dict:
         "tokens_per_s": tokens_per_s,
         "step_time_s": _tokens_per_step(run.rows) / tokens_per_s,
     }
+
+
+def _number(value) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _probe_chance(cfg: DictConfig) -> dict[str, float]:
+    """The chance level of each probe kind (``passkey``, ``mqar``) with the run's tokenizer."""
+    from train.evaluate import data_tokenizer
+    from train.probes import chance_levels
+
+    try:
+        levels = chance_levels(data_tokenizer(cfg.data))
+    except (OSError, ValueError):  # the run's tokenizer file is not on this machine
+        return {}
+    return {kind.removesuffix("_acc"): level for kind, level in levels.items()}
+
+
+def at_chance(accuracy: float | None, chance: float | None, examples: int) -> bool:
+    """Whether ``accuracy`` over ``examples`` samples lies within ``NOISE_SIGMAS`` binomial standard errors of
+    ``chance`` (above it, or anywhere below)."""
+    if accuracy is None or chance is None or math.isnan(accuracy) or math.isnan(chance) or examples < 1:
+        return False
+    return accuracy <= chance + NOISE_SIGMAS * math.sqrt(chance * (1 - chance) / examples)
+
+
+def loss_marks(losses: list[float], errors: list[float]) -> list[str]:
+    """Each loss against the lowest: ``best``, ``+d (within noise)`` when ``d`` is within ``NOISE_SIGMAS``
+    standard errors of the difference (``sqrt(se^2 + se_best^2)``), ``+d`` beyond it, ``+d (spread unknown)``
+    without standard errors (one evaluation batch)."""
+    finite = [i for i, loss in enumerate(losses) if math.isfinite(loss)]
+    if not finite:
+        return ["" for _ in losses]
+    best = min(finite, key=lambda i: losses[i])
+    marks = []
+    for loss, error in zip(losses, errors):
+        if not math.isfinite(loss):
+            marks.append("")
+            continue
+        gap = loss - losses[best]
+        noise = NOISE_SIGMAS * math.sqrt(error ** 2 + errors[best] ** 2)
+        marks.append("best" if gap == 0 else f"+{gap:.4f}" + (" (spread unknown)" if math.isnan(noise) else
+                                                             " (within noise)" if gap <= noise else ""))
+    return marks
 
 
 def _tokens_per_step(rows: list[dict]) -> float:
@@ -155,14 +214,18 @@ def markdown(runs: list[Run], summaries: list[dict]) -> str:
     labels, common = run_labels(runs)
     probes = probe_columns(summaries)
     tasks = synthetic_tasks(summaries)
-    head = ["run", "layout", "overrides", "steps", "eval LM loss", *probes,
+    head = ["run", "layout", "overrides", "steps", "eval LM loss", "± SE", "vs best", *probes,
             *(f"{task} {title}" for task in tasks for _, title in SYNTHETIC_COLUMNS), "index recall", "KV B/token",
             "indexer MFLOP/token", "seq_len", "params M", "step s", "tokens/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for run, label, s in zip(runs, labels, summaries):
+    settings = seed_groups(runs)
+    seeded = any(len(members) > 1 for members in settings.values())
+    marks = loss_marks([s["eval_lm_loss"] for s in summaries], [s["eval_lm_loss_se"] for s in summaries])
+    for run, label, s, mark in zip(runs, labels, summaries, marks):
         cells = [run.name, s["layout"], f"`{label}`" if label else "", str(s["steps"]),
-                 _fmt(s["eval_lm_loss"], 4), *(_fmt(s["probes"].get(p), 3) for p in probes),
-                 *(_fmt(s["synthetic"].get(task, {}).get(key), 3) for task in tasks for key, _ in SYNTHETIC_COLUMNS),
+                 _fmt(s["eval_lm_loss"], 4), _fmt(s["eval_lm_loss_se"], 4), mark,
+                 *(_probe_cell(s, p) for p in probes),
+                 *(_synthetic_cell(s, task, key) for task in tasks for key, _ in SYNTHETIC_COLUMNS),
                  _fmt(s["index_recall"], 3), _fmt(s["kv_bytes_per_token"], 1),
                  _fmt(s["indexer_flops_per_token"] / 1e6, 3), str(s["seq_len"]), _fmt(s["params"] / 1e6, 2),
                  _fmt(s["step_time_s"], 3), _fmt(s["tokens_per_s"], 0)]
@@ -170,10 +233,97 @@ def markdown(runs: list[Run], summaries: list[dict]) -> str:
     notes = ["", "Quality from each run's last evaluation (index recall: mean over reading layers; synthetic tasks: "
              "share of answer tokens right, over all answers and over those whose source lies beyond the sliding "
              "window, and the chance level of uniform guessing); KV bytes and indexer FLOPs per token from the "
-             "accounting at the run's seq_len; step time and tokens/s: median over training steps."]
+             "accounting at the run's seq_len; step time and tokens/s: median over training steps.",
+             "", f"Noise: ± SE is the held-out LM loss's standard error over its evaluation batches; a run marked "
+             f"'within noise' is less than {NOISE_SIGMAS:g} standard errors of the difference above the best, and "
+             f"an accuracy marked (chance) is within {NOISE_SIGMAS:g} binomial standard errors of its chance level "
+             "(over the examples evaluated): these do not tell the runs apart. " + _verdict(summaries, marks, probes,
+                                                                                             seeded)]
     if common:
         notes.append("Common overrides: `" + " ".join(common) + "`")
+    if seeded:
+        notes += ["", seed_table(runs, summaries, settings, probes, tasks)]
     return "\n".join(lines + notes) + "\n"
+
+
+def _probe_cell(summary: dict, column: str) -> str:
+    value = summary["probes"].get(column)
+    chance = summary["probe_chance"].get(column.split("@")[0])
+    return _fmt(value, 3) + (" (chance)" if at_chance(value, chance, summary["probe_examples"]) else "")
+
+
+def _synthetic_cell(summary: dict, task: str, key: str) -> str:
+    scores = summary["synthetic"].get(task, {})
+    value = scores.get(key)
+    marked = key != "chance" and at_chance(value, scores.get("chance"), summary["synthetic_examples"])
+    return _fmt(value, 3) + (" (chance)" if marked else "")
+
+
+def _verdict(summaries: list[dict], marks: list[str], probes: list[str], seeded: bool) -> str:
+    """What this evaluation can tell apart, in a sentence or two."""
+    said = []
+    runs = sum(1 for m in marks if m)
+    tied = sum(1 for m in marks if m == "best" or "within noise" in m)
+    if runs > 1 and tied == runs:
+        said.append("Every run's held-out loss is within noise of the best: the loss does not rank them.")
+    elif runs > 1 and any("spread unknown" in m for m in marks):
+        said.append("With one evaluation batch the loss has no spread (train.eval.batches > 1 measures it).")
+    if probes and all(at_chance(s["probes"].get(p), s["probe_chance"].get(p.split("@")[0]), s["probe_examples"])
+                      for s in summaries for p in probes if p in s["probes"]):
+        said.append("Every probe is at chance: the probes do not rank these runs (a tiny model trained for minutes "
+                    "does not retrieve; data=synthetic trains retrieval).")
+    if len(summaries) > 1 and not seeded:
+        said.append("One run per setting measures no run-to-run variation: sweep train.seed=0,1,2 to see it.")
+    return " ".join(said)
+
+
+def seed_groups(runs: list[Run]) -> dict[tuple[str, ...], list[int]]:
+    """The runs of each setting: runs whose overrides differ only in ``SEED_KEYS``, in order of first run."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, run in enumerate(runs):
+        key = tuple(o for o in run.overrides if not o.startswith(tuple(f"{k}=" for k in SEED_KEYS)))
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation of the finite ``values`` (NaN where too few)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def _mean_sd(values: list[float], digits: int) -> str:
+    mean, sd = _spread(values)
+    return _fmt(mean, digits) + (f" ± {sd:.{digits}f}" if math.isfinite(sd) else "")
+
+
+def seed_table(runs: list[Run], summaries: list[dict], settings: dict, probes: list[str], tasks: list[str]) -> str:
+    """One row per setting: the mean ± standard deviation over its seeds of the held-out loss, the probes and the
+    synthetic accuracies; a mean loss within ``NOISE_SIGMAS`` standard errors of the difference of the best mean is
+    marked."""
+    head = ["runs", "layout", "overrides", "seeds", "eval LM loss", "vs best", *probes,
+            *(f"{task} {title}" for task in tasks for key, title in SYNTHETIC_COLUMNS if key != "chance"),
+            "index recall"]
+    lines = [f"Over seeds ({', '.join(SEED_KEYS)}): mean ± standard deviation per setting", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    groups = list(settings.values())
+    losses = [[summaries[i]["eval_lm_loss"] for i in members] for members in groups]
+    means = [_spread(values)[0] for values in losses]
+    errors = [_spread(values)[1] / math.sqrt(len(values)) if len(values) > 1 else math.nan for values in losses]
+    labels, _ = run_labels(runs)
+    for members, mark in zip(groups, loss_marks(means, errors)):
+        first = summaries[members[0]]
+        label = " ".join(o for o in labels[members[0]].split() if not o.startswith(tuple(f"{k}=" for k in SEED_KEYS)))
+        cells = [",".join(runs[i].name for i in members), first["layout"], f"`{label}`" if label else "",
+                 str(len(members)), _mean_sd([summaries[i]["eval_lm_loss"] for i in members], 4), mark,
+                 *(_mean_sd([summaries[i]["probes"].get(p, math.nan) for i in members], 3) for p in probes),
+                 *(_mean_sd([summaries[i]["synthetic"].get(task, {}).get(key, math.nan) for i in members], 3)
+                   for task in tasks for key, _ in SYNTHETIC_COLUMNS if key != "chance"),
+                 _mean_sd([summaries[i]["index_recall"] for i in members], 3)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(runs: list[Run], summaries: list[dict], path: Path) -> None:

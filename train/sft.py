@@ -102,6 +102,16 @@ class ChatEncoder:
                             self.truncated, self.max_tokens)
         return tokens if (tokens[1:] >= 0).any() else None
 
+    def generation_prompt(self, messages: list[dict]) -> np.ndarray:
+        """The tokens that precede an assistant's answer to ``messages``, as training showed them: the template
+        rendered with ``add_generation_prompt``, or the default's messages and its ``<|assistant|>`` header (what
+        ``python -m train.generate --chat`` feeds the model)."""
+        _check(messages)
+        if self.template:
+            return self._encode(self._render(messages, True))
+        pieces = self._default(messages) + [(self._encode(f"<|{ASSISTANT}|>\n"), False)]
+        return np.concatenate([ids for ids, _ in pieces])
+
     def _encode(self, text: str) -> np.ndarray:
         return self.tokenizer.encode_array(text).astype(np.int64)
 

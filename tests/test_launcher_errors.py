@@ -1,0 +1,47 @@
+"""Bad input under ``torchrun`` (2 CPU processes): the job's one line is printed once, every worker exits with
+status 2 (none is stopped by the launcher, so its summary lists the same status for each), and neither rank leaves
+a run directory, Hydra's timestamped ones included. And a CPU that other jobs share is named in the run's header,
+with the thread setting that helps."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_config_error_under_torchrun_is_one_line_status_2_everywhere_and_no_run_dir(tmp_path):
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "HYDRA_FULL_ERROR"}} | {"PYTHONPATH": str(REPO)}
+    missing = tmp_path / "notes.txt"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "train", "data=hf", f"data.path={missing}", "logger.mode=disabled"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    line = f"error: data.path '{missing}' does not exist — give an existing file or directory, or a dataset name"
+    ours = [text for text in done.stderr.splitlines() if "error:" in text and "data.path" in text]
+    assert ours == [line], done.stderr[-3000:]
+    assert "Traceback" not in done.stdout and f"rank 1: {line}" not in done.stderr
+    statuses = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", done.stderr, re.M)  # the failure table's rows
+    assert sorted(statuses) == ["2", "2"], done.stderr[-3000:]  # both workers: 2, not the launcher's SIGTERM (-15)
+    assert list(tmp_path.glob("outputs/*/*")) == [], "a run directory was left behind"
+
+
+def test_a_shared_cpu_is_named_with_the_fix(monkeypatch):
+    import torch
+
+    from train.app import shared_cpu_warning
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.3, 4.0, 3.0))
+    assert shared_cpu_warning(torch.device("cpu")).startswith("the CPU is shared (load average 5.3 on 2 cores) and "
+                                                              "torch runs 2 threads")
+    assert "OMP_NUM_THREADS=1" in shared_cpu_warning(torch.device("cpu"))
+    assert shared_cpu_warning(torch.device("cuda")) is None
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.9, 4.0, 3.0))
+    assert shared_cpu_warning(torch.device("cpu")) is None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.3, 4.0, 3.0))
+    assert shared_cpu_warning(torch.device("cpu")) is None
