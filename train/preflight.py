@@ -48,9 +48,7 @@ class Checked:
 def check_config(cfg: DictConfig) -> None:
     """Fail before any work on settings that cannot run; each message names the setting."""
     check_pairing(cfg)
-    args = ModelArgs.from_config(cfg.model)
-    args.check_stack(layout_from_config(cfg.layout).n_layers)
-    engram_token_map(cfg, args)  # the data tokenizer against the Engram tables
+    ModelArgs.from_config(cfg.model).check_stack(layout_from_config(cfg.layout).n_layers)
     if OmegaConf.is_missing(cfg.data, "path"):
         raise ValueError(f"data.source={cfg.data.source} needs data.path — set data.path=<a file, a directory of "
                          "files, or a dataset name>")
@@ -146,6 +144,7 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, memory.capacity if on_gpu else None,
                          cuda=on_gpu)
     memory_line = check_memory(cfg, world_size, split, batch, dtype, on_gpu, memory)
+    engram_token_map(cfg, ModelArgs.from_config(cfg.model))  # the data tokenizer against the Engram tables
     probes = build_probes(cfg, batch.stages)
     data = data_config(cfg.data)
     reads_text = data.synthetic_fraction < 1  # all-synthetic rows never read the text source
