@@ -147,6 +147,12 @@ class ModelArgs:
                              f"(model.engram.layers={list(self.engram.layers)}), or [] to compute them")
         if self.engram.layers and self.engram.max_ngram_size < 2:
             raise ValueError(f"model.engram.max_ngram_size={self.engram.max_ngram_size}: n-grams start at 2")
+        if self.engram.layers and given:
+            from model.engram import table_rows  # the bucket primes (model/engram.py imports this module)
+
+            if tuple(given) != table_rows(self.engram):
+                raise ValueError(f"model.engram.num_embeddings={list(given)} disagrees with the rows its bucket layout "
+                                 f"gives, {list(table_rows(self.engram))}: set those, or [] to compute them")
         if self.engram.layers and not 0 <= self.engram.pad_id < self.vocab_size:
             raise ValueError(f"model.engram.pad_id={self.engram.pad_id} is outside the vocabulary "
                              f"[0, model.vocab_size={self.vocab_size}): use the tokenizer's padding id")

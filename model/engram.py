@@ -109,9 +109,6 @@ class EngramHash(nn.Module):
         found = bucket_primes(args.vocab_size, n_layers * (size - 1) * heads)
         rows = _rows(args, found)
         primes = torch.tensor(found).view(n_layers, -1)
-        if args.num_embeddings and tuple(args.num_embeddings) != tuple(rows):
-            raise ValueError(f"model.engram.num_embeddings={list(args.num_embeddings)} disagrees with the rows its "
-                             f"bucket layout gives, {rows}: set those, or leave it empty")
         self.layers, self.rows, self.pad = args.layers, dict(zip(args.layers, rows)), token_map[args.pad_id]
         bound = max(1, np.iinfo(np.int64).max // map_size // 2)
         multipliers = [np.random.default_rng(10007 * layer).integers(0, bound, size=size, dtype=np.int64) * 2 + 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from model.config import EngramArgs
+from model.config import ModelArgs, EngramArgs
 from model.engram import Engram, EngramHash, EngramTable, compressed_token_map
 from train.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -124,9 +124,10 @@ def test_released_row_counts():
     args = EngramArgs(layers=(1, 14), vocab_size=16_000_000, n_heads=8, max_ngram_size=4)
     engram_hash = EngramHash(args, [0, 1, 2], 3)
     assert (engram_hash.table_rows(1), engram_hash.table_rows(14)) == (384006168, 384016682)
-    EngramHash(EngramArgs(layers=(1, 14), num_embeddings=(384006168, 384016682)), [0, 1, 2], 3)
-    with pytest.raises(ValueError, match="num_embeddings"):
-        EngramHash(EngramArgs(layers=(1, 14), num_embeddings=(384006168, 384016681)), [0, 1, 2], 3)
+    engram = dict(layers=(1, 14), vocab_size=16_000_000, n_heads=8, max_ngram_size=4)
+    ModelArgs(vocab_size=129280, engram=EngramArgs(num_embeddings=(384006168, 384016682), **engram))
+    with pytest.raises(ValueError, match="model.engram.num_embeddings=.* disagrees"):  # checked with the config
+        ModelArgs(vocab_size=129280, engram=EngramArgs(num_embeddings=(384006168, 384016681), **engram))
 
 
 def test_hash_ids_by_hand():
