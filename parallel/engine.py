@@ -21,7 +21,6 @@ switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
 Checkpoints hold the model per transformer layer and the optimizer state per parameter name (and row range), so
 they load under any split and data-parallel size.
 """
-import glob
 import os
 from collections import OrderedDict
 from functools import partial
@@ -40,8 +39,8 @@ from model.groups import CLIP_GROUPS, GROUPS, clip_group, param_group
 from model.layout import Layout
 from parallel.p2p import EagerSends, StageLinks, boundary_groups
 from parallel.partition import StagePlan
-from parallel.rows import RowExchange
-from parallel.stage import SHADOW_PREFIX, PipelineStage, owner_name, shadow_sources
+from parallel.rows import RowExchange, join_rows, rows_file, saved_rows
+from parallel.stage import PipelineStage, owner_name, shadow_sources
 from parallel.zero import OptimizerShards, Shard, rows_of_state
 
 class CSA2PipelineModule(PipelineModule):
@@ -151,30 +150,6 @@ def _squares(grad: torch.Tensor | None) -> torch.Tensor:
     return values.float().pow(2).sum().cpu()
 
 
-def rows_file(name: str, start: int) -> str:
-    """The file of the rows from ``start`` of row-sharded table ``name`` (``layers.1.engram.embed.weight``)."""
-    return f"rows_{name}_{start:012d}.pt"
-
-
-def saved_rows(load_dir: str) -> dict[str, list[dict]]:
-    """Every row file of a checkpoint, grouped by table name."""
-    pieces: dict[str, list[dict]] = {}
-    for path in sorted(glob.glob(os.path.join(load_dir, "rows_*.pt"))):
-        piece = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        pieces.setdefault(piece["name"], []).append(piece)
-    return pieces
-
-
-def join_rows(name: str, start: int, stop: int, pieces: list[dict]) -> torch.Tensor:
-    """Rows ``start:stop`` of table ``name`` joined from the saved pieces that overlap them."""
-    parts = sorted((max(p["rows"][0], start), min(p["rows"][1], stop), p) for p in pieces
-                   if max(p["rows"][0], start) < min(p["rows"][1], stop))
-    if sum(b - a for a, b, _ in parts) != stop - start:
-        raise FileNotFoundError(f"the checkpoint's row files of {name} do not cover rows {start}:{stop}: it was "
-                                "written by another model, or a file is missing")
-    return torch.cat([p["values"][a - p["rows"][0]:b - p["rows"][0]] for a, b, p in parts])
-
-
 def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """Group a (stage) state dict into checkpoint files: ``layer_<id>.pt``, ``embed.pt``, ``head.pt``."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
@@ -268,11 +243,12 @@ class CSA2PipelineEngine(PipelineEngine):
         rows of a table shard, which only this rank holds."""
         return self.shards.writes_state or bool(self.tables)
 
-    def optimizer_state_by_name(self) -> dict[str, dict]:
+    def optimizer_state_by_name(self, dense: bool = True) -> dict[str, dict]:
         """This rank's optimizer state keyed by full-model parameter name and row range, so that it can be loaded
         under another stage split and data-parallel size (DeepSpeed's own files are keyed by stage and rank). A
-        table shard's sparse Adam state is keyed by its rows of the whole table, so it re-shards the same way."""
-        state = self.shards.state_by_name(self.optimizer) if self.shards.writes_state else {}
+        table shard's sparse Adam state is keyed by its rows of the whole table, so it re-shards the same way.
+        ``dense`` False: the tables' only (a replica whose dense state another rank writes)."""
+        state = self.shards.state_by_name(self.optimizer) if dense else {}
         for name, p in self.tables.items():
             start, rows = self.module.row_shards[name]
             stop = min(start + p.shape[0], rows)

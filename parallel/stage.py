@@ -17,8 +17,6 @@ from parallel.ledger import Ledger
 from parallel.partition import StagePlan
 from parallel.payload import Payload, boundary_fields
 
-SHADOW_PREFIX = "shadows."
-
 
 def shadow_sources(layout: Layout, layers: range) -> list[int]:
     """Full layers outside ``layers`` whose index keys a Reindex layer inside ``layers`` reads."""

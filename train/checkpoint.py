@@ -229,7 +229,7 @@ def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_st
     engine.module.save_weights(str(checkpoint_dir / partial))
     if engine.writes_optimizer_state:
         name = OPTIMIZER_STATE.format(stage=engine.stage_id, dp=engine.grid.data_parallel_id)
-        torch.save(engine.optimizer_state_by_name(), checkpoint_dir / partial / name)
+        torch.save(engine.optimizer_state_by_name(dense=engine.shards.writes_state), checkpoint_dir / partial / name)
     if rank == 0:
         torch.save({**resume_state, **_engine_state(engine)}, checkpoint_dir / partial / RESUME_STATE)
         _write_text_atomic(checkpoint_dir / partial / TRAINER_STATE, json.dumps(trainer_state, indent=1))
@@ -310,7 +310,7 @@ def read_weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{path} is not a readable weight file ({error})") from error
     if not weights:
         raise CheckpointError(f"checkpoint {ref.path} holds no weight files ({', '.join(WEIGHT_FILES)})")
-    from parallel.engine import join_rows, saved_rows
+    from parallel.rows import join_rows, saved_rows
 
     for name, pieces in saved_rows(str(ref.path)).items():  # row-sharded tables, joined whole
         weights[name] = join_rows(name, 0, max(p["rows"][1] for p in pieces), pieces)

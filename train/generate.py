@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from model import ModelArgs, Transformer, layout_from_config
-from model.layout import Layout
+from model.engram import compressed_token_map
 from train import checkpoint, init_from, sft
-from train.reference_format import ExportedWeights, is_exported, model_settings
+from train.reference_format import ExportedWeights, is_exported, model_and_layout
 from train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 
@@ -43,10 +43,7 @@ def load(path: str, device: torch.device) -> tuple[Transformer, Tokenizer]:
                              "<run dir>/checkpoints, one of its step directories, or an export") from None
         source = init_from.CheckpointWeights(ref)
     if isinstance(source, ExportedWeights):
-        settings = model_settings(source.config)
-        group = {g: {k.removeprefix(g + "."): v for k, v in settings.items() if k.startswith(g + ".")}
-                 for g in ("model", "layout")}
-        args, layout = ModelArgs.from_config(group["model"]), Layout(**group["layout"])
+        args, layout = model_and_layout(source.config)
         beside = source.directory / "tokenizer.json"
         tokenizer = load_tokenizer(str(beside)) if beside.is_file() else ByteTokenizer()
     else:
@@ -55,7 +52,8 @@ def load(path: str, device: torch.device) -> tuple[Transformer, Tokenizer]:
         data = saved.get("data", {})
         tokenizer = load_tokenizer(data.get("tokenizer"), data.get("bos_token"), data.get("eos_token"),
                                    data.get("pad_token"))
-    model = Transformer(args, layout, init=False)
+    model = Transformer(args, layout, init=False,
+                        token_map=compressed_token_map(tokenizer) if args.engram.layers else None)
     model.load_state_dict(source.load(list(model.state_dict())), strict=True)
     return model.to(device).eval(), tokenizer
 

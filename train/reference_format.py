@@ -116,6 +116,18 @@ def model_settings(config: dict) -> dict[str, object]:
     return settings
 
 
+def model_and_layout(config: dict) -> tuple[ModelArgs, Layout]:
+    """The model and layout a reference-format ``config.json`` stands for (``model_settings``, nested back)."""
+    groups: dict[str, dict] = {"model": {}, "layout": {}}
+    for key, value in model_settings(config).items():
+        group, *path = key.split(".")
+        node = groups[group]
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return ModelArgs.from_config(groups["model"]), Layout(**groups["layout"])
+
+
 def write_weights(state: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write ``state`` (in its order) as safetensors into ``out_dir``; returns the file names written.
 
