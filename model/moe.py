@@ -10,8 +10,9 @@ Why it is built this way:
   autocast-aware, so the operands are cast to the autocast dtype here. Expert parallelism later splits dim 0
   (``expert_ids``), and the checkpoint still names every expert on its own (``experts.{j}.w1.weight``, the
   reference's names) through state-dict hooks.
-- Dispatch is a few small functions (``sort_by_expert``, ``RoutedExperts.forward`` on the sorted rows,
-  ``combine``) so that an expert-parallel all-to-all can sit between them unchanged.
+- Dispatch is a few small functions (``sort_by_expert``, the ``dispatch`` of the sorted rows to
+  ``RoutedExperts.forward``, ``combine``) so that the expert-parallel all-to-all (``parallel/experts.py``) sits
+  between them as the dispatch, unchanged otherwise.
 - Where fp32 happens: the gate (scores, top-k, weights) always runs in fp32 whatever autocast says, since the
   selection and the weights are sensitive to rounding; each expert's SwiGLU (clamp, silu, the product, the routing
   weight) is fp32 on the GEMMs' outputs and is rounded to the compute dtype once, as W2's input; the k routed
@@ -199,6 +200,24 @@ def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     return flat.argsort(stable=True), counts
 
 
+class LocalDispatch:
+    """Routed slots to the experts of this process: ``(experts, rows, counts, weights) -> rows`` with ``rows`` [M,
+    dim] sorted by expert, ``counts`` [E] per global expert, ``weights`` [M]; each output row is its slot's expert
+    output (weighted). Held experts only (a subset of ``expert_ids``): the others' slots are zeros, so a partition
+    of the experts over modules adds up to the whole routed part. The expert-parallel dispatch
+    (``parallel/experts.py``) has the same signature and sends the slots to their experts' ranks and back."""
+
+    def __call__(self, experts: RoutedExperts, rows: torch.Tensor, counts: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+        held = experts.expert_ids
+        if len(held) == counts.numel():
+            return experts(rows, counts, weights)
+        lo, hi = F.pad(counts.cumsum(0), (1, 0))[[held.start, held.stop]].tolist()  # a host sync
+        out = rows.new_zeros(rows.shape[0], rows.shape[1], dtype=compute_dtype(rows))
+        out[lo:hi] = experts(rows[lo:hi], counts[held.start:held.stop], weights[lo:hi])
+        return out
+
+
 def combine(rows: torch.Tensor, token: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """Expert output rows (already weighted) added into their tokens, in fp32 (at least): [n_tokens, dim]."""
     dtype = torch.promote_types(rows.dtype, torch.float32)
@@ -207,18 +226,20 @@ def combine(rows: torch.Tensor, token: torch.Tensor, n_tokens: int) -> torch.Ten
 
 class MoE(nn.Module):
     """``y = Σ_{e in top-k} expert_e(x, w_e) + shared(x)``, summed in fp32, every routed slot computed (no capacity
-    factor, no dropped tokens). With a subset of ``expert_ids`` the routed part is only those experts' share (what a
-    rank of the reference sums before its all-reduce; the shares of a partition of the experts add up to the whole
-    routed part), plus the whole shared expert: summing such outputs over ranks would count the shared expert once
-    per rank. The expert-parallel forward (all-to-all) is not built yet.
+    factor, no dropped tokens). The slots reach their experts through ``dispatch``: this process's experts
+    (``LocalDispatch``; with a subset of ``expert_ids`` the routed part is only those experts' share, plus the whole
+    shared expert), or the expert-parallel all-to-all of ``parallel/experts.py``, where each rank holds a range of
+    the experts and the routed part is whole.
 
     ``load`` (non-persistent, fp32 [E]) accumulates the tokens routed to each expert in every training forward, not
     in the recomputation of a checkpointed layer for its backward; ``take_load()`` returns and zeroes it."""
 
-    def __init__(self, dim: int, args: MoEArgs, kernel_backend: str = "auto", expert_ids: range | None = None):
+    def __init__(self, dim: int, args: MoEArgs, kernel_backend: str = "auto", expert_ids: range | None = None,
+                 dispatch=None):
         super().__init__()
         args.check()
         self.args = args
+        self.dispatch = dispatch or LocalDispatch()
         self.gate = Gate(dim, args)
         self.experts = RoutedExperts(dim, args, expert_ids)
         if args.n_shared_experts:
@@ -226,19 +247,16 @@ class MoE(nn.Module):
         self.register_buffer("load", torch.zeros(args.n_routed_experts, dtype=torch.float32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, k, held = x.shape, self.args.n_activated_experts, self.experts.expert_ids
+        shape, k = x.shape, self.args.n_activated_experts
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
         order, counts = sort_by_expert(indices, self.args.n_routed_experts)
         if self.training and not kernels.recomputing():
             self.load += counts
-        if len(held) < self.args.n_routed_experts:  # the held experts' slots (a host sync; an all-to-all's job later)
-            lo, hi = F.pad(counts.cumsum(0), (1, 0))[[held.start, held.stop]].tolist()
-            order, counts = order[lo:hi], counts[held.start:held.stop]
         xc = x.to(compute_dtype(x))  # the experts' operand, cast once before it is gathered k times
         token = order // k
-        rows = self.experts(xc.index_select(0, token), counts, weights.flatten()[order])  # backward: an index_add
-        y = combine(rows, token, x.shape[0])
+        rows = self.dispatch(self.experts, xc.index_select(0, token), counts, weights.flatten()[order])
+        y = combine(rows, token, x.shape[0])  # the gather's backward: an index_add
         if self.args.n_shared_experts:
             y = y + self.shared_experts(xc)
         return y.to(x.dtype).view(shape)

@@ -33,7 +33,7 @@ from model.dense import DenseAttention
 from model.dspark import DSpark, DSparkOutput
 from model.engram import Engram, EngramHash, EngramTable
 from model.layout import Layout, LayerPlan
-from model.moe import MoE, update_bias
+from model.moe import ROUTED_WEIGHTS, MoE, update_bias
 from model.norm import RMSNorm
 from model.state import SharedState
 from model.weights import matmul_weights
@@ -51,15 +51,19 @@ class FeedForward(nn.Module):
         return F.linear(swiglu(F.linear(x, w13)), w2)  # w1 and w3: one GEMM, [gate | up]
 
 
-def make_ffn(args: ModelArgs, moe=None) -> nn.Module:
-    """The FFN of a block: dense SwiGLU, or the MoE of ``moe`` (default ``args.moe``) when ``args.ffn`` is moe."""
+def make_ffn(args: ModelArgs, moe=None, dispatch=None) -> nn.Module:
+    """The FFN of a block: dense SwiGLU, or the MoE of ``moe`` (default ``args.moe``) when ``args.ffn`` is moe; with
+    an expert-parallel ``dispatch`` (``parallel/experts.py``) it holds only this rank's range of the experts."""
     if args.ffn == "moe":
-        return MoE(args.dim, moe or args.moe, args.kernel_backend)
+        moe = moe or args.moe
+        held = dispatch.experts_of(moe.n_routed_experts) if dispatch is not None else None
+        return MoE(args.dim, moe, args.kernel_backend, held, dispatch)
     return FeedForward(args.dim, args.inter_dim, args.kernel_backend)
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs, layout: Layout, plan: LayerPlan, engram: Engram | None = None):
+    def __init__(self, args: ModelArgs, layout: Layout, plan: LayerPlan, engram: Engram | None = None,
+                 dispatch=None):
         super().__init__()
         self.args = args
         self.recompute = False  # set by the parallel config (activation checkpointing of this layer)
@@ -71,7 +75,7 @@ class Block(nn.Module):
         attention = DenseAttention if args.attention == "dense" else Attention
         self.attn = attention(args, plan, layout.candidate_topk_blocks, layout.candidate_block_size)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
-        self.ffn = make_ffn(args)
+        self.ffn = make_ffn(args, dispatch=dispatch)
         if args.hc_mult > 1:
             hyper.add_mix_parameters(self, args.hc_mult, args.dim)
 
@@ -132,11 +136,12 @@ class Transformer(nn.Module):
 
     ``token_map`` (normalised ids of the data tokenizer and their count, ``model.engram.compressed_token_map``)
     feeds the Engram hashes; without it every token is its own normalised id. ``engram_rows``: how this process
-    holds the Engram tables, ``(exchange, rank, world)`` of their row shards (default: whole, local)."""
+    holds the Engram tables, ``(exchange, rank, world)`` of their row shards (default: whole, local).
+    ``experts``: the expert-parallel dispatch of this rank (``parallel/experts.py``; default: every expert here)."""
 
     def __init__(self, args: ModelArgs, layout: Layout, layer_ids: range | None = None, seed: int = 0,
                  init: bool = True, token_map: tuple[list[int], int] | None = None, engram_rows=None,
-                 run_dspark: bool = False):
+                 run_dspark: bool = False, experts=None):
         super().__init__()
         layout.check_candidate_capacity(args.index_topk)
         args.check_stack(layout.n_layers)
@@ -151,13 +156,13 @@ class Transformer(nn.Module):
         exchange, rank, world = engram_rows or (None, 0, 1)
         self.layers = nn.ModuleDict({str(i): Block(args, layout, layout.plan[i], Engram(
             args.dim, args.hc_mult, args.engram, self.engram_hash.table_rows(i), args.norm_eps, exchange, rank, world)
-            if i in engram_layers else None) for i in layer_ids})
+            if i in engram_layers else None, experts) for i in layer_ids})
         self.run_dspark = run_dspark and self.has_head and args.dspark.blocks > 0
         if self.has_head:
             self.norm = RMSNorm(args.dim, args.norm_eps, args.kernel_backend)
             self.head = linear(args.dim, args.vocab_size)
             if args.dspark.blocks:
-                self.mtp = DSpark(args, partial(make_ffn, args, args.dspark_moe))
+                self.mtp = DSpark(args, partial(make_ffn, args, args.dspark_moe, experts))
         if init:  # False: the caller draws the values (benchmarks drawing init_std's distribution on the GPU)
             init_parameters(self.state_dict(keep_vars=True).items(), args, layout.n_layers, seed, self.row_shards())
 
@@ -205,6 +210,13 @@ class Transformer(nn.Module):
         over a stage's data-parallel ranks): name -> (first row held, rows of the whole table)."""
         return {f"{name}.weight": (module.start, module.rows) for name, module in self.named_modules()
                 if isinstance(module, EngramTable)}
+
+    def expert_shards(self) -> dict[str, tuple[int, int]]:
+        """The stacked routed-expert parameters when this process holds a range of the experts (expert
+        parallelism): name -> (first expert held, experts of the MoE). Empty when every MoE holds all its experts."""
+        return {f"{name}.experts.{w}": (moe.experts.expert_ids.start, moe.args.n_routed_experts)
+                for name, moe in self.experts().items() for w in ROUTED_WEIGHTS
+                if len(moe.experts.expert_ids) < moe.args.n_routed_experts}
 
     def experts(self) -> dict[str, MoE]:
         """The MoE FFNs of this slice by module name (``layers.3.ffn``, ``mtp.0.ffn``)."""

@@ -21,6 +21,8 @@ switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
 Checkpoints hold the model per transformer layer and the optimizer state per parameter name (and row range), so
 they load under any split and data-parallel size.
 """
+import contextlib
+import glob
 import os
 from collections import OrderedDict
 from functools import partial
@@ -38,6 +40,7 @@ from model.config import ModelArgs
 from model.groups import CLIP_GROUPS, GROUPS, clip_group, param_group
 from model.layout import Layout
 from parallel.p2p import EagerSends, StageLinks, boundary_groups
+from parallel.experts import expert_groups
 from parallel.partition import StagePlan
 from parallel.rows import RowExchange, join_rows, rows_file, saved_rows
 from parallel.stage import PipelineStage, owner_name, shadow_sources
@@ -51,21 +54,27 @@ class CSA2PipelineModule(PipelineModule):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn,
                  micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int,
                  recompute_layers: int, keep_attention_layers: tuple[int, ...] | None = None, token_map=None,
-                 run_dspark: bool = False):
+                 run_dspark: bool = False, expert_parallel: int = 1):
         """``keep_attention_layers``: per stage, how many of its leading recomputed layers keep their attention
-        outputs (none when not given); ``token_map`` and ``run_dspark``: ``PipelineStage``'s."""
+        outputs (none when not given); ``token_map`` and ``run_dspark``: ``PipelineStage``'s; ``expert_parallel``:
+        ranks of a stage's data-parallel group that split the routed experts (``parallel/experts.py``)."""
         os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
         keep = keep_attention_layers or (0,) * len(plan.stages)
         stages, replicas = len(plan.stages), dist.get_world_size() // len(plan.stages)
         tables = self._table_rows(stages, replicas) if args.engram.layers else None
+        self.expert_groups = expert_groups(stages, replicas, expert_parallel) if expert_parallel > 1 else None
+        dispatch = self.expert_groups.dispatch if self.expert_groups else None
         specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
-                           recompute_layers, keep[s], token_map, run_dspark, tables) for s in range(stages)]
+                           recompute_layers, keep[s], token_map, run_dspark, tables, dispatch) for s in range(stages)]
         super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method="uniform")
-        if tables is not None and tables[0].ranks != self._grid.get_data_parallel_group_ranks():
-            raise RuntimeError(f"the Engram row shards were laid over ranks {tables[0].ranks}, but DeepSpeed's "
-                               f"data-parallel group of this stage is {self._grid.get_data_parallel_group_ranks()}")
+        laid = set(tables[0].ranks if tables else ()) | set(
+            dispatch.ranks + self.expert_groups.data_ranks if dispatch else ())
+        if not laid <= set(self._grid.get_data_parallel_group_ranks()):  # the topology's rank order, as assumed
+            raise RuntimeError(f"groups laid over ranks {sorted(laid)} are not inside DeepSpeed's data-parallel "
+                               f"group of this stage, {self._grid.get_data_parallel_group_ranks()}")
         self.layout, self.plan, self.index_k, self.run_dspark = layout, plan, index_k, run_dspark
         self.row_shards = self.stage.model.row_shards()
+        self.expert_shards = self.stage.model.expert_shards()
 
     @staticmethod
     def _table_rows(stages: int, replicas: int):
@@ -87,12 +96,24 @@ class CSA2PipelineModule(PipelineModule):
 
     def owned_parameters(self) -> list[torch.nn.Parameter]:
         """What the (dense) optimizer updates: everything but shadow replicas and the row-sharded tables."""
-        return list(self.dense_named_parameters().values())
+        return list(self.optimized_named_parameters().values())
+
+    def optimized_named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """``owned_parameters`` by full-model name: the dense parameters and this rank's experts."""
+        return {**self.dense_named_parameters(), **self.expert_named_parameters()}
 
     def dense_named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """The stage's own parameters but its row-sharded tables (under the full model's names): what the dense
-        optimizer steps and the data-parallel reduction sums."""
-        return {n: p for n, p in self.stage.model.named_parameters() if n not in self.row_shards}
+        """The stage's own parameters but its row-sharded tables and expert-parallel experts (under the full
+        model's names): what the data-parallel reduction sums and ZeRO partitions over the whole data-parallel
+        group."""
+        return {n: p for n, p in self.stage.model.named_parameters()
+                if n not in self.row_shards and n not in self.expert_shards}
+
+    def expert_named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's routed experts under expert parallelism (stacked): reduced and partitioned over the ranks
+        that hold the same experts."""
+        named = dict(self.stage.model.named_parameters())
+        return {n: named[n] for n in self.expert_shards}
 
     def table_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The row-sharded tables that train (sparse gradients, ``torch.optim.SparseAdam``)."""
@@ -116,23 +137,45 @@ class CSA2PipelineModule(PipelineModule):
             if stop > start:
                 torch.save({"name": name, "rows": (start, stop), "values": state[name][:stop - start].clone()},
                            os.path.join(save_dir, rows_file(name, start)))
+        experts = {k: v for k, v in state.items() if is_expert(k)}
+        if experts and self.expert_data_rank() == 0:  # one copy of each range of experts
+            for part, tensors in split_by_layer(experts).items():
+                first = min(int(k.split(".experts.")[1].split(".")[0]) for k in tensors)
+                torch.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, experts_file(part, first)))
         if self._grid.data_parallel_id != 0:
             return
-        dense = {k: v for k, v in state.items() if k not in self.row_shards}
+        dense = {k: v for k, v in state.items() if k not in self.row_shards and not is_expert(k)}
         for part, tensors in split_by_layer(dense).items():
             torch.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, part))
+
+    def expert_data_rank(self) -> int:
+        """My rank among the replicas holding the same experts (the data-parallel rank without expert parallelism)."""
+        if self.expert_groups is None:
+            return self._grid.data_parallel_id
+        return self.expert_groups.data_ranks.index(dist.get_rank())
 
     def load_weights(self, load_dir: str) -> None:
         """This stage's layers from the per-layer files of ``save_weights``, whatever split wrote them, and the rows
         of its table shards from the row files of whatever data-parallel size wrote them."""
         own = self.stage.owned_state_dict()
-        wanted = split_by_layer({k: v for k, v in own.items() if k not in self.row_shards})
+        wanted = split_by_layer({k: v for k, v in own.items() if k not in self.row_shards and not is_expert(k)})
         state = {}
         for part in wanted:
             path = os.path.join(load_dir, part)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"checkpoint {load_dir} has no {part}: it was written by another model")
             state.update(torch.load(path, map_location="cpu", weights_only=True))
+        for part, names in split_by_layer({k: v for k, v in own.items() if is_expert(k)}).items():
+            found = {}
+            for path in sorted(glob.glob(os.path.join(load_dir, experts_file(part, "*")))):
+                saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                found.update({k: saved[k].clone() for k in names if k in saved})
+            missing = sorted(set(names) - set(found))
+            if missing:
+                raise FileNotFoundError(f"checkpoint {load_dir} does not hold every expert of this model: "
+                                        f"{len(missing)} missing, e.g. {missing[0]} — it was written for another "
+                                        "model (the expert counts differ), or an experts_*.pt file is missing")
+            state.update(found)
         pieces = saved_rows(load_dir)
         for name, (start, rows) in self.row_shards.items():
             shard = own[name].detach().clone()
@@ -148,6 +191,18 @@ def _squares(grad: torch.Tensor | None) -> torch.Tensor:
         return torch.zeros(())
     values = grad.coalesce().values() if grad.is_sparse else grad
     return values.float().pow(2).sum().cpu()
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's matrix under its reference name (``layers.3.ffn.experts.17.w1.weight``)."""
+    return ".ffn.experts." in name
+
+
+def experts_file(part: str, first) -> str:
+    """The file of a range of routed experts of weight file ``part`` (``layer_003.pt`` -> ``experts_layer_003_
+    00024.pt``, from expert 24), one per range of experts a rank held; ``first="*"``: the glob of them."""
+    stem = part.removesuffix(".pt")
+    return f"experts_{stem}_{first}.pt" if first == "*" else f"experts_{stem}_{first:05d}.pt"
 
 
 def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -166,7 +221,7 @@ P2P = ("overlap", "deepspeed")
 
 
 class CSA2PipelineEngine(PipelineEngine):
-    def __init__(self, *args, shards: OptimizerShards, max_grad_norm: float = 0.0, p2p: str = "overlap",
+    def __init__(self, *args, shards: list[OptimizerShards], max_grad_norm: float = 0.0, p2p: str = "overlap",
                  table_optimizer: torch.optim.Optimizer | None = None, **kwargs):
         if p2p not in P2P:
             raise ValueError(f"parallel.p2p={p2p!r}: use one of {P2P}")
@@ -174,7 +229,8 @@ class CSA2PipelineEngine(PipelineEngine):
         self.tables = self.module.table_parameters()  # row-sharded, sparse gradients: stepped by table_optimizer
         self.table_optimizer = table_optimizer
         self.links = self._link_stages() if p2p == "overlap" and self.num_stages > 1 else None
-        self.shards = shards  # what this rank's optimizer steps (all of the stage without ZeRO)
+        self.shards = shards  # what this rank's optimizer steps (all of the stage without ZeRO): dense, experts
+        self.experts = self.module.expert_named_parameters()  # this rank's range of the routed experts (EP > 1)
         self.max_grad_norm = max_grad_norm
         self.grad_norm = self.indexer_grad_norm = None  # global norms of the last step, before clipping
         self.group_grad_norms: dict[str, torch.Tensor] = {}  # the same per parameter group (model/groups.py)
@@ -239,16 +295,19 @@ class CSA2PipelineEngine(PipelineEngine):
 
     @property
     def writes_optimizer_state(self) -> bool:
-        """Whether this rank's optimizer state belongs in a checkpoint: its dense rows' (``OptimizerShards``), or
-        rows of a table shard, which only this rank holds."""
-        return self.shards.writes_state or bool(self.tables)
+        """Whether this rank's optimizer state belongs in a checkpoint: rows it owns of the dense or the expert
+        parameters (``OptimizerShards``), or of a table shard, which only this rank holds."""
+        return any(shards.writes_state for shards in self.shards) or bool(self.tables)
 
-    def optimizer_state_by_name(self, dense: bool = True) -> dict[str, dict]:
-        """This rank's optimizer state keyed by full-model parameter name and row range, so that it can be loaded
-        under another stage split and data-parallel size (DeepSpeed's own files are keyed by stage and rank). A
-        table shard's sparse Adam state is keyed by its rows of the whole table, so it re-shards the same way.
-        ``dense`` False: the tables' only (a replica whose dense state another rank writes)."""
-        state = self.shards.state_by_name(self.optimizer) if dense else {}
+    def optimizer_state_by_name(self, saving: bool = False) -> dict[str, dict]:
+        """This rank's optimizer state keyed by full-model parameter name and row range (experts and table rows in
+        the whole tensor's terms), so that it can be loaded under another stage split, data-parallel and
+        expert-parallel size (DeepSpeed's own files are keyed by stage and rank). ``saving``: only what this rank
+        writes (a replica's copy of state that another rank writes is left out)."""
+        state = {}
+        for shards in self.shards:
+            if shards.writes_state or not saving:
+                state.update(shards.state_by_name(self.optimizer))
         for name, p in self.tables.items():
             start, rows = self.module.row_shards[name]
             stop = min(start + p.shape[0], rows)
@@ -261,7 +320,8 @@ class CSA2PipelineEngine(PipelineEngine):
     def load_optimizer_state_by_name(self, pieces: dict[str, list[dict]]) -> None:
         """Load my rows of the state that every saving rank wrote (``optimizer_state_by_name``), grouped by name;
         a table shard's padding rows (past the table) start from zero moments."""
-        self.shards.load_state_by_name(self.optimizer, pieces)
+        for shards in self.shards:
+            shards.load_state_by_name(self.optimizer, pieces)
         for name, p in self.tables.items():
             start, rows = self.module.row_shards[name]
             stop = min(start + p.shape[0], rows)
@@ -279,10 +339,18 @@ class CSA2PipelineEngine(PipelineEngine):
         for p in self.tables.values():
             if p.grad is not None and replicas > 1:
                 p.grad.mul_(1.0 / replicas)
+        if self.experts:  # each holds what the tokens of its expert-parallel group gave: summed over the replicas
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.experts.values()]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # of the same experts, averaged as every gradient
+            dist.all_reduce(flat, group=self.module.expert_groups.data)
+            flat.mul_(1.0 / replicas)
+            for p, part in zip(self.experts.values(), flat.split([g.numel() for g in grads])):
+                p.grad = part.view_as(p).to(p.dtype)
 
     def _get_gradients_for_reduction(self):
-        """DeepSpeed's list of gradients to all-reduce, without the row-sharded tables (their shards hold other
-        rows on every replica: summing them would mix rows) and with no DeepSpeed MoE groups."""
+        """DeepSpeed's list of gradients to all-reduce, without the row-sharded tables and the expert-parallel
+        experts (their shards hold other rows on every replica: summing them would mix rows; the experts are reduced
+        over their own group in ``_reduce_grads``), and with no DeepSpeed MoE groups."""
         sharded = {id(p) for p in self._sharded_tensors()}
         grads = []
         for p in self.module.parameters():
@@ -295,7 +363,8 @@ class CSA2PipelineEngine(PipelineEngine):
 
     def _broadcast_model(self):
         """DeepSpeed's start-up broadcast of the weights from the first data-parallel rank, but the row-sharded
-        tables: each replica holds other rows of them (DeepSpeed would give every replica the first one's)."""
+        tables and the expert ranges: each replica holds other rows of them (DeepSpeed would give every replica the
+        first one's), drawn alike wherever held (``model.transformer.init_parameters``)."""
         sharded = {id(p) for p in self._sharded_tensors()}
         for p in self.module.parameters():
             if id(p) not in sharded:
@@ -303,8 +372,9 @@ class CSA2PipelineEngine(PipelineEngine):
                                group=self.seq_data_parallel_group)
 
     def _sharded_tensors(self) -> list[torch.nn.Parameter]:
+        """The parameters that hold other rows on every replica: the tables' shards and the experts' ranges."""
         named = dict(self.module.stage.model.named_parameters())
-        return [named[n] for n in self.module.row_shards]
+        return [named[n] for n in (*self.module.row_shards, *self.module.expert_shards)]
 
     def _reduce_tied_and_shadow_grads(self):
         PipelineEngine._exec_reduce_tied_grads(self)
@@ -344,9 +414,12 @@ class CSA2PipelineEngine(PipelineEngine):
                 group["lr"] = self.optimizer.param_groups[0]["lr"]  # this step's, as the dense one's
             self.table_optimizer.step()
         self._clear_table_grads()
-        with self.shards.gradients():
+        with contextlib.ExitStack() as views:
+            for shards in self.shards:
+                views.enter_context(shards.gradients())
             PipelineEngine._exec_optimizer_step(self, lr_kwargs)
-        self.shards.broadcast()
+        for shards in self.shards:
+            shards.broadcast()
         self.sync_shadows()
 
     def _clear_table_grads(self) -> None:
@@ -377,13 +450,17 @@ class CSA2PipelineEngine(PipelineEngine):
         ``group_grad_norms`` splits the same squares by parameter role (training-health diagnostics)."""
         owned = self.owned_named_parameters()
         named = [(n, p.grad) for n, p in owned.items() if p.grad is not None or n in self.tables]  # tables: on
-        group_ids = torch.tensor([GROUPS.index(param_group(n)) for n, _ in named], dtype=torch.long)  # every replica
+        group_ids = torch.tensor([GROUPS.index(param_group(n)) for n, _ in named], dtype=torch.long)  # every rank
         local = torch.stack([_squares(g) for _, g in named]) if named else torch.zeros(0)
-        if self.tables and self.grid.get_data_parallel_world_size() > 1:  # a table's shards hold other rows on
-            at = torch.tensor([i for i, (n, _) in enumerate(named) if n in self.tables])  # every replica: its
-            summed = local[at].to(self.device)  # square is the sum of theirs (on the device: NCCL has no CPU)
-            dist.all_reduce(summed, group=self.grid.get_data_parallel_group())
-            local[at] = summed.cpu()
+        # A table's shards hold other rows on every data-parallel replica, an expert range other experts on every
+        # member of its expert-parallel group: their squares are the sums of theirs (on the device: NCCL has no CPU)
+        for sharded, group in ((self.tables, self.grid.get_data_parallel_group()),
+                               (self.experts, self.module.expert_groups and self.module.expert_groups.dispatch.group)):
+            if sharded and dist.get_world_size(group) > 1:
+                at = torch.tensor([i for i, (n, _) in enumerate(named) if n in sharded])
+                summed = local[at].to(self.device)
+                dist.all_reduce(summed, group=group)
+                local[at] = summed.cpu()
         per_stage = [None] * self.num_stages
         dist.all_gather_object(per_stage, (local, group_ids), group=self.grid.get_pipe_parallel_group())
         squares, all_group_ids = (torch.cat(parts) for parts in zip(*per_stage))
@@ -462,8 +539,17 @@ def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
     if zero_stage not in (0, 1):
         raise ValueError(f"zero_optimization.stage={zero_stage} (parallel.zero_stage): use 0 or 1; DeepSpeed's "
                          "pipeline engine refuses stages 2 and 3, which partition gradients or weights")
-    shards = OptimizerShards(module.dense_named_parameters(), module.mpu(), partitioned=zero_stage == 1)
-    groups = shards.param_groups(model_parameters or [{"params": module.owned_parameters()}])
+    grid = module.mpu()
+    shards = [OptimizerShards(module.dense_named_parameters(), grid.get_data_parallel_group(),
+                              grid.get_data_parallel_group_ranks(), grid.get_data_parallel_rank(), zero_stage == 1)]
+    if module.expert_groups is not None:  # partitioned over the replicas that hold the same experts
+        experts = module.expert_groups
+        shards.append(OptimizerShards(module.expert_named_parameters(), experts.data, experts.data_ranks,
+                                      module.expert_data_rank(), zero_stage == 1,
+                                      {n: first for n, (first, _) in module.expert_shards.items()}))
+    wanted = model_parameters or [{"params": module.owned_parameters()}]
+    groups = [{**group, "params": [p for part in parts for p in part["params"]]}
+              for group, *parts in zip(wanted, *(s.param_groups(wanted) for s in shards))]
     config_class = DeepSpeedConfig(config, module.mpu())
     return CSA2PipelineEngine(args=None, model=module, optimizer=None, model_parameters=groups, training_data=None,
                               lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=False, collate_fn=None,

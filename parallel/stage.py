@@ -33,19 +33,19 @@ class PipelineStage(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, stage_id: int, micro_batch: int,
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
                  recompute_layers: int = 0, keep_attention_layers: int = 0, token_map=None,
-                 run_dspark: bool = False, engram_rows=None):
+                 run_dspark: bool = False, engram_rows=None, experts=None):
         """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights.
         The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints; the first
         ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention.
         ``token_map`` feeds the Engram hashes, ``engram_rows`` shards their tables, ``run_dspark`` trains the draft
-        head (``model.transformer``)."""
+        head, ``experts`` is the expert-parallel dispatch (``model.transformer``)."""
         super().__init__()
         if index_k not in ("shadow", "payload"):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
         layers = plan.stages[stage_id]
         self.stage_id, self.layout, self.compute_dtype = stage_id, layout, dtype
         self.model = Transformer(args, layout, layers, seed, token_map=token_map, engram_rows=engram_rows,
-                                 run_dspark=run_dspark)
+                                 run_dspark=run_dspark, experts=experts)
         for i, block in enumerate(self.model.layers.values()):
             block.recompute = i < recompute_layers
             block.keep_attention = i < min(recompute_layers, keep_attention_layers)

@@ -64,14 +64,18 @@ def plan_shards(shapes: list[tuple[str, torch.Size]], parts: int) -> list[Shard]
 class OptimizerShards:
     """The rows of a stage's parameters that this rank's optimizer steps, and what keeps the replicas in sync.
 
-    With ``partitioned`` False (ZeRO off) every rank owns every parameter whole: the optimizer sees the module's own
-    parameters and nothing is broadcast."""
+    ``group``/``ranks``/``rank``: the replicas that hold these parameters alike (the stage's data-parallel group; for
+    the routed experts under expert parallelism, the ranks holding the same experts). ``row_offsets``: a parameter
+    that holds rows of a larger one (an expert-parallel rank's experts) names its rows in the larger one's terms in
+    the saved state, so that it re-shards under another split. With ``partitioned`` False (ZeRO off) every rank
+    owns every parameter whole: the optimizer sees the module's own parameters and nothing is broadcast."""
 
-    def __init__(self, named: dict[str, torch.nn.Parameter], grid, partitioned: bool):
-        self.group, self.ranks = grid.get_data_parallel_group(), grid.get_data_parallel_group_ranks()
+    def __init__(self, named: dict[str, torch.nn.Parameter], group, ranks: list[int], rank: int, partitioned: bool,
+                 row_offsets: dict[str, int] | None = None):
+        self.group, self.ranks, self.row_offsets = group, list(ranks), row_offsets or {}
         # With one data-parallel rank there is nothing to partition, nor to broadcast (which would copy the stage)
         self.named, self.partitioned = named, partitioned and len(self.ranks) > 1
-        self.dp_rank = grid.get_data_parallel_rank()
+        self.dp_rank = rank
         self.me = self.dp_rank if self.partitioned else 0  # my run of rows
         self.shards = plan_shards([(n, p.shape) for n, p in named.items()], len(self.ranks) if self.partitioned else 1)
         self.tensors = {s: self._rows(s) if self._partial(s) else named[s.name]
@@ -126,10 +130,14 @@ class OptimizerShards:
                     view.copy_(part.view_as(view))
 
     def state_by_name(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
-        """My optimizer state keyed by full-model parameter name: ``{"rows": (start, stop), "state": {...}}``."""
-        return {s.name: {"rows": (s.start, s.stop),
+        """My optimizer state keyed by full-model parameter name: ``{"rows": (start, stop), "state": {...}}``, rows in
+        the whole parameter's terms (``row_offsets``)."""
+        return {s.name: {"rows": (s.start + self._offset(s), s.stop + self._offset(s)),
                          "state": {k: v.detach().cpu() for k, v in optimizer.state[t].items()}}
                 for s, t in self.tensors.items() if t in optimizer.state}
+
+    def _offset(self, shard: Shard) -> int:
+        return self.row_offsets.get(shard.name, 0)
 
     def load_state_by_name(self, optimizer: torch.optim.Optimizer, pieces: dict[str, list[dict]]) -> None:
         """Give every shard of mine its rows of the saved state; ``pieces`` holds, per name, what every saving rank
@@ -137,7 +145,9 @@ class OptimizerShards:
         state yet (no gradient so far) and gets none."""
         for shard, tensor in self.tensors.items():
             if shard.name in pieces:
-                optimizer.state[tensor] = rows_of_state(shard, pieces[shard.name], tensor.device)
+                offset = self._offset(shard)
+                rows = Shard(shard.name, shard.start + offset, shard.stop + offset, shard.owner)
+                optimizer.state[tensor] = rows_of_state(rows, pieces[shard.name], tensor.device)
 
 
 def rows_of_state(shard: Shard, pieces: list[dict], device: torch.device) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ Layout of ``<checkpoint_dir>``::
     latest                 # tag of the newest complete checkpoint, replaced atomically
     step00000100/          # one tag directory per save
         layer_000.pt ...   # the weights, one file per transformer layer (plus embed.pt, head.pt)
+        experts_layer_000_<first>.pt ...  # the routed experts of a layer (of the head's: experts_head_...), one
+                                          # file per range of experts an expert-parallel rank held
         rows_<name>_<first row>.pt  # a row-sharded table's rows, one file per data-parallel rank holding some
         trainer_state.json # step, bad-step counters, wandb run id, the resolved run config
         resume_state.pt    # RNG states, loader position, LR schedule and step counters
@@ -53,7 +55,7 @@ TRAINER_STATE = "trainer_state.json"
 RESUME_STATE = "resume_state.pt"
 OPTIMIZER_STATE = "optimizer_stage{stage:02d}_dp{dp:02d}.pt"
 OPTIMIZER_STATES = "optimizer_stage*_dp*.pt"
-WEIGHT_FILES = ("embed.pt", "layer_*.pt", "head.pt")  # as CSA2PipelineModule.save_weights names them
+WEIGHT_FILES = ("embed.pt", "layer_*.pt", "head.pt", "experts_*.pt")  # as CSA2PipelineModule.save_weights names them
 # Config keys that change how the same weights are computed, not what they are: they may differ on resume.
 RUNTIME_ONLY_KEYS = ("model.kernel_backend",)
 
@@ -229,7 +231,7 @@ def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_st
     engine.module.save_weights(str(checkpoint_dir / partial))
     if engine.writes_optimizer_state:
         name = OPTIMIZER_STATE.format(stage=engine.stage_id, dp=engine.grid.data_parallel_id)
-        torch.save(engine.optimizer_state_by_name(dense=engine.shards.writes_state), checkpoint_dir / partial / name)
+        torch.save(engine.optimizer_state_by_name(saving=True), checkpoint_dir / partial / name)
     if rank == 0:
         torch.save({**resume_state, **_engine_state(engine)}, checkpoint_dir / partial / RESUME_STATE)
         _write_text_atomic(checkpoint_dir / partial / TRAINER_STATE, json.dumps(trainer_state, indent=1))

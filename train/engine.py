@@ -175,6 +175,28 @@ class PipelineLoss:
         return loss.total
 
 
+def check_experts(cfg: DictConfig, replicas: int) -> None:
+    """``parallel.expert_parallel`` against the world and the model, before any process group: one line naming the
+    values that work."""
+    ep, args = cfg.parallel.expert_parallel, ModelArgs.from_config(cfg.model)
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"parallel.expert_parallel={ep!r}: use an integer >= 1 (1: no expert parallelism)")
+    if ep == 1:
+        return
+    if args.ffn != "moe":
+        raise ValueError(f"parallel.expert_parallel={ep} needs routed experts: model.ffn={args.ffn} has none (use "
+                         "model.ffn=moe, or parallel.expert_parallel=1)")
+    if replicas % ep:
+        works = [e for e in range(1, replicas + 1) if replicas % e == 0]
+        raise ValueError(f"parallel.expert_parallel={ep} does not divide the {replicas} data-parallel replica(s) of a "
+                         f"stage (processes / parallel.pipeline_stages): use one of {works}, or more processes")
+    counts = [args.moe.n_routed_experts] + ([args.dspark.n_routed_experts] if args.dspark.blocks else [])
+    if any(n % ep for n in counts):
+        works = [e for e in range(1, replicas + 1) if replicas % e == 0 and all(n % e == 0 for n in counts)]
+        raise ValueError(f"parallel.expert_parallel={ep} does not divide the routed experts ({' and '.join(map(str, counts))}"
+                         f"): use one of {works}")
+
+
 def trains_dspark(cfg: DictConfig) -> bool:
     """Whether the job trains the draft head: the model has one and ``train.dspark_loss_coef`` > 0 (otherwise it
     is carried, loaded and exported, but never run)."""
@@ -223,6 +245,7 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
                        split.unit, split.peaks), flush=True)
         if memory_line:
             print(memory_line, flush=True)
+    check_experts(cfg, batch.data_parallel)
     run_dspark = trains_dspark(cfg)
     loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids),
                         float(cfg.train.dspark_loss_coef), DRAFT_PARTS if run_dspark else ())
@@ -230,9 +253,9 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
                                     int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
                                     kept_attention_layers_per_stage(parallel), engram_token_map(cfg, args),
-                                    run_dspark)
+                                    run_dspark, int(parallel.expert_parallel))
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
-    groups = param_groups(list(module.dense_named_parameters().items()), float(cfg.train.weight_decay))
+    groups = param_groups(list(module.optimized_named_parameters().items()), float(cfg.train.weight_decay))
     return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches, fused_adam=device.type == "cuda"),
                                  model_parameters=groups,
                                  lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),

@@ -21,7 +21,7 @@ from parallel.batch import BatchPlan, batch_plan
 from parallel.plan import check_memory, device_memory
 from train import checkpoint, init_from, sft
 from train.data import SetSize, build_documents, data_config, set_size, synthetic_tasks
-from train.engine import check_parallel, engram_token_map, resolve_device, resolve_precision
+from train.engine import check_experts, check_parallel, engram_token_map, resolve_device, resolve_precision
 from train.evaluate import build_probes, data_tokenizer
 
 LOGGER_MODES = ("offline", "online", "disabled")
@@ -139,6 +139,7 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
     batch = batch_plan(cfg, world_size)
+    check_experts(cfg, batch.data_parallel)
     on_gpu, dtype = device.type == "cuda", torch.bfloat16 if precision == "bf16" else torch.float32
     memory = device_memory(on_gpu, local_processes(world_size))
     split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, memory.capacity if on_gpu else None,

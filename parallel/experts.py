@@ -1,0 +1,115 @@
+"""Expert parallelism inside a pipeline stage (SPEC §7): the routed experts of every MoE layer split over an
+expert-parallel group, the routed slots sent to their experts' ranks and back by all-to-all.
+
+Groups. A stage's ``D`` data-parallel ranks (DeepSpeed's topology: global rank ``stage * D + replica``) form
+``D / E`` expert-parallel groups of ``E`` consecutive replicas; member ``r`` of a group holds experts ``[r * E_l,
+(r + 1) * E_l)`` of every MoE (``E_l = experts / E``, for the main layers and the draft head's alike). The members
+with the same ``r`` across the groups hold the same experts: their expert gradients are summed over that
+*expert-data-parallel* group (``D / E`` ranks), every other weight's over all ``D`` (``parallel/engine.py``).
+
+Dispatch (``ExpertAllToAll``, ``model.moe.MoE``'s ``dispatch``). A rank routes its own tokens; its slots, sorted by
+expert, are already grouped by destination. The per-expert counts go out first (``all_to_all_single``), then the
+slot rows and their routing weights; a receiver puts the rows it got (source-major) into expert-major order, runs
+its experts as one grouped GEMM, restores the order and sends the outputs back. Every exchange is an autograd
+function whose backward is the exchange the other way, so the experts' inputs, the routing weights (and through
+them the gate) and the experts' weights all get the gradients of the whole batch. The counts are read on the host
+(the splits of ``all_to_all_single``): one synchronisation per layer and direction.
+
+Every rank of a group must run every MoE forward and backward in the same order (a rank that routes nothing to
+another still sends it an empty part): the pipeline schedule gives every replica of a stage the same order.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    """``send[r]`` leading rows of ``x`` (rank order) to rank ``r`` of ``group``, ``receive[r]`` rows from it; the
+    gradient goes back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], receive: list[int], group):
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return exchange(x, send, receive, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def exchange(x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+    return out
+
+
+class ExpertAllToAll:
+    """The dispatch of one expert-parallel group (``group``, its global ``ranks`` in group order): ``(experts, rows,
+    counts, weights) -> rows`` as ``model.moe.LocalDispatch``, with this rank's ``experts`` holding its range."""
+
+    def __init__(self, group, ranks: list[int]):
+        self.group, self.ranks = group, list(ranks)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+
+    def experts_of(self, n_experts: int) -> range:
+        """The global ids of the experts this rank holds, of a MoE of ``n_experts``."""
+        if n_experts % self.world:
+            raise ValueError(f"{n_experts} routed experts cannot be split over parallel.expert_parallel="
+                             f"{self.world} ranks: use a divisor of the expert count")
+        held = n_experts // self.world
+        return range(self.rank * held, (self.rank + 1) * held)
+
+    def __call__(self, experts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        world, held = self.world, len(experts.expert_ids)
+        per_expert = counts.view(world, held)  # rows for each rank's experts, by destination
+        received = exchange(per_expert, [1] * world, [1] * world, self.group)  # [source, my expert]
+        send, receive = per_expert.sum(1).tolist(), received.sum(1).tolist()
+        slots = _AllToAll.apply(rows, send, receive, self.group)
+        slot_weights = _AllToAll.apply(weights.unsqueeze(-1), send, receive, self.group).squeeze(-1)
+        order = expert_major(received)  # source-major rows -> grouped by my expert
+        out = experts(slots[order], received.sum(0), slot_weights[order])
+        back = torch.empty_like(out).index_copy_(0, order, out)  # the inverse permutation
+        return _AllToAll.apply(back, receive, send, self.group)
+
+
+def expert_major(counts: torch.Tensor) -> torch.Tensor:
+    """The permutation that takes rows laid out source after source (each source's rows by expert, ``counts``
+    [sources, experts]) to expert after expert (each expert's rows by source)."""
+    sources, experts = counts.shape
+    segment = torch.arange(sources * experts, device=counts.device).view(sources, experts)
+    segment_of_row = segment.flatten().repeat_interleave(counts.flatten())  # source-major segment ids
+    expert_first = segment.t().flatten()  # segments in expert-major order
+    rank_of = torch.empty_like(expert_first)
+    rank_of[expert_first] = torch.arange(expert_first.numel(), device=counts.device)
+    return torch.argsort(rank_of[segment_of_row], stable=True)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's expert-parallel dispatch and the group it reduces expert gradients over."""
+    dispatch: ExpertAllToAll
+    data: object  # the expert-data-parallel process group: the D / E ranks holding the same experts
+    data_ranks: list[int]
+
+
+def expert_groups(stages: int, replicas: int, expert_parallel: int) -> ExpertGroups:
+    """Every stage's expert-parallel and expert-data-parallel groups, made by every rank in the same order (as
+    ``torch.distributed.new_group`` requires); returns this rank's."""
+    if expert_parallel < 1 or replicas % expert_parallel:
+        raise ValueError(f"parallel.expert_parallel={expert_parallel} does not divide the {replicas} data-parallel "
+                         f"replicas of a stage: use one of {[e for e in range(1, replicas + 1) if replicas % e == 0]}")
+    me, mine = dist.get_rank(), {}
+    for stage in range(stages):
+        base = stage * replicas
+        for first in range(0, replicas, expert_parallel):
+            ranks = [base + first + r for r in range(expert_parallel)]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine["dispatch"] = ExpertAllToAll(group, ranks)
+        for r in range(expert_parallel):
+            ranks = [base + first + r for first in range(0, replicas, expert_parallel)]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                mine["data"], mine["data_ranks"] = group, ranks
+    return ExpertGroups(**mine)
