@@ -5,7 +5,7 @@ readable knobs and ``layout_from_config`` expands them; any of the canonical lis
 what the knobs generate. ``Layout.plan()`` checks every rule of SPEC §1.5 and resolves, per layer, where its
 KV, its index keys, its selection and its candidate blocks come from.
 
-``python -m model.layout [overrides]`` prints the per-layer table.
+``python -m model.layout [--plot PNG] [overrides]`` prints the per-layer table (and draws it: ``plot``).
 """
 import enum
 import sys
@@ -227,10 +227,100 @@ def layout_from_config(cfg) -> Layout:
                   candidate_block_size=cfg["candidate_block_size"])
 
 
+MODE_COLORS = {Mode.WINDOW: "#c8c8c8", Mode.FULL: "#1f4e9c", Mode.REINDEX: "#e08a1e", Mode.REUSE: "#9cc3e6"}
+MODE_MEANING = {Mode.WINDOW: "window only", Mode.FULL: "computes KV, index keys and its selection",
+                Mode.REINDEX: "the latest Full layer's KV, selects again", Mode.REUSE: "reads the latest selection"}
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of sorted layer ids, as (first, last)."""
+    runs = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], layer)
+        else:
+            runs.append((layer, layer))
+    return runs
+
+
+def plot(layout: Layout, path, title: str = "") -> None:
+    """The layout as a picture: one cell per layer in its mode's colour, and below it which layer's KV, which
+    layer's selection and which candidate blocks each layer reads, as bars over the layers that read them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    n, plan = layout.n_layers, layout.plan
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.3 * n + 2.5), 3.4))
+    for p in plan:
+        ax.add_patch(Rectangle((p.layer_id, 0), 1, 1, facecolor=MODE_COLORS[p.mode], edgecolor="white"))
+        dark = p.mode in (Mode.FULL, Mode.REINDEX)
+        ax.text(p.layer_id + 0.5, 0.5, str(p.layer_id), ha="center", va="center", fontsize=7,
+                color="white" if dark else "black")
+    start = 0  # the compression ratio of each run of layers, above the cells
+    for layer in range(1, n + 1):
+        if layer == n or layout.compress_ratios[layer] != layout.compress_ratios[start]:
+            ax.text((start + layer) / 2, -0.25, f"m={layout.compress_ratios[start]}", ha="center", va="bottom",
+                    fontsize=8)
+            ax.plot([start + 0.1, layer - 0.1], [-0.12, -0.12], color="black", lw=0.8)
+            start = layer
+    rows = (("KV of", "reads the KV of"), ("selection of", "reads the selection of"),
+            ("candidates of", "selects inside the candidate blocks of"))
+    readers = {row: {} for row, _ in rows}
+    for p in plan:
+        for (row, _), source in zip(rows, (p.kv_source, p.index_source, p.candidate_source)):
+            if source is not None:
+                readers[row].setdefault(source, []).append(p.layer_id)
+        if p.makes_candidates:
+            ax.text(p.layer_id + 0.5, 3.5, "makes", ha="center", va="center", fontsize=7, style="italic")
+    for y, (row, _) in enumerate(rows, start=1):
+        for source, layers in readers[row].items():
+            color = MODE_COLORS[plan[source].mode]
+            for first, last in _runs(layers):
+                ax.add_patch(Rectangle((first + 0.08, y + 0.25), last - first + 0.84, 0.5, facecolor=color,
+                                       alpha=0.35, edgecolor=color))
+                label = f"{row} {source}" if last - first >= 3 else str(source)
+                ax.text((first + last + 1) / 2, y + 0.5, label, ha="center", va="center", fontsize=7)
+    ax.set_xlim(-0.2, n + 0.2)
+    ax.set_ylim(4, -0.5)
+    ax.set_yticks([0.5, 1.5, 2.5, 3.5], ["mode"] + [label for _, label in rows])
+    ax.set_xticks([])
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    ax.tick_params(left=False)
+    counts = layout.counts()
+    ax.legend(handles=[Patch(color=MODE_COLORS[m], label=f"{m.value} ({counts[m]}): {MODE_MEANING[m]}")
+                       for m in Mode if counts[m]], loc="upper center", bbox_to_anchor=(0.5, -0.02),
+              ncol=2, fontsize=8, frameon=False)
+    ax.set_title(title or f"{n} layers", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> None:
+    import argparse
+
     from model.cli import compose_checked, run_cli
 
-    run_cli(lambda: print(layout_from_config(compose_checked(argv).layout).table()))
+    command = argparse.ArgumentParser(prog="python -m model.layout",
+                                      description="Print a layout's per-layer table; --plot also draws it.")
+    command.add_argument("--plot", metavar="PNG", help="also draw the layout into this PNG file")
+    command.add_argument("overrides", nargs="*", help="config overrides, as for python -m train (layout=v41 ...)")
+    options = command.parse_intermixed_args(argv)
+
+    def show():
+        cfg = compose_checked(options.overrides)
+        layout = layout_from_config(cfg.layout)
+        print(layout.table())
+        if options.plot:
+            plot(layout, options.plot, title=f"layout={cfg.layout.name}: " + ", ".join(
+                f"{count} {mode.value}" for mode, count in layout.counts().items() if count))
+            print(f"drew {options.plot}")
+
+    run_cli(show)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ stages, their layers and modes, and for every boundary the payload fields with t
 what shadow indexers cost against sending index K; and the memory verdict: every stage's estimated peak
 (``parallel/memory.py``, in the precision the job computes in) against the memory of the device it runs on.
 
-``python -m parallel.plan [--world-size N] [--memory SIZE] [overrides]`` prints it for any config without starting
-a job (``--help``), and fails as the job would on a batch that does not fit, e.g.
+``python -m parallel.plan [--world-size N] [--memory SIZE] [--plot PNG] [overrides]`` prints it for any config
+without starting a job (``--help``; ``--plot`` also draws it: ``parallel/plan_figure.py``), and fails as the job
+would on a batch that does not fit, e.g.
 ``python -m parallel.plan model=v41_flash layout=v41 parallel.pipeline_stages=4 data.seq_len=65536``.
 The world size is ``--world-size``, else ``WORLD_SIZE``, else the stage count (one data-parallel replica).
 The device is the job's (``train.device``: ``auto`` is the GPU when this machine has one), and so is the
@@ -277,6 +278,8 @@ def parser() -> argparse.ArgumentParser:
     command.add_argument("--memory", type=parse_memory, default=None, metavar="SIZE",
                          help="memory per GPU (or of the host, for a CPU job) to judge the plan against, e.g. 80GiB "
                               "(default: this machine's GPU, or its available RAM)")
+    command.add_argument("--plot", metavar="PNG", default=None,
+                         help="also draw the plan into this PNG: the stages, the 1F1B schedule, each boundary's bytes")
     command.add_argument("overrides", nargs="*", help="config overrides, as for python -m train")
     return command
 
@@ -304,6 +307,13 @@ def main(argv: list[str]) -> None:
         print(describe(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
                        par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks), flush=True)
         print(check_memory(cfg, processes, split, batch, dtype, on_gpu, memory))
+        if options.plot:
+            from parallel.plan_figure import draw
+
+            draw(options.plot, args, layout, split, batch, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
+                 par.get("index_k", "shadow"), title=f"model={cfg.model.name} layout={cfg.layout.name}, "
+                 f"{batch.stages} stage(s) x {batch.data_parallel} data-parallel, {cfg.data.seq_len:,} tokens a row")
+            print(f"drew {options.plot}")
 
     run_cli(report)
 

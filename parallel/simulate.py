@@ -42,6 +42,7 @@ class Timeline:
     pipeline_s: float  # from the first pass to the last stage's last pass
     busy_s: tuple[float, ...]  # per stage: time in passes
     exposed_wait_s: tuple[float, ...]  # per stage: time held up in receives (transfers and waiting for the peer)
+    passes: tuple[tuple[tuple[str, int, float, float], ...], ...] = ()  # per stage: (fwd|bwd, microbatch, start, end)
 
     @property
     def bubble(self) -> tuple[float, ...]:
@@ -117,6 +118,7 @@ def simulate(work: list[StageWork], microbatches: int, p2p: str = "overlap") -> 
     P = len(work)
     programs = [instructions(P, microbatches, s, p2p) for s in range(P)]
     clock, busy, waited = [0.0] * P, [0.0] * P, [0.0] * P
+    passes: list[list[tuple[str, int, float, float]]] = [[] for _ in range(P)]
     position = [0] * P
     # a channel is (boundary, direction); per channel: arrival times (overlap) or the posted sides (deepspeed)
     arrivals: dict[tuple[int, str], list[float]] = {}
@@ -137,7 +139,10 @@ def simulate(work: list[StageWork], microbatches: int, p2p: str = "overlap") -> 
     def advance(s) -> bool:
         command = programs[s][position[s]]
         if isinstance(command, (schedule.ForwardPass, schedule.BackwardPass)):
-            took = work[s].fwd_s if isinstance(command, schedule.ForwardPass) else work[s].bwd_s
+            kind = "fwd" if isinstance(command, schedule.ForwardPass) else "bwd"
+            took = work[s].fwd_s if kind == "fwd" else work[s].bwd_s
+            microbatch = sum(k == kind for k, *_ in passes[s])  # 1F1B keeps the microbatches' order in each kind
+            passes[s].append((kind, microbatch, clock[s], clock[s] + took))
             clock[s] += took
             busy[s] += took
             return True
@@ -178,4 +183,4 @@ def simulate(work: list[StageWork], microbatches: int, p2p: str = "overlap") -> 
             raise RuntimeError("schedule deadlock in the simulation (a transfer nobody sends)")
     pipeline = max(clock)
     after = max(clock[s] + work[s].reduce_s for s in range(P)) + max(w.optimizer_s for w in work)
-    return Timeline(after, pipeline, tuple(busy), tuple(waited))
+    return Timeline(after, pipeline, tuple(busy), tuple(waited), tuple(tuple(p) for p in passes))
