@@ -386,22 +386,54 @@ def test_rope_norms_and_kernel_backend(job):
     assert len(backends) > 40 and set(backends) == {"torch"}
 
 
-def test_layout_of_the_built_blocks(job):
-    """Each block's mode and ratio read from the modules it owns (compressor: Full, indexer without one: Reindex,
-    neither on a compressed layer: Reuse), the compressors' ratios, the candidate settings; a forward's window,
-    selections and candidate blocks have the widths of ``window_size``, ``index_topk`` and
-    ``candidate_topk_blocks``."""
-    model = job["model"]
+def _modes(model) -> list[str]:
+    """Each block's mode, read from the modules it owns (compressor: Full, an indexer without one: Reindex, neither
+    on a compressed layer: Reuse); a compressor's ratio is its layer's."""
     modes = []
     for block in model.layers.values():
         attn = block.attn
         has = {name for name, _ in attn.named_children()}
         modes.append("full" if "compressor" in has else "reindex" if "indexer" in has else
                      "reuse" if attn.plan.ratio else "window")
-        if "compressor" in has:
-            assert attn.compressor.ratio == attn.plan.ratio
-        assert (attn.candidate_topk_blocks, attn.candidate_block_size) == (4, 2)
-    assert modes == MODES and [b.attn.plan.ratio for b in model.layers.values()] == RATIOS
+        assert "compressor" not in has or attn.compressor.ratio == attn.plan.ratio
+    return modes
+
+
+@pytest.mark.parametrize("overrides, modes, sources", [
+    (["layout.window_layers=0", "layout.decoder.layers=6", "layout.decoder.full_every=3", "layout.encoder.ratio=4"],
+     "full reuse full reuse full reuse reindex full reindex reuse",
+     [(4, 0, 0), (4, 0, 0), (4, 2, 2), (4, 2, 2), (1, 4, 4), (1, 4, 4), (1, 4, 6), (1, 7, 7), (1, 7, 8), (1, 7, 8)]),
+    (["layout.compress_ratios=[0,2,2,2,1,1,1,1]", "layout.kv_source_layer_ids=[1,3,4]",
+      "layout.index_source_layer_ids=[1,3,4,6]", "layout.candidate_source_layer_id=4"],
+     "window full reuse full full reuse reindex reuse",
+     [(0, None, None), (2, 1, 1), (2, 1, 1), (2, 3, 3), (1, 4, 4), (1, 4, 4), (1, 4, 6), (1, 4, 6)]),
+], ids=["full_every", "explicit lists"])
+def test_layout_settings_reach_the_engines_blocks(overrides, modes, sources):
+    """The layout knobs not in the job (``decoder.full_every``) and the explicit lists that replace the knobs
+    (``compress_ratios``, ``kv_source_layer_ids``, ``index_source_layer_ids``, ``candidate_source_layer_id``), each
+    list's entries different, through ``build_engine`` to each block: its mode from its modules, its ratio and
+    the layers whose KV and selection it reads, written out here; the candidate blocks from layer 4 only in
+    layer 6 of the explicit lists."""
+    from train.engine import build_engine
+
+    distributed.init(torch.device("cpu"))
+    cfg = compose(["model=tiny", "layout=v41_scaled", "data.seq_len=64", *overrides])
+    model = build_engine(cfg, "fp32", torch.device("cpu")).module.stage.model
+    assert _modes(model) == modes.split()
+    assert [(b.attn.plan.ratio, b.attn.plan.kv_source, b.attn.plan.index_source) for b in model.layers.values()] \
+        == sources
+    restricted = [int(i) for i, b in model.layers.items() if b.attn.plan.candidate_source is not None]
+    assert restricted == ([6, 7, 8] if "layout.decoder.full_every=3" in overrides else [6])
+
+
+def test_layout_of_the_built_blocks(job):
+    """Each block's mode and ratio read from the modules it owns (compressor: Full, indexer without one: Reindex,
+    neither on a compressed layer: Reuse), the compressors' ratios, the candidate settings; a forward's window,
+    selections and candidate blocks have the widths of ``window_size``, ``index_topk`` and
+    ``candidate_topk_blocks``."""
+    model = job["model"]
+    assert _modes(model) == MODES and [b.attn.plan.ratio for b in model.layers.values()] == RATIOS
+    assert all((b.attn.candidate_topk_blocks, b.attn.candidate_block_size) == (4, 2) for b in model.layers.values())
     assert model.layout.candidate_source_layer_id == 6
     produced = {}
 
@@ -841,6 +873,9 @@ HERE = {  # settings read back by a test of this file
         "layout.window_layers", "layout.encoder.layers", "layout.encoder.group_size", "layout.encoder.ratio",
         "layout.decoder.layers", "layout.decoder.ratio", "layout.decoder.reindex_every", "layout.candidates",
         "layout.candidate_topk_blocks", "layout.candidate_block_size"],
+    "test_layout_settings_reach_the_engines_blocks": [
+        "layout.decoder.full_every", "layout.compress_ratios", "layout.kv_source_layer_ids",
+        "layout.index_source_layer_ids", "layout.candidate_source_layer_id"],
     "test_optimizer_groups_schedule_and_clipping": [
         "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.max_steps", "train.weight_decay",
         "train.betas", "train.eps", "train.grad_clip"],
@@ -869,19 +904,14 @@ HERE = {  # settings read back by a test of this file
 ELSEWHERE = {  # settings whose test needs another job: one that reads them from what that job builds
     "model.attention": "tests/test_dense_baseline.py::test_dense_attention_keeps_documents_apart",
     "model.dense_head_dim": "tests/test_dense_baseline.py::test_dense_attention_keeps_documents_apart",
-    "layout.decoder.full_every": "tests/test_layout.py::test_command_line_overrides",
-    "layout.compress_ratios": "tests/test_layout.py::test_command_line_overrides",
-    "layout.kv_source_layer_ids": "tests/test_layout.py::test_command_line_overrides",
-    "layout.index_source_layer_ids": "tests/test_layout.py::test_command_line_overrides",
-    "layout.candidate_source_layer_id": "tests/test_layout.py::test_command_line_overrides",
     "data.sample_by": "tests/test_data.py::test_a_single_text_file_is_split_into_documents",
     "train.global_batch_size": "tests/test_batch.py::test_global_batch_fixes_the_microbatches_whatever_the_split",
     "train.max_bad_steps": "tests/test_train_run.py::test_nan_steps_are_skipped_then_the_run_stops",
     "train.resume": "tests/test_train_run.py::test_resume_is_bitwise_exact",
     "train.init_from": "tests/test_finetune.py::test_export_then_init_from_gives_bitwise_the_same_logits",
     "train.init_strict": "tests/test_finetune.py::test_layout_conversion_keeps_and_drops_what_it_lists",
-    "parallel.pipeline_stages": "tests/test_pipeline.py::test_recomputed_layers",
-    "parallel.cuts": "tests/test_pipeline.py::test_recomputed_layers",
+    "parallel.pipeline_stages": "tests/test_pipeline.py::test_each_stage_holds_the_layers_its_cuts_give",
+    "parallel.cuts": "tests/test_pipeline.py::test_each_stage_holds_the_layers_its_cuts_give",
     "parallel.index_k": "tests/test_pipeline.py::test_replicas_equal_owners",
     "parallel.p2p": "tests/test_pipeline.py::test_transfers_take_the_configured_path",
     "parallel.zero_stage": "tests/test_zero.py::test_optimizer_state_is_partitioned",
