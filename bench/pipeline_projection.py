@@ -162,7 +162,8 @@ def project(name: str, layers: Layers, stages: int, data_parallel: int, microbat
             "of_balanced_1f1b": (microbatches + stages - 1) / stages * sum(costs) / timeline.pipeline_s,
             "transfer_share": microbatches * sum(w.send_s + w.grad_s for w in work) / timeline.step_s,
             "all_to_all_share": microbatches * max(w.all_to_all_s for w in work) / timeline.step_s,
-            "peak_gib": [p / 2 ** 30 for p in peaks], "fits": max(peaks) <= GPU_BYTES}
+            "peak_gib": [p / 2 ** 30 for p in peaks], "fits": max(peaks) <= GPU_BYTES,
+            "state_gib": [sum(memory.state[i] for i in span) / 2 ** 30 for span in split]}
 
 
 LAYOUTS = [  # (nodes, stages, data parallel, pipeline across nodes): 8 GPUs per node

@@ -113,3 +113,21 @@ def test_projection_runs_and_its_rows_hold_together():
         assert 0 < r["all_to_all_share"] < 1 and r["overlap_all_to_all_share"] <= r["all_to_all_share"]
     # 552 B parameters at 8 B each (fp32 weight and gradient, never partitioned) over 64 GPUs: ~69 GB before AdamW
     assert all(not r["fits"] for r in rows)
+
+
+def test_slice_residual_is_what_the_slice_adds_to_the_derived_times():
+    import v41_projection as vp
+
+    step, moe_ffn = (vp.json.loads(p.read_text()) for p in (vp.SMALL_MOE, vp.MOE_FFN))
+    derived, _ = vp.layer_inputs(step, moe_ffn, 16)
+    per_layer = [{"layer": i, "fwd_ms": (derived.fwd_s[i] + 0.01) * 1e3, "bwd_ms": (derived.bwd_s[i] + 0.03) * 1e3}
+                 for i in range(20, 24)]
+    standin = 7.0  # ms, left out of the step: the simulator adds the real all-to-alls
+    run = {"recompute": "layer", "split": "uniform", "per_layer": per_layer, "mfu_vs_measured_matmul": 0.3,
+           "step_ms": sum(r["fwd_ms"] + r["bwd_ms"] for r in per_layer) + standin,
+           "summary": {"all_to_all_standin_ms": standin}}
+    other = {**run, "split": "own_tokens", "step_ms": 1.0}  # not the split an expert-parallel rank computes
+    found = vp.slice_correction({"slices": [{"layers": [20, 21, 22, 23], "runs": [other, run]}]}, step, moe_ffn)
+    assert found["fwd_s"] == pytest.approx(0.01) and found["bwd_s"] == pytest.approx(0.03)
+    with pytest.raises(ValueError):
+        vp.slice_correction({"slices": [{"layers": [20], "runs": [other]}]}, step, moe_ffn)
