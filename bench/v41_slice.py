@@ -163,9 +163,10 @@ class StandInDispatch:
     step for step ``parallel.experts.ExpertAllToAll``'s with its three exchanges replaced by ``AllToAllStandIn``:
     the host reads of the split sizes, the send buffer (the rank's slots sorted by expert, hence by destination)
     out, the rows of the held experts in (``set_split``: how many per sender and expert, fixed instead of the other
-    ranks' routing) with their routing weights, ``parallel.experts.expert_major``'s permutation from arrival order
-    to expert order, the held experts (one grouped GEMM per matrix), the inverse permutation and the rows back,
-    one per slot sent. ``grouped``: passed to ``RoutedExperts.forward`` (None: grouped_mm on CUDA; True forces it,
+    ranks' routing) with their routing weights, ``meanwhile`` (the shared expert, which the real exchange
+    overlaps), ``parallel.experts.expert_major``'s permutation from arrival order to expert order, the held experts
+    (one grouped GEMM per matrix), the inverse permutation and the rows back, one per slot sent: ``(rows,
+    meanwhile())``. ``grouped``: passed to ``RoutedExperts.forward`` (None: grouped_mm on CUDA; True forces it,
     to run the GPU's path on the CPU in bf16)."""
 
     experts_of = ExpertAllToAll.experts_of  # the held range: [rank * E_l, (rank + 1) * E_l)
@@ -179,7 +180,7 @@ class StandInDispatch:
         """Receive ``counts[e]`` rows for held expert e, spread evenly over ``senders`` ranks."""
         self.received = torch.tensor(source_split(counts, senders), device=device)  # [sender, held expert]
 
-    def __call__(self, experts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, meanwhile=None):
         if self.received is None:
             raise ValueError("StandInDispatch.set_split(counts, senders, device) first: the rows the rank receives")
         held = len(experts.expert_ids)
@@ -187,10 +188,11 @@ class StandInDispatch:
         receive = self.received.sum(1).tolist()
         slots = self.exchange(rows, sum(receive))
         slot_weights = self.exchange(weights.unsqueeze(-1), sum(receive)).squeeze(-1)
+        during = meanwhile() if meanwhile is not None else None  # where the real one overlaps the exchange
         order = expert_major(self.received)
         out = experts(slots[order], self.received.sum(0), slot_weights[order], grouped=self.grouped)
         back = torch.empty_like(out).index_copy_(0, order, out)
-        return self.exchange(back, sum(send))
+        return self.exchange(back, sum(send)), during
 
 
 # ------------------------------------------------------------------------------------------------- the slice
