@@ -201,21 +201,23 @@ def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
 
 
 class LocalDispatch:
-    """Routed slots to the experts of this process: ``(experts, rows, counts, weights) -> rows`` with ``rows`` [M,
-    dim] sorted by expert, ``counts`` [E] per global expert, ``weights`` [M]; each output row is its slot's expert
-    output (weighted). Held experts only (a subset of ``expert_ids``): the others' slots are zeros, so a partition
+    """Routed slots to the experts of this process: ``(experts, rows, counts, weights, meanwhile) -> (rows,
+    meanwhile())`` with ``rows`` [M, dim] sorted by expert, ``counts`` [E] per global expert, ``weights`` [M]; each
+    output row is its slot's expert output (weighted). ``meanwhile`` is the work an exchange may overlap (the shared
+    expert); here it simply runs first. Held experts only (a subset of ``expert_ids``): the others' slots are zeros, so a partition
     of the experts over modules adds up to the whole routed part. The expert-parallel dispatch
     (``parallel/experts.py``) has the same signature and sends the slots to their experts' ranks and back."""
 
-    def __call__(self, experts: RoutedExperts, rows: torch.Tensor, counts: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: RoutedExperts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+                 meanwhile=None) -> tuple[torch.Tensor, object]:
+        during = meanwhile() if meanwhile is not None else None
         held = experts.expert_ids
         if len(held) == counts.numel():
-            return experts(rows, counts, weights)
+            return experts(rows, counts, weights), during
         lo, hi = F.pad(counts.cumsum(0), (1, 0))[[held.start, held.stop]].tolist()  # a host sync
         out = rows.new_zeros(rows.shape[0], rows.shape[1], dtype=compute_dtype(rows))
         out[lo:hi] = experts(rows[lo:hi], counts[held.start:held.stop], weights[lo:hi])
-        return out
+        return out, during
 
 
 def combine(rows: torch.Tensor, token: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -255,10 +257,12 @@ class MoE(nn.Module):
             self.load += counts
         xc = x.to(compute_dtype(x))  # the experts' operand, cast once before it is gathered k times
         token = order // k
-        rows = self.dispatch(self.experts, xc.index_select(0, token), counts, weights.flatten()[order])
+        shared = (lambda: self.shared_experts(xc)) if self.args.n_shared_experts else None
+        slots, slot_weights = xc.index_select(0, token), weights.flatten()[order]
+        rows, y_shared = self.dispatch(self.experts, slots, counts, slot_weights, meanwhile=shared)
         y = combine(rows, token, x.shape[0])  # the gather's backward: an index_add
-        if self.args.n_shared_experts:
-            y = y + self.shared_experts(xc)
+        if y_shared is not None:
+            y = y + y_shared
         return y.to(x.dtype).view(shape)
 
     def take_load(self) -> torch.Tensor:

@@ -114,7 +114,7 @@ class Block(nn.Module):
             produced["dspark_feature"] = (x if pre is None else x.mean(2)).detach()
         args = self.args
         x, pre = hyper.residual_block(self, x, pre, attention, ffn, args.hc_sinkhorn_iters, args.norm_eps,
-                                      args.hc_eps)
+                                      args.hc_eps, args.kernel_backend)
         return x, pre, produced
 
 
@@ -192,7 +192,7 @@ class Transformer(nn.Module):
         return x, pre
 
     def logits(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
-        logits = self.head(self.norm(hyper.end(x, pre)))
+        logits = self.head(self.norm(hyper.end(x, pre, self.args.kernel_backend)))
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def draft(self, state: SharedState, logits: torch.Tensor,

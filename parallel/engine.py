@@ -54,15 +54,17 @@ class CSA2PipelineModule(PipelineModule):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn,
                  micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int,
                  recompute_layers: int, keep_attention_layers: tuple[int, ...] | None = None, token_map=None,
-                 run_dspark: bool = False, expert_parallel: int = 1):
+                 run_dspark: bool = False, expert_parallel: int = 1, expert_overlap: bool = True):
         """``keep_attention_layers``: per stage, how many of its leading recomputed layers keep their attention
         outputs (none when not given); ``token_map`` and ``run_dspark``: ``PipelineStage``'s; ``expert_parallel``:
-        ranks of a stage's data-parallel group that split the routed experts (``parallel/experts.py``)."""
+        ranks of a stage's data-parallel group that split the routed experts (``parallel/experts.py``), with the
+        shared expert overlapping the all-to-all when ``expert_overlap``."""
         os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
         keep = keep_attention_layers or (0,) * len(plan.stages)
         stages, replicas = len(plan.stages), dist.get_world_size() // len(plan.stages)
         tables = self._table_rows(stages, replicas) if args.engram.layers else None
-        self.expert_groups = expert_groups(stages, replicas, expert_parallel) if expert_parallel > 1 else None
+        self.expert_groups = (expert_groups(stages, replicas, expert_parallel, expert_overlap)
+                              if expert_parallel > 1 else None)
         dispatch = self.expert_groups.dispatch if self.expert_groups else None
         specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
                            recompute_layers, keep[s], token_map, run_dspark, tables, dispatch) for s in range(stages)]

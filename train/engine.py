@@ -253,7 +253,7 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
                                     int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
                                     kept_attention_layers_per_stage(parallel), engram_token_map(cfg, args),
-                                    run_dspark, int(parallel.expert_parallel))
+                                    run_dspark, int(parallel.expert_parallel), bool(parallel.expert_overlap))
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.optimized_named_parameters().items()), float(cfg.train.weight_decay))
     return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches, fused_adam=device.type == "cuda"),
