@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,6 +366,8 @@ def released_tensors(name: str, value: torch.Tensor, source: ReleasedWeights | N
     form (plain or quantised, its dtype) and the scales to keep: every block they still represent exactly (an
     untrained block) is written byte for byte as it was."""
     form, stored = storage(name), source.entries.get(name) if source is not None else None
+    if stored is not None and source._shape(name) != value.shape:  # another model's tensor: written afresh
+        stored = None
     scale = source.entries.get(scale_name(name)) if stored is not None else None
     dtype = DTYPES[stored.dtype] if stored is not None else form.dtype
     if (form.fmt is None and stored is None) or (stored is not None and scale is None):
@@ -452,3 +455,43 @@ def quantisation_table(report: dict, limit: int = 20) -> str:
         if len(inexact) > limit:
             lines.append(f"  ... {len(inexact) - limit} more in the JSON report")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+REPORT = "quantization_report.json"
+BESIDE = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # a source's files copied along
+
+
+def export_deepseek(checkpoint_path: str, out_dir: Path, source: str | None = None,
+                    max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], dict]:
+    """``python -m train.export <checkpoint> <dir> --format deepseek``: the checkpoint's weights in the released
+    format, DeepSeek's ``config.json`` and ``quantization_report.json`` (per quantised tensor: exact, or its
+    error). ``source``: the released directory to take shards, dtypes, scales, vision tensors and the config's
+    other fields from (default: the run's ``train.init_from`` when it is one); without one the layout is
+    ``storage``'s and the shards are by size. Returns (files written, the report)."""
+    from model import layout_from_config
+    from train import checkpoint
+
+    ref = checkpoint.locate(checkpoint_path, "checkpoint")
+    config = checkpoint.read_trainer_state(ref)["config"]
+    args, layout = ModelArgs.from_config(config["model"]), layout_from_config(config["layout"])
+    if args.attention != "csa2":
+        raise ValueError(f"{ref.path} is a model.attention={args.attention} baseline, not a CSA2 model that the "
+                         "reference code runs: nothing to export")
+    source = source or (config.get("train") or {}).get("init_from")
+    released = None
+    if source and is_released(Path(source).expanduser().resolve()):
+        released = ReleasedWeights(Path(source).expanduser().resolve())
+    elif source and source != (config.get("train") or {}).get("init_from"):
+        raise ValueError(f"--source {source} is not a released directory (config.json and safetensors of DeepSeek's "
+                         "format)")
+    files, report = write_released(checkpoint.read_weights(ref), out_dir, released, max_shard_bytes)
+    write_json(out_dir / CONFIG, deepseek_config(args, layout, released.source_config if released else None))
+    write_json(out_dir / REPORT, report)
+    files += [CONFIG, REPORT]
+    for name in BESIDE if released is not None else ():
+        if (released.directory / name).is_file():
+            shutil.copyfile(released.directory / name, out_dir / name)
+            files.append(name)
+    return files, report
