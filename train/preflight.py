@@ -4,7 +4,8 @@ tokenizer, device and precision, the batch against the stages and launched proce
 memory (every stage's estimated peak against the GPU's memory, or the host's RAM: ``parallel/plan.py``), the
 probes, the data (path, format, text field, every row's type, both parts non-empty, the chat template), the
 checkpoint to resume (manifest: sizes and SHA-256) or else the weights of ``train.init_from`` (matched tensor by
-tensor against the model).
+tensor against the model; a released directory first sets the model from its config.json, so the memory verdict
+is the released model's, and what each rank will read of it is printed).
 
 What the checks build (documents, probes, the checkpoint) is kept for the job, so nothing is read twice.
 """
@@ -135,6 +136,7 @@ def launched_world_size() -> int:
 
 
 def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
+    init_from.adopt_released_config(cfg)  # a released train.init_from sets the model, before anything checks it
     check_config(cfg)
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
@@ -158,6 +160,8 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
     ref = checkpoint.find(cfg.train.resume, checkpoint_dir(cfg, run_dir))
     saved = checkpoint.check_compatible(ref, cfg) if ref else {}
     warm_start = None if ref else init_from.from_config(cfg)
+    if warm_start is not None:  # what each rank will read, printed before anything is read
+        warm_start.describe_ranks(split.plan.stages, batch.data_parallel, int(cfg.parallel.expert_parallel))
     return Checked(device, precision, batch, split, memory_line, train_documents, heldout_documents,
                    data_line(cfg, batch, *sizes), probes, ref, saved, warm_start)
 

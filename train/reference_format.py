@@ -209,12 +209,15 @@ class ExportedWeights:
     def shapes(self) -> dict[str, torch.Size]:
         return dict(self._shapes)
 
-    def load(self, names) -> dict[str, torch.Tensor]:
+    def load(self, names, rows: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+        """``names``; ``rows[name] = (start, stop)`` reads only those rows of it (a rank's Engram table shard)."""
+        rows = rows or {}
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self._files[name], []).append(name)
         tensors = {}
         for file, wanted in by_file.items():
             with safe_open(str(self.directory / file), framework="pt") as handle:
-                tensors.update({name: handle.get_tensor(name) for name in wanted})
+                tensors.update({name: handle.get_slice(name)[slice(*rows[name])] if name in rows else
+                                handle.get_tensor(name) for name in wanted})
         return tensors
