@@ -171,13 +171,9 @@ class Transformer(nn.Module):
         """The forward's shared state; ``input_ids`` when this slice hashes n-grams or trains the draft head.
         ``context``: the forward computes one chunk of the rows (``model/context.py``); ``doc_ids`` and
         ``input_ids`` are the whole rows'."""
-        if context is not None and self.args.attention == "dense":
-            raise ValueError("context parallelism splits CSA2 attention only: model.attention=dense needs "
-                             "parallel.context_parallel=1")
-        if context is not None and self.run_dspark:
-            raise ValueError("context parallelism cannot train the DSpark draft head (its blocks read the tokens and "
-                             "logits after their anchor, in the next chunk): set train.dspark_loss_coef=0 or "
-                             "parallel.context_parallel=1")
+        if context is not None and (self.run_dspark or self.args.attention == "dense"):
+            raise ValueError("a forward over one chunk of each row (context) runs CSA2 attention without the draft "
+                             "head only (train/engine.py's check_context says why)")
         state = SharedState(self.layout, doc_ids, self.args.window_size, collect_recall, context)
         state.input_ids = input_ids
         if self.engram_hash is not None:  # look-back reaches into earlier chunks: hash the row, keep the chunk

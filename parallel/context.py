@@ -101,8 +101,7 @@ def context_shard(stages: int, replicas: int, context: int, seq_len: int) -> Con
 def chunk_length(context, seq_len: int, window: int, ratios, block_size: int) -> int:
     """The tokens of a chunk, after checking that ``parallel.context_parallel`` splits the row into chunks of whole
     compression groups and candidate blocks, no shorter than the window. One line each, naming the fix."""
-    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
-        raise ValueError(f"parallel.context_parallel={context!r}: use an integer >= 1 (1: no context parallelism)")
+    _check_count(context)
     unit = max([m * block_size for m in ratios if m > 0], default=1)
     if seq_len % (context * unit):
         raise ValueError(f"data.seq_len={seq_len} is not divisible into parallel.context_parallel={context} chunks of "
@@ -117,8 +116,14 @@ def chunk_length(context, seq_len: int, window: int, ratios, block_size: int) ->
 
 def check_context_world(context: int, stages: int, world: int) -> int:
     """The data-parallel replicas D of world = P x C x D, after checking that C divides world / P."""
+    _check_count(context)
     if (world // stages) % context:
         raise ValueError(f"parallel.context_parallel={context} does not divide the {world // stages} process(es) of a "
                          f"pipeline stage (world {world} / parallel.pipeline_stages={stages}): launch a multiple of "
                          f"{stages * context} processes")
     return world // stages // context
+
+
+def _check_count(context) -> None:
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        raise ValueError(f"parallel.context_parallel={context!r}: use an integer >= 1 (1: no context parallelism)")
