@@ -102,13 +102,15 @@ def chunk_length(context, seq_len: int, window: int, ratios, block_size: int) ->
     """The tokens of a chunk, after checking that ``parallel.context_parallel`` splits the row into chunks of whole
     compression groups and candidate blocks, no shorter than the window. One line each, naming the fix."""
     _check_count(context)
+    if context == 1:
+        return seq_len
     unit = max([m * block_size for m in ratios if m > 0], default=1)
     if seq_len % (context * unit):
         raise ValueError(f"data.seq_len={seq_len} is not divisible into parallel.context_parallel={context} chunks of "
                          f"whole compression groups and candidate blocks (a multiple of {unit} tokens each): use a "
                          f"seq_len that is a multiple of {context * unit}")
     length = seq_len // context
-    if context > 1 and length < window:
+    if length < window:
         raise ValueError(f"parallel.context_parallel={context} makes chunks of {length} tokens, shorter than the "
                          f"sliding window ({window}): use at most {seq_len // window} chunks, or a longer data.seq_len")
     return length
