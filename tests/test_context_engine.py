@@ -9,9 +9,16 @@ MoE with its routing-bias update, Engram with its row-sharded tables; the DSpark
 parallelism refuses to train) at C = 2, and 2 pipeline stages x C = 2 on 4 processes.
 
 fp32, so not bitwise: a chunk's GEMMs have other shapes than the row's, the gathered entries' gradients are summed
-over ranks and the stage's gradients averaged over C ranks of C-times-scaled shares. Measured (2026-12-02): losses
-within 3e-7 relative, first-step gradients within 2e-6 of each tensor's norm, weights after two steps within
-3e-6 of each tensor's norm; bounds 10x above.
+over ranks and the stage's gradients averaged over C ranks of C-times-scaled shares (``tests/test_context_parallel.py``
+checks the same model code in fp64 to 1e-10, v41_mini included). Measured (2026-12-02), bounds 10x above:
+- losses of both steps within 1.7e-7 relative; the LM part likewise, the indexer KLs of step 2 within 4.3e-5 (the
+  first update moved the indexer by rounding, see below);
+- first-step gradients within 5.3e-6 of each tensor's norm, but for tensors whose gradient is at rounding level
+  (norm < 1e-7: v41_mini's mix parameters at init, sinks, q_norm gains; sums of many cancelling per-token terms):
+  within 9e-12 absolute;
+- weights, buffers and table rows after two AdamW steps: within 1.3e-5 of each tensor's norm (tiny), 3.1e-4
+  (v41_mini: its mix scales and Engram projections): AdamW's per-element normalisation turns a rounding-level
+  difference of a small gradient entry into up to lr (3e-3) of the weight.
 """
 import os
 
@@ -21,6 +28,8 @@ import torch
 from parallel.local import spawn
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 128, 2, 2, 2
+STATE_BOUND = {"tiny": 1.5e-4, "v41_mini": 3e-3}
+NOISE_GRADIENT = 1e-7  # a gradient norm at rounding level
 CASES = {  # name -> (model, processes, more overrides)
     "tiny-C2": ("tiny", 2, ["parallel.context_parallel=2"]),
     "tiny-C4": ("tiny", 4, ["parallel.context_parallel=4"]),
@@ -55,17 +64,17 @@ def _worker(rank, out, overrides):
     first_grads, clip = {}, engine._clip_gradients
 
     def snapshot_then_clip():  # the reduced gradients of the first step, before clipping and the update
-        if not first_grads:
+        if not first_grads:  # a row-sharded table's: this rank's rows, as a dense tensor
             first_grads.update({n: p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
                                 for n, p in model.named_parameters() if p.grad is not None})
         clip()
     engine._clip_gradients = snapshot_then_clip
     data = batches(cfg.model.vocab_size)
     losses = [engine.train_batch(data).item() for _ in range(STEPS)]
-    named = dict(model.named_parameters())  # a row-sharded Engram table: this rank's rows (the last shard padded)
-    shards = {n: (start, named[n].detach().clone()) for n, (start, _) in model.row_shards().items()}
+    named, tables = dict(model.named_parameters()), model.row_shards()  # a row-sharded Engram table: my rows
+    shards = {n: (start, named[n].detach().clone(), first_grads.pop(n, None)) for n, (start, _) in tables.items()}
     torch.save({"losses": losses, "parts": {k: v.item() for k, v in engine.get_additional_losses().items()},
-                "state": {n: t.detach().clone() for n, t in model.state_dict().items() if n not in shards},
+                "state": {n: t.detach().clone() for n, t in model.state_dict().items() if n not in tables},
                 "shards": shards, "first_grads": first_grads, "last": engine.is_last_stage()},
                os.path.join(out, f"rank{rank}.pt"))
 
@@ -109,16 +118,19 @@ def test_steps_equal_one_process(references, case):
     for r in last:
         assert r["losses"] == pytest.approx(want["losses"], rel=3e-6), name
         for part, value in want["parts"].items():
-            assert r["parts"][part] == pytest.approx(value, rel=3e-6, abs=1e-7), part
+            assert r["parts"][part] == pytest.approx(value, rel=3e-6 if "indexer" not in part else 5e-4), part
     grads = _merged(ranks, "first_grads")
     assert grads.keys() == want["first_grads"].keys()
-    bad = [n for n, g in want["first_grads"].items() if not _close(grads[n], g, 2e-5)]
+    bad = [n for n, g in want["first_grads"].items()
+           if not (_close(grads[n], g, 5e-5) if g.norm() >= NOISE_GRADIENT else (grads[n] - g).norm() <= 1e-10)]
     assert not bad, bad
-    state = _merged(ranks, "state")
+    state, bound = _merged(ranks, "state"), STATE_BOUND[name]
     assert state.keys() == want["state"].keys()
-    bad = [n for n, t in want["state"].items() if not _close(state[n], t, 3e-5)]
+    bad = [n for n, t in want["state"].items() if not _close(state[n], t, bound)]
     assert not bad, bad
-    for table, (start, rows) in {n: v for r in ranks for n, v in r["shards"].items()}.items():
-        whole = want["shards"][table][1]
-        stop = min(start + rows.shape[0], whole.shape[0])
-        assert _close(rows[:stop - start], whole[start:stop], 3e-5), table
+    for r in ranks:  # a row-sharded table: each rank's rows of the whole table's weights and first gradient
+        for table, (start, rows, grad) in r["shards"].items():
+            _, whole, whole_grad = want["shards"][table]
+            stop = min(start + rows.shape[0], whole.shape[0])
+            assert _close(rows[:stop - start], whole[start:stop], bound), table
+            assert _close(grad[:stop - start], whole_grad[start:stop], 5e-5), table
