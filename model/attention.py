@@ -16,6 +16,7 @@ from model.diagnostics import index_recall
 from model.geometry import EntryGeometry, Geometry, Groups, TokenGeometry
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
+from model.qat import simulate
 from model.rope import Rotary
 from model.weights import matmul_weights
 
@@ -126,7 +127,7 @@ class Attention(nn.Module):
         q_low, kv = F.linear(x, w_in).split([args.q_lora_rank, args.head_dim], dim=-1)  # wq_a and wkv: one GEMM
         qr = self.q_norm(q_low)
         q = F.linear(qr, wq_b).view(B, T, args.n_heads, args.head_dim)  # RoPE on q and back on out: in the attention
-        kv_window = self.kv_norm(kv, self.rotary, tokens)
+        kv_window = simulate(self.kv_norm(kv, self.rotary, tokens), "window_kv", args.qat)
         produced, kv_comp, topk, context = {}, None, None, geometry.context
         if plan.mode is not Mode.WINDOW:
             entries = geometry.entries(plan.ratio)
@@ -140,7 +141,7 @@ class Attention(nn.Module):
                 produced.update(self._select(ops, x, qr, tokens, entries, index_k, reads.get("candidates")))
             topk = produced["topk"] if plan.selects else reads["topk"]
             # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
-            kv_comp = self.rotary(latent, entries, out_dtype=q.dtype)
+            kv_comp = simulate(self.rotary(latent, entries, out_dtype=q.dtype), "compressed_kv", args.qat)
         rotation = self.rotary.rotation(tokens, torch.promote_types(q.dtype, torch.float32))
         operands = q, kv_window, geometry.window_lo, topk, rotation
         if context is not None:
@@ -171,6 +172,7 @@ class Attention(nn.Module):
                 candidates) -> dict[str, torch.Tensor]:
         """Top-k selection of this Full/Reindex layer (and candidate blocks if it is the candidate source)."""
         q_index, weights = self.indexer.queries(x, qr, self.rotary, tokens)
+        q_index, index_k = (simulate(t, "index", self.args.qat) for t in (q_index, index_k))
         topk, blocks = ops.indexer_select(
             q_index, weights, index_k, entries.vis_lo, entries.vis_hi, self.args.index_topk,
             cand_blocks=candidates, block_size=self.candidate_block_size,
