@@ -11,8 +11,9 @@ from torch import nn
 
 import kernels
 from model.config import ModelArgs
+from model.context import gather_entries, with_window_halo
 from model.diagnostics import index_recall
-from model.geometry import EntryGeometry, Geometry, TokenGeometry
+from model.geometry import EntryGeometry, Geometry, Groups, TokenGeometry
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
 from model.qat import simulate
@@ -36,7 +37,8 @@ class Compressor(nn.Module):
         self.wgate = linear(args.dim, args.head_dim) if ratio > 1 else None
         self.norm = RMSNorm(args.head_dim, args.norm_eps, args.kernel_backend)
 
-    def forward(self, x: torch.Tensor, entries: EntryGeometry) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, entries: EntryGeometry | Groups) -> torch.Tensor:
+        """The entries of the groups ``entries`` names (``first_token`` into x, ``valid``), [B, n, head_dim]."""
         if self.ratio == 1:  # one entry per token, stored in token order
             return self.norm(self.wkv(x))
         dtype = torch.promote_types(x.dtype, torch.float32)  # the gated pooling runs in (at least) fp32
@@ -126,11 +128,12 @@ class Attention(nn.Module):
         qr = self.q_norm(q_low)
         q = F.linear(qr, wq_b).view(B, T, args.n_heads, args.head_dim)  # RoPE on q and back on out: in the attention
         kv_window = simulate(self.kv_norm(kv, self.rotary, tokens), "window_kv", args.qat)
-        produced, kv_comp, topk = {}, None, None
+        produced, kv_comp, topk, context = {}, None, None, geometry.context
         if plan.mode is not Mode.WINDOW:
             entries = geometry.entries(plan.ratio)
             if plan.mode is Mode.FULL:
-                latent = produced["kv"] = self.compressor(x, entries)
+                latent = produced["kv"] = self.compressor(x, entries) if context is None else \
+                    self._chunk_entries(x, entries, context)
                 index_k = produced["index_k"] = self.indexer.keys(latent, self.rotary, entries)
             else:
                 latent, index_k = reads["kv"], reads.get("index_k")
@@ -140,15 +143,30 @@ class Attention(nn.Module):
             # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
             kv_comp = simulate(self.rotary(latent, entries, out_dtype=q.dtype), "compressed_kv", args.qat)
         rotation = self.rotary.rotation(tokens, torch.promote_types(q.dtype, torch.float32))
-        out, selected_mass = ops.sparse_attention(q, kv_window, geometry.window_lo, kv_comp, topk, self.attn_sink,
+        operands = q, kv_window, geometry.window_lo, topk, rotation
+        if context is not None:
+            operands = with_window_halo(context, args.window_size, *operands, geometry.start)
+        q_in, kv_window, win_lo, topk_in, rotation = operands
+        out, selected_mass = ops.sparse_attention(q_in, kv_window, win_lo, kv_comp, topk_in, self.attn_sink,
                                                   args.head_dim ** -0.5, args.window_size, rotation,
                                                   with_mass=not kernels.recomputing())
+        if context is not None:  # drop the halo's placeholder queries
+            out = out[:, -T:]
+            selected_mass = selected_mass[:, -T:] if selected_mass is not None else None
         if topk is not None:
             produced["selected_mass"] = selected_mass
             if collect_recall:
                 produced["recall"] = index_recall(self.rotary(q, tokens), kv_comp, entries.vis_lo, entries.vis_hi,
                                                   topk, args.head_dim ** -0.5)
         return self._project_out(out, wo_a, wo_b), produced
+
+    def _chunk_entries(self, x: torch.Tensor, entries: EntryGeometry, context) -> torch.Tensor:
+        """The row's entries under context parallelism: this chunk pools the groups completing in it (with the
+        previous chunk's last m - 1 input rows in front, for a group that straddles the border), then every
+        chunk's are gathered."""
+        m = self.plan.ratio
+        x_groups = x if m == 1 else torch.cat([context.halo(x, m - 1), x], dim=1)
+        return gather_entries(context, self.compressor(x_groups, entries.own), entries)
 
     def _select(self, ops, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k,
                 candidates) -> dict[str, torch.Tensor]:

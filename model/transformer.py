@@ -167,12 +167,17 @@ class Transformer(nn.Module):
             init_parameters(self.state_dict(keep_vars=True).items(), args, layout.n_layers, seed, self.row_shards())
 
     def new_state(self, doc_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
-                  collect_recall: bool = False) -> SharedState:
-        """The forward's shared state; ``input_ids`` when this slice hashes n-grams or trains the draft head."""
-        state = SharedState(self.layout, doc_ids, self.args.window_size, collect_recall)
+                  collect_recall: bool = False, context=None) -> SharedState:
+        """The forward's shared state; ``input_ids`` when this slice hashes n-grams or trains the draft head.
+        ``context``: the forward computes one chunk of the rows (``model/context.py``); ``doc_ids`` and
+        ``input_ids`` are the whole rows'."""
+        if context is not None and (self.run_dspark or self.args.attention == "dense"):
+            raise ValueError("a forward over one chunk of each row (context) runs CSA2 attention without the draft "
+                             "head only (train/engine.py's check_context says why)")
+        state = SharedState(self.layout, doc_ids, self.args.window_size, collect_recall, context)
         state.input_ids = input_ids
-        if self.engram_hash is not None:
-            ids = self.engram_hash(input_ids, state.geometry.tokens.doc_start)
+        if self.engram_hash is not None:  # look-back reaches into earlier chunks: hash the row, keep the chunk
+            ids = state.geometry.chunk_of(self.engram_hash(input_ids, state.geometry.row_tokens.doc_start))
             state.engram_ids = {layer: ids[:, :, k] for k, layer in enumerate(self.args.engram.layers)}
         return state
 
@@ -240,11 +245,13 @@ class Transformer(nn.Module):
         return loads
 
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                collect_recall: bool = False) -> ModelOutput:
-        """Logits and per-source indexer losses; ``collect_recall`` adds each reading layer's index recall."""
+                collect_recall: bool = False, context=None) -> ModelOutput:
+        """Logits and per-source indexer losses; ``collect_recall`` adds each reading layer's index recall.
+        With a ``context`` (``model/context.py``) the logits are those of its chunk's tokens and each indexer loss
+        is the chunk's share of the rows' (the chunks' shares add up to it)."""
         state = self.new_state(torch.zeros_like(input_ids) if doc_ids is None else doc_ids, input_ids,
-                               collect_recall)
-        x, pre = self.run_layers(*self.embed_tokens(input_ids), state)
+                               collect_recall, context)
+        x, pre = self.run_layers(*self.embed_tokens(state.geometry.chunk_of(input_ids)), state)
         logits = self.logits(x, pre)
         draft = self.draft(state, logits)
         return ModelOutput(logits, state.indexer_losses, state.index_recall, draft.losses if draft else {})

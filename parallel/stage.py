@@ -33,17 +33,18 @@ class PipelineStage(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, stage_id: int, micro_batch: int,
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
                  recompute_layers: int = 0, keep_attention_layers: int = 0, token_map=None,
-                 run_dspark: bool = False, engram_rows=None, experts=None):
+                 run_dspark: bool = False, engram_rows=None, experts=None, context=None):
         """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights.
         The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints; the first
         ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention.
         ``token_map`` feeds the Engram hashes, ``engram_rows`` shards their tables, ``run_dspark`` trains the draft
-        head, ``experts`` is the expert-parallel dispatch (``model.transformer``)."""
+        head, ``experts`` is the expert-parallel dispatch (``model.transformer``), ``context`` this rank's chunk of
+        every row (``parallel.context.ContextShard``; None: whole rows)."""
         super().__init__()
         if index_k not in ("shadow", "payload"):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
         layers = plan.stages[stage_id]
-        self.stage_id, self.layout, self.compute_dtype = stage_id, layout, dtype
+        self.stage_id, self.layout, self.compute_dtype, self.context = stage_id, layout, dtype, context
         self.model = Transformer(args, layout, layers, seed, token_map=token_map, engram_rows=engram_rows,
                                  run_dspark=run_dspark, experts=experts)
         for i, block in enumerate(self.model.layers.values()):
@@ -66,7 +67,7 @@ class PipelineStage(nn.Module):
 
         def payload(last_layer):
             return Payload(boundary_fields(args, layout, last_layer, micro_batch, seq_len, dtype, index_k,
-                                           run_dspark))
+                                           run_dspark, context.size if context is not None else 1))
 
         self.incoming = payload(layers.start - 1) if layers.start > 0 else None
         self.outgoing = payload(layers.stop - 1) if layers.stop < layout.n_layers else None
@@ -84,10 +85,11 @@ class PipelineStage(nn.Module):
     def _forward(self, inputs):
         if self.incoming is None:
             input_ids, doc_ids = inputs
-            state = self.model.new_state(doc_ids, input_ids)
-            h, pre = self.model.embed_tokens(input_ids)
+            state = self.model.new_state(doc_ids, input_ids, context=self.context)
+            h, pre = self.model.embed_tokens(state.geometry.chunk_of(input_ids))
         else:
-            h, pre, state = self.incoming.unpack(*inputs, self.model.new_state)
+            h, pre, state = self.incoming.unpack(*inputs, lambda doc_ids, input_ids: self.model.new_state(
+                doc_ids, input_ids, context=self.context))
             self._recompute_index_keys(state)
         self.ledger.watch(state)
         if h.requires_grad:

@@ -138,7 +138,7 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     seed_everything(cfg.train.seed)
     engine = build_engine(cfg, checked.precision, checked.device, checked.split, checked.memory_line)
-    loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
+    loader = build_loader(cfg.data, rank=engine.replica_id, world_size=engine.replicas,
                           vocab_size=cfg.model.vocab_size, documents=checked.train_documents)
     evaluator = Evaluator(cfg, checked.device, engine, checked.heldout_documents, checked.probes)
     log.info("%s model (%.2fM parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
@@ -185,7 +185,7 @@ class Trainer:
         cfg, engine = self.cfg, self.engine
         per_microbatch = training_flops(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout),
                                         int(cfg.data.seq_len), int(cfg.data.micro_batch_size), trains_dspark(cfg))
-        return per_microbatch * engine.micro_batches * engine.dp_world_size
+        return per_microbatch * engine.micro_batches * engine.replicas
 
     def train(self, logger: MetricsLogger, interrupts: Interrupts) -> None:
         train = self.cfg.train
@@ -313,7 +313,7 @@ def summary_table(final: dict[str, float], cfg: DictConfig, chance: dict[str, fl
 def closing_line(trainer: Trainer, seconds: float, run_dir: Path) -> str:
     """Steps of this job, wall time, tokens trained and where everything is."""
     last, steps = trainer.state["step"], trainer.steps_run
-    tokens = steps * trainer.engine.micro_batches * trainer.engine.dp_world_size * \
+    tokens = steps * trainer.engine.micro_batches * trainer.engine.replicas * \
         int(trainer.cfg.data.micro_batch_size) * int(trainer.cfg.data.seq_len)
     minutes, secs = divmod(round(seconds), 60)
     span = f"steps {last - steps + 1}-{last}" if steps else f"no steps (already at step {last})"
