@@ -15,7 +15,6 @@ from model.cli import compose
 from model.lora import LoRA, attach
 from parallel.local import spawn
 from tests import pipeline_harness as harness
-from tests.test_finetune import weights_of
 from tests.test_train_run import _run, _train_rows
 from train.export import export
 from train.reference_format import WEIGHTS
@@ -311,6 +310,19 @@ def test_adapter_checkpoint_resumes_like_an_uninterrupted_run(base, tmp_path):
             assert not torch.equal(tensor, source[name]), name
         else:
             assert torch.equal(tensor, source[name]), name
+
+
+def weights_of(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Every weight of a run's newest checkpoint, read with torch.load (a one-process run's table: one rows file)."""
+    tag = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+    state = {}
+    for path in sorted(tag.glob("*.pt")):
+        if path.name.startswith("rows_"):
+            rows = torch.load(path, weights_only=True)
+            state[rows["name"]] = rows["values"]
+        elif not path.name.startswith(("optimizer_", "resume_state")):
+            state.update(torch.load(path, weights_only=True))
+    return state
 
 
 def _lora_parameters():
