@@ -15,6 +15,7 @@ from model.context import gather_entries, with_window_halo
 from model.diagnostics import index_recall
 from model.geometry import EntryGeometry, Geometry, Groups, TokenGeometry
 from model.layout import LayerPlan, Mode
+from model.lora import adapted
 from model.norm import RMSNorm
 from model.qat import simulate
 from model.rope import Rotary
@@ -125,8 +126,9 @@ class Attention(nn.Module):
         w_in, wq_b, wo_a, wo_b = matmul_weights([(self.wq_a, self.wkv), self.wq_b, self.wo_a, self.wo_b],
                                                 args.kernel_backend)
         q_low, kv = F.linear(x, w_in).split([args.q_lora_rank, args.head_dim], dim=-1)  # wq_a and wkv: one GEMM
+        q_low, kv = adapted(q_low, self.wq_a, x), adapted(kv, self.wkv, x)
         qr = self.q_norm(q_low)
-        q = F.linear(qr, wq_b).view(B, T, args.n_heads, args.head_dim)  # RoPE on q and back on out: in the attention
+        q = adapted(F.linear(qr, wq_b), self.wq_b, qr).view(B, T, args.n_heads, args.head_dim)  # RoPE: in the attention
         kv_window = simulate(self.kv_norm(kv, self.rotary, tokens), "window_kv", args.qat)
         produced, kv_comp, topk, context = {}, None, None, geometry.context
         if plan.mode is not Mode.WINDOW:
@@ -183,10 +185,16 @@ class Attention(nn.Module):
         return selection
 
     def _project_out(self, out: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
-        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b."""
+        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b. An adapter
+        of wo_a adapts it as one [G*R, K] matrix: group g's update is B[g] (A x_g), B's rows cut as wo_a's."""
         B, T = out.shape[:2]
-        low_t = GroupedLowRank.apply(out.reshape(B * T, self.args.o_groups, -1), wo_a, self.args.o_lora_rank)
-        return F.linear(low_t.reshape(-1, B * T).t(), wo_b).view(B, T, -1)
+        grouped, rank = out.reshape(B * T, self.args.o_groups, -1), self.args.o_lora_rank
+        low_t = GroupedLowRank.apply(grouped, wo_a, rank)
+        if hasattr(self.wo_a, "lora"):
+            lora = self.wo_a.lora
+            low_t = low_t + lora.scale * GroupedLowRank.apply(F.linear(grouped, lora.A), lora.B, rank)
+        low = low_t.reshape(-1, B * T).t()
+        return adapted(F.linear(low, wo_b), self.wo_b, low).view(B, T, -1)
 
 
 class GroupedLowRank(torch.autograd.Function):
@@ -214,5 +222,7 @@ class GroupedLowRank(torch.autograd.Function):
         dx = x.new_empty(x.shape, dtype=dtype)
         for g in range(G):
             torch.mm(grad_low_t[g].t(), w[g], out=dx[:, g])
+        if not ctx.needs_input_grad[1]:  # a frozen wo_a (LoRA): no weight gradient to compute
+            return dx.to(x.dtype), None, None
         dw = torch.matmul(grad_low_t, x.to(dtype).permute(1, 0, 2))
         return dx.to(x.dtype), dw.view(wo_a.shape).to(wo_a.dtype), None

@@ -33,6 +33,7 @@ from model.dense import DenseAttention
 from model.dspark import DSpark, DSparkOutput
 from model.engram import Engram, EngramHash, EngramTable
 from model.layout import Layout, LayerPlan
+from model.lora import adapted
 from model.moe import ROUTED_WEIGHTS, MoE, update_bias
 from model.norm import RMSNorm
 from model.state import SharedState
@@ -48,7 +49,12 @@ class FeedForward(nn.Module):
     def forward(self, x):
         w13, w2 = matmul_weights([(self.w1, self.w3), self.w2], self.kernel_backend)
         swiglu = kernels.ops(self.kernel_backend, x.device).swiglu
-        return F.linear(swiglu(F.linear(x, w13)), w2)  # w1 and w3: one GEMM, [gate | up]
+        gate_up = F.linear(x, w13)  # w1 and w3: one GEMM, [gate | up]
+        if hasattr(self.w1, "lora") or hasattr(self.w3, "lora"):
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate_up = torch.cat([adapted(gate, self.w1, x), adapted(up, self.w3, x)], dim=-1)
+        h = swiglu(gate_up)
+        return adapted(F.linear(h, w2), self.w2, h)
 
 
 def make_ffn(args: ModelArgs, moe=None, dispatch=None) -> nn.Module:
@@ -146,6 +152,7 @@ class Transformer(nn.Module):
         layout.check_candidate_capacity(args.index_topk)
         args.check_stack(layout.n_layers)
         self.args, self.layout = args, layout
+        self.moves_biases = True  # the balance steps move the routing biases (False: a frozen base, model/lora.py)
         layer_ids = range(layout.n_layers) if layer_ids is None else layer_ids
         self.has_embed, self.has_head = layer_ids.start == 0, layer_ids.stop == layout.n_layers
         if self.has_embed:
@@ -217,10 +224,10 @@ class Transformer(nn.Module):
                 if isinstance(module, EngramTable)}
 
     def expert_shards(self) -> dict[str, tuple[int, int]]:
-        """The stacked routed-expert parameters when this process holds a range of the experts (expert
-        parallelism): name -> (first expert held, experts of the MoE). Empty when every MoE holds all its experts."""
+        """The stacked routed-expert parameters (their adapters too: ``model/lora.py``) when this process holds a
+        range of the experts (expert parallelism): name -> (first expert held, experts of the MoE). Empty when every MoE holds all its experts."""
         return {f"{name}.experts.{w}": (moe.experts.expert_ids.start, moe.args.n_routed_experts)
-                for name, moe in self.experts().items() for w in ROUTED_WEIGHTS
+                for name, moe in self.experts().items() for w, _ in moe.experts.named_parameters()
                 if len(moe.experts.expert_ids) < moe.args.n_routed_experts}
 
     def experts(self) -> dict[str, MoE]:
@@ -239,7 +246,7 @@ class Transformer(nn.Module):
         loads = torch.cat([moe.take_load() for moe in moes.values()])
         all_reduce(loads)
         loads = dict(zip(moes, loads.split([moe.gate.bias.numel() for moe in moes.values()])))
-        if apply:
+        if apply and self.moves_biases:
             for name, moe in moes.items():
                 update_bias(moe.gate, loads[name], moe.args.bias_update_rate)
         return loads
@@ -308,9 +315,13 @@ def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int,
                 _draw_rows(p, *shard, std, seed, name, device)
 
 
+def seeded_generator(seed: int, key: str, device: torch.device) -> torch.Generator:
+    """The generator of the tensor named ``key``: seeded by (seed, name) alone, whatever else a process builds."""
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+
+
 def _normal(shape, std: float, seed: int, name: str, device: torch.device, chunk: int | None = None) -> torch.Tensor:
-    key = name if chunk is None else f"{name}#{chunk}"
-    generator = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    generator = seeded_generator(seed, name if chunk is None else f"{name}#{chunk}", device)
     return torch.empty(shape, dtype=torch.float32, device=device).normal_(std=std, generator=generator)
 
 

@@ -141,7 +141,7 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
     loader = build_loader(cfg.data, rank=engine.replica_id, world_size=engine.replicas,
                           vocab_size=cfg.model.vocab_size, documents=checked.train_documents)
     evaluator = Evaluator(cfg, checked.device, engine, checked.heldout_documents, checked.probes)
-    log.info("%s model (%.2fM parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
+    log.info("%s model (%.2fM trained parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
              cfg.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, cfg.layout.name,
              checked.precision, checked.device.type, distributed.world_size(), run_dir)
     log.info("%s", checked.data_line)
@@ -149,17 +149,17 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
     if crowded:
         log.warning("%s", crowded)
     ref, saved = checked.resume, checked.saved
+    if checked.warm_start:  # a fresh run's weights, or the frozen base of a LoRA run (its checkpoints: adapters)
+        checked.warm_start.load_into(engine)
+        if distributed.rank() == 0:
+            checked.warm_start.report(run_dir)
     if ref:
         resume_state = checkpoint.load(engine, ref, saved["config"]["parallel"]["pipeline_stages"])
         checkpoint.set_rng_state(resume_state["rng"])
         loader.load_state_dict(resume_state["loader"])
         log.info("resumed from %s at step %d%s", ref.path, saved["step"],
-                 f" (train.init_from={cfg.train.init_from} is not used: train.resume wins)" if cfg.train.init_from
-                 else "")
-    elif checked.warm_start:
-        checked.warm_start.load_into(engine)
-        if distributed.rank() == 0:
-            checked.warm_start.report(run_dir)
+                 f" (train.init_from={cfg.train.init_from} is not used: train.resume wins)"
+                 if cfg.train.init_from and not checked.warm_start else "")
     return Trainer(cfg, engine, loader, evaluator, checkpoint_dir(cfg, run_dir), checked.device,
                    {key: saved.get(key, 0) for key in ("step", "bad_streak", "skipped")}, run_dir)
 

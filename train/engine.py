@@ -16,6 +16,7 @@ from omegaconf import DictConfig, ListConfig
 
 from model import ModelArgs, layout_from_config
 from model.dspark import DRAFT_PARTS
+from model.lora import LoRA
 from model.transformer import ModelOutput
 from parallel.balance import Split, split_stages
 from parallel.batch import batch_plan
@@ -222,6 +223,14 @@ def check_context(cfg: DictConfig, args: ModelArgs, layout, run_dspark: bool) ->
                          "needs parallel.context_parallel=1")
 
 
+def lora_settings(cfg: DictConfig) -> LoRA | None:
+    """``train.lora`` checked against the model (None: rank 0, full fine-tuning)."""
+    lora = LoRA.from_config(cfg.train.get("lora"))
+    if lora is not None:
+        lora.check(ModelArgs.from_config(cfg.model))
+    return lora
+
+
 def trains_dspark(cfg: DictConfig) -> bool:
     """Whether the job trains the draft head: the model has one and ``train.dspark_loss_coef`` > 0 (otherwise it
     is carried, loaded and exported, but never run)."""
@@ -281,7 +290,7 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
                                     int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
                                     kept_attention_layers_per_stage(parallel), engram_token_map(cfg, args),
                                     run_dspark, int(parallel.expert_parallel), bool(parallel.expert_overlap),
-                                    context)
+                                    context, lora_settings(cfg))
     loss.context = module.context
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.optimized_named_parameters().items()), float(cfg.train.weight_decay))
