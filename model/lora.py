@@ -157,7 +157,8 @@ def _kaiming_uniform(a: torch.Tensor, seed: int, name: str) -> None:
     from model.transformer import seeded_generator
 
     bound = 1 / math.sqrt(a.shape[-1])
-    values = torch.empty(a.shape).uniform_(-bound, bound, generator=seeded_generator(seed, name, torch.device("cpu")))
+    cpu = torch.device("cpu")  # drawn on the CPU (the same values on any device), also under a CUDA default device
+    values = torch.empty(a.shape, device=cpu).uniform_(-bound, bound, generator=seeded_generator(seed, name, cpu))
     with torch.no_grad():
         a.copy_(values)
 
