@@ -33,7 +33,8 @@ def _engine(stages: int, replicas: int, experts: int, microbatches: int = 1, ove
 
     cfg = compose([*OVERRIDES, f"parallel.pipeline_stages={stages}", f"parallel.expert_parallel={experts}",
                    f"parallel.expert_overlap={str(overlap).lower()}",
-                   f"train.grad_accum_steps={microbatches}", "parallel.cuts=[8]" if stages == 2 else "parallel.cuts=null"])
+                   f"train.grad_accum_steps={microbatches}",
+                   "parallel.cuts=[8]" if stages == 2 else "parallel.cuts=null"])
     return build_engine(cfg, "fp32", torch.device("cpu")), cfg.model.vocab_size
 
 
@@ -118,7 +119,8 @@ def _whole(rank, out):
     runs["E2_into_one"] = _train(resumed, _interleaved(vocab, WORLD, skip=1), 1)
     engine, vocab = _engine(1, 1, 1, microbatches=4)  # the 2 x 2 run's microbatches of a step
     runs["two_replicas_in_one"] = _train(engine, _interleaved(vocab, 2), 2)
-    runs["missing_expert_error"] = _missing_expert_error(engine, checkpoint.find("auto", Path(out) / "checkpoints"))
+    saved = checkpoint.find("auto", Path(out) / "checkpoints").path
+    runs["missing_expert_error"] = _missing_expert_error(engine, saved)
     torch.save(runs, f"{out}/whole.pt")
 
 
