@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model.config import ModelArgs
+from model.layout import Layout
+
 
 class _AllToAll(torch.autograd.Function):
     """``send[r]`` leading rows of ``x`` (rank order) to rank ``r`` of ``group``, ``receive[r]`` rows from it; the
@@ -122,3 +125,26 @@ def expert_groups(stages: int, replicas: int, expert_parallel: int, overlap: boo
             if me in ranks:
                 mine["data"], mine["data_ranks"] = group, ranks
     return ExpertGroups(**mine)
+
+
+def routed_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, itemsize: int,
+                 dspark: bool = False) -> list[float]:
+    """Bytes of one exchange of each layer's routed rows per microbatch (plans and the schedule simulator): the
+    rank's routing slots (tokens x top-k) x dim in the compute dtype (``itemsize``), summed over the layer's MoEs:
+    its FFN, and on the last layer the draft head's blocks when it trains (``dspark``: tokens x block_size slots of
+    its top-k each). A MoE makes four exchanges a microbatch (dispatch and combine, and their gradients back) and
+    two more when its layer is recomputed; of each, (E - 1) / E of the bytes leave the rank under uniform routing.
+    The routing weights (4 B a row) and the counts are left out (under 0.1% at dim 5120)."""
+    if args.ffn != "moe":
+        return [0.0] * layout.n_layers
+    tokens = micro_batch * seq_len
+    rows = [float(tokens * args.moe.n_activated_experts)] * layout.n_layers
+    if dspark and args.dspark.blocks:
+        d = args.dspark
+        rows[-1] += d.blocks * tokens * d.block_size * d.n_activated_experts
+    return [r * args.dim * itemsize for r in rows]
+
+
+def leaving(expert_parallel: int) -> float:
+    """The share of a rank's routed rows that goes to other ranks of its group under uniform routing: (E - 1) / E."""
+    return (expert_parallel - 1) / expert_parallel

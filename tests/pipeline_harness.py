@@ -58,6 +58,7 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, override
                 "first_grads": first_grads,
                 "shadows": {n: p.detach().clone() for n, p in stage.shadows.named_parameters()},
                 "recomputed": [int(i) for i, block in stage.model.layers.items() if block.recompute],
+                "kept": [int(i) for i, block in stage.model.layers.items() if block.keep_attention],
                 "live_after": live_after, "peak_microbatches": stage.ledger.peak_microbatches,
                 "backward_traversals": stage.backward_traversals, "stage": engine.stage_id,
                 "p2p": "overlap" if engine.links is not None else "deepspeed"}, f"{out}/rank{rank}.pt")

@@ -1,4 +1,5 @@
 """The accounting CLI reproduces SPEC §1.6 at V4.1-Flash dims, from the real modules; indexer FLOPs by hand."""
+import functools
 import json
 import subprocess
 import sys
@@ -17,8 +18,14 @@ def accounting(*overrides):
     return json.loads(out.stdout)
 
 
-def test_v41_flash_numbers_match_spec():
-    figures = accounting("model=v41_flash", "layout=v41")
+@pytest.fixture(scope="module")
+def v41_flash():
+    """The CLI's figures of V4.1-Flash (one process for the tests that read them)."""
+    return accounting("model=v41_flash", "layout=v41")
+
+
+def test_v41_flash_numbers_match_spec(v41_flash):
+    figures = v41_flash
     assert figures["params_common_per_layer"] / 1e6 == pytest.approx(126.6, abs=0.05)  # "约 127M"
     assert figures["params_reindex_extra"] / 1e6 == pytest.approx(5.4, abs=0.05)
     assert figures["params_compress_index_total"] / 1e6 == pytest.approx(62, abs=0.5)
@@ -27,11 +34,11 @@ def test_v41_flash_numbers_match_spec():
     assert figures["params_full_extra_m2"] - figures["params_full_extra_m1"] == 5120 * 512  # only m>1 has wgate
 
 
-def test_v41_flash_parts_match_spec():
+def test_v41_flash_parts_match_spec(v41_flash):
     """SPEC §5.5: backbone ~552 B without the Engram tables and the draft head, the tables 2 x ~384.0 M x 256 rows
     (exactly the released row counts), ~16 B active per token; §5.1's 13.59 B routed parameters a layer. Counting the
     tables or the draft head in the backbone, or every routed expert as active, misses these by billions."""
-    figures = accounting("model=v41_flash", "layout=v41")
+    figures = v41_flash
     routed_per_layer = 384 * 3 * 2304 * 5120
     assert routed_per_layer / 1e9 == pytest.approx(13.59, abs=0.005)
     assert figures["params_backbone"] / 1e9 == pytest.approx(552, abs=1)
@@ -55,6 +62,7 @@ def test_bad_override_is_one_line_error():
     assert out.returncode != 0 and out.stderr.strip().startswith("error:") and "Traceback" not in out.stderr
 
 
+@functools.cache  # a pure function of its arguments: the tests that ask for the same figures share them
 def figures_at(seq_len, *overrides):
     cfg = compose(["model=v41_flash", *overrides])
     return account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), seq_len)

@@ -15,6 +15,15 @@ CASES = {  # name -> (stages, cuts, index_k, recompute: none | layer | block:<le
     "4-stage shadow recompute": (4, [3, 8, 9], "shadow", "layer", "overlap"),
 }
 
+# parallel.keep_attention_layers as a list, one entry per stage (entries that differ: a stage given another's count
+# shows); the other cases keep none.
+KEPT = {"2-stage payload block recompute, DeepSpeed's transfers": [1, 2]}
+
+
+def _kept(case) -> list[int] | None:
+    (name,) = [n for n, c in CASES.items() if c == case]
+    return KEPT.get(name)
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
@@ -23,7 +32,10 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pipelined(request, tmp_path_factory):
-    return CASES[request.param], harness.run(str(tmp_path_factory.mktemp("pp")), *CASES[request.param])
+    keep = KEPT.get(request.param)
+    overrides = [f"parallel.keep_attention_layers=[{','.join(map(str, keep))}]"] if keep else []
+    return CASES[request.param], harness.run(str(tmp_path_factory.mktemp("pp")), *CASES[request.param],
+                                             overrides=overrides)
 
 
 def _merged(ranks, key):
@@ -90,7 +102,7 @@ def test_replicas_equal_owners(pipelined):
     _, ranks = pipelined
     params = _merged(ranks, "params")
     replicas = _merged(ranks, "shadows")
-    assert replicas or pipelined[0][2] == "payload"
+    assert bool(replicas) == (pipelined[0][2] == "shadow")  # parallel.index_k: payload sends the keys, no replicas
     for name, value in replicas.items():
         source, tensor = name.split(".", 1)
         assert torch.equal(value, params[f"layers.{source}.attn.indexer.{tensor}"]), name
@@ -109,6 +121,20 @@ def test_one_backward_traversal_per_microbatch(pipelined):
         assert r["backward_traversals"] == harness.MICROBATCHES * harness.STEPS
 
 
+def test_each_stage_holds_the_layers_its_cuts_give(pipelined):
+    """``parallel.pipeline_stages`` processes, stage s holding layers cuts[s-1] .. cuts[s]-1 (read from the
+    parameters each stage holds; the cuts' gaps differ: a stage given another's share shows); the embedding on the
+    first stage, the head on the last."""
+    (stages, cuts, *_), ranks = pipelined
+    assert sorted(r["stage"] for r in ranks) == list(range(stages))
+    bounds = [0, *cuts, 10]
+    for r in ranks:
+        held = sorted({int(n.split(".")[1]) for n in r["params"] if n.startswith("layers.")})
+        assert held == list(range(bounds[r["stage"]], bounds[r["stage"] + 1])), (r["stage"], held)
+        assert ("embed.weight" in r["params"]) == (r["stage"] == 0)
+        assert ("head.weight" in r["params"]) == (r["stage"] == stages - 1)
+
+
 def test_recomputed_layers(pipelined):
     """``layer`` checkpoints every layer, ``block:N`` the first N layers of every stage, ``none`` nothing."""
     (_, _, _, recompute, _), ranks = pipelined
@@ -117,6 +143,15 @@ def test_recomputed_layers(pipelined):
         layers = sorted(set(r["recomputed"]) | {int(n.split(".")[1]) for n in r["params"] if n.startswith("layers.")})
         want = {"none": [], "layer": layers, "block": layers[: int(count or 0)]}[mode]
         assert r["recomputed"] == want
+
+
+def test_kept_attention_layers_per_stage(pipelined):
+    """Each stage's blocks keep the attention outputs of its own entry's count of its leading recomputed layers."""
+    case, ranks = pipelined
+    keep = _kept(case) or [0] * case[0]
+    for r in ranks:
+        assert r["kept"] == r["recomputed"][:keep[r["stage"]]], (r["stage"], r["kept"])
+    assert any(r["kept"] for r in ranks) == (_kept(case) is not None)
 
 
 @pytest.fixture(scope="module")

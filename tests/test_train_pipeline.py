@@ -1,6 +1,7 @@
 """``python -m train`` with pipeline stages under a real launcher (torchrun, 2 CPU processes, gloo):
 exact resume at P stages, and resume under a different stage count."""
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,21 +37,29 @@ def straight(tmp_path_factory):
     return run_dir, stdout
 
 
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """The same job stopped after step 2 (with its checkpoint): each resume below continues a copy of it."""
+    run_dir = tmp_path_factory.mktemp("stopped")
+    train(run_dir, 2, "train.max_steps=4", "train.stop_at=2")
+    return run_dir
+
+
 def test_plan_is_printed_before_training(straight):
     _, stdout = straight
     assert "pipeline: 2 stage(s)" in stdout and "boundary 0->1" in stdout and "shadow indexers" in stdout
 
 
-def test_resume_at_the_same_stage_count_is_exact(straight, tmp_path):
-    train(tmp_path, 2, "train.max_steps=4", "train.stop_at=2")
+def test_resume_at_the_same_stage_count_is_exact(straight, stopped, tmp_path):
+    shutil.copytree(stopped, tmp_path, dirs_exist_ok=True)
     train(tmp_path, 2, "train.max_steps=4", "train.resume=auto")
     assert rows(tmp_path) == rows(straight[0])
 
 
-def test_resume_under_another_stage_count(straight, tmp_path):
+def test_resume_under_another_stage_count(straight, stopped, tmp_path):
     """Two steps on 2 stages, then the same checkpoint continues on 1 stage: the step after the resume sees
     bitwise the same weights (same loss); later steps may differ by the shadow indexers' reduction order."""
-    train(tmp_path, 2, "train.max_steps=4", "train.stop_at=2")
+    shutil.copytree(stopped, tmp_path, dirs_exist_ok=True)
     train(tmp_path, 1, "train.max_steps=4", "train.resume=auto")
     got, want = rows(tmp_path), rows(straight[0])
     assert [r["step"] for r in got] == [1, 2, 3, 4]

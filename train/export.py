@@ -3,7 +3,8 @@
 Writes a checkpoint's weights in the reference format (``train/reference_format.py``): ``model.safetensors``
 (sharded above ``--max-shard-size``, with ``model.safetensors.index.json``) under the reference tensor names, and
 ``config.json`` with the reference config's field names. ``<checkpoint>`` is a checkpoint directory (its
-``latest``) or one tag directory, written under any pipeline split. ``train.init_from=<out dir>`` reads it back.
+``latest``) or one tag directory, written under any pipeline split; a LoRA run's is written merged into its base
+(``train/lora.py``). ``train.init_from=<out dir>`` reads it back.
 The tokenizer file the run trained with, if any, is copied beside them as ``tokenizer.json``, with a
 ``tokenizer_config.json`` holding its chat template and the run's special tokens.
 
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from model import ModelArgs, layout_from_config
 from train import checkpoint
+from train.lora import checkpoint_weights
 from train.reference_format import CONFIG, DTYPES, MAX_SHARD_BYTES, reference_config, write_json, write_weights
 from train.released_format import export_deepseek, quantisation_table
 from train.tokenizer import TOKENIZER_CONFIG
@@ -48,7 +50,7 @@ def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16",
     if args.attention != "csa2":
         raise ValueError(f"{ref.path} is a model.attention={args.attention} baseline, not a CSA2 model that the "
                          "reference code runs: nothing to export")
-    weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in checkpoint.read_weights(ref).items()}
+    weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in checkpoint_weights(ref).items()}
     files = write_weights(weights, out_dir, max_shard_bytes)
     write_json(out_dir / CONFIG, reference_config(args, layout, dtype))
     files.append(CONFIG)

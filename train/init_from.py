@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from model import ModelArgs, Transformer, layout_from_config
 from train import checkpoint
+from train.lora import checkpoint_weights
 from train.reference_format import ExportedWeights, is_exported, model_settings, reference_config, write_json
 from train.released_format import ReleasedWeights, is_released, released_settings
 
@@ -46,7 +47,7 @@ class CheckpointWeights:
 
     def __init__(self, ref: checkpoint.CheckpointRef):
         self.description = f"checkpoint {ref.path}"
-        self._tensors = checkpoint.read_weights(ref)
+        self._tensors = checkpoint_weights(ref)  # a LoRA run's: merged into its base
         saved = checkpoint.read_trainer_state(ref).get("config", {})
         try:
             self.config = reference_config(ModelArgs.from_config(saved["model"]), layout_from_config(saved["layout"]),

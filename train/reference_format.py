@@ -34,7 +34,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LAYOUT_FIELDS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
                   "candidate_topk_blocks", "candidate_block_size")
 # How we initialise, compute or run a baseline, not what the weights are: not in config.json.
-NOT_EXPORTED = ("init_std", "embed_init_std", "head_init_std", "kernel_backend", "attention", "dense_head_dim")
+NOT_EXPORTED = ("init_std", "embed_init_std", "head_init_std", "kernel_backend", "qat", "attention",
+                "dense_head_dim")
 PARTS = ("ffn", "inter_dim", "moe", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram", "dspark")  # below
 # The V4.1 parts' settings under the reference config's flat names, written only where the part is on; the
 # training-only ones (the balance rate, frozen tables) are not part of the weights' description.
