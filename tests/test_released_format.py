@@ -261,7 +261,8 @@ def test_a_stage_and_an_expert_rank_read_only_their_share(release, stage, expert
     """Stage ``stage`` of 2 (layers 0-4 / 5-9 and the head) on expert rank ``expert_rank`` of 2 and table rank 1 of
     2 reads exactly its tensors: the bytes read are the stored sizes of its layers, its half of every MoE's experts
     and its half of each Engram table (counted from the headers here), less than half of the files, and its values
-    equal the decoded ones. Planted and caught: loading every expert (the bytes), a table shard read from row 0."""
+    equal the decoded ones. Planted and caught: loading every expert (the bytes), a table shard read from row 0 (the values; and in
+    ``rank_share``, what the preflight prints)."""
     directory, args, layout, _, decoded, *_ = release
     source = ReleasedWeights(directory)
     layers = range(0, 5) if stage == 0 else range(5, 10)
@@ -287,6 +288,8 @@ def test_a_stage_and_an_expert_rank_read_only_their_share(release, stage, expert
     assert source.bytes_read == expected and 0 < expected < total / 2
     share = rank_share(source.shapes(), args, layers, stage == 0, stage == 1, expert_rank, 2, 1, 2)
     assert set(share) == names
+    for name, (start, rows) in model.row_shards().items():  # the preflight's rows are the ones the stage loads
+        assert share[name] == (start, min(start + model.state_dict()[name].shape[0], rows)), name
     assert sum(source.stored_bytes(n, r) for n, r in share.items()) == expected
     for name, value in model.state_dict().items():
         start, _ = model.row_shards().get(name, (0, 0))
@@ -462,3 +465,24 @@ def test_unsupported_quantisation_is_a_one_line_error(release):
     config["quantization_config"]["weight_block_size"] = [128, 128]
     with pytest.raises(ValueError, match=r"quantization_config.weight_block_size=\[128, 128\]; this framework reads"):
         reference_fields(config)
+
+
+def test_score_of_a_released_directory(release, tmp_path, capsys):
+    """``python -m train.score <released dir> --tokens`` prints each document's perplexity and writes log-probs and
+    logits that equal the oracle's on the decoded weights (fp32: relative 1e-5)."""
+    from train.score import main
+
+    directory, *_, ids, doc, (logits, _, _) = release
+    docs = ids[0, :30].tolist(), ids[1, :13].tolist()  # row 0's first and row 1's documents: doc_ids 0 throughout
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    main([str(directory), "--tokens", str(tmp_path / "docs.json"), "--out", str(tmp_path / "s.safetensors"),
+          "--logits", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as handle:
+        got = {k: handle.get_tensor(k) for k in handle.keys()}
+    for i, (row, n) in enumerate(((0, 30), (1, 13))):
+        want = logits[row, :n].double()
+        assert (got[f"doc{i}.logits"].double() - want).abs().max() <= 1e-5 * want.abs().max()
+        lp = torch.log_softmax(want[:-1], -1).gather(-1, ids[row, 1:n, None]).squeeze(-1)
+        assert torch.allclose(got[f"doc{i}.logprobs"].double(), lp, atol=1e-4)
+        assert f"doc {i}: {n} tokens, perplexity {math.exp(-got[f'doc{i}.logprobs'].double().mean()):.4f}" in printed
