@@ -152,7 +152,10 @@ class Evaluator:
         data = iter([((ids, docs), torch.full_like(ids, -100))])
         _, outputs = self.engine.eval_batch(data, return_logits=True, compute_loss=False, reduce_output=None,
                                             bcast_loss=False, num_micro_batches=1)
-        return outputs[0][:, :length] if self.engine.is_last_stage() else None
+        if not self.engine.is_last_stage():
+            return None
+        context = self.engine.module.context  # context parallelism: each rank's logits are its chunk's
+        return (outputs[0] if context is None else context.gather(outputs[0]))[:, :length]
 
     @torch.no_grad()
     def heldout(self, model) -> dict[str, float]:
