@@ -429,6 +429,32 @@ def check_swiglu():
     RESULTS["swiglu"] = {"rel_err": err, "pass": all(e < 1e-2 for e in err.values())}
 
 
+def hyper_problem(T, hc, dim):
+    """A hyper-connected stream x [1,T,hc,dim] fp32, a sublayer output y in bf16 and the mixes, all leaves."""
+    x = torch.randn(1, T, hc, dim, device=DEV, requires_grad=True)
+    y = leaf(torch.randn(1, T, dim, device=DEV), BF16)
+    pre, post = (torch.rand(1, T, hc, device=DEV, requires_grad=True) for _ in range(2))
+    comb = torch.rand(1, T, hc, hc, device=DEV, requires_grad=True)
+    return x, y, pre, post, comb
+
+
+def hyper_step(ops, x, y, pre, post, comb):
+    """collapse and expand forward and backward once (as a block's sublayer uses them)."""
+    outs = (ops.hc_collapse(x, pre), ops.hc_expand(y, x, post, comb))
+    return outs, torch.autograd.grad(outs, (x, y, pre, post, comb), [torch.ones_like(o) for o in outs])
+
+
+@section
+def check_hyper():
+    """The stream's collapse and expand (kernels/triton_hyper.py) at small_moe's width and hc 4: outputs and every
+    gradient against the reference on the same inputs (both fp32 but y, so equal to rounding)."""
+    problem = hyper_problem(n(4096, 37), 4, n(1024, 75))
+    got, want = hyper_step(triton_ops, *problem), hyper_step(reference, *problem)
+    names = ("collapse", "expand", "dx", "dy", "dpre", "dpost", "dcomb")
+    err = {k: rel_err(g.float(), w.float()) for k, g, w in zip(names, [*got[0], *got[1]], [*want[0], *want[1]])}
+    RESULTS["hyper"] = {"rel_err": err, "pass": all(e < 1e-5 for e in err.values())}
+
+
 # ----------------------------------------------------------------------------------------------- bench
 
 @section
@@ -770,6 +796,24 @@ def bench_index_logits():
     RESULTS["index_logits_64k"] = res
 
 
+@section
+def bench_hyper():
+    """collapse + expand forward + backward at 64K for hc 4 and dims 1,024 (small_moe) and 5,120 (V4.1-Flash,
+    at 16K: the same bytes per token x 5), Triton against the reference's per-token matmuls, and the bytes moved
+    over the time (the stream read and written: the ceiling is the HBM's ~4.8 TB/s)."""
+    res = {}
+    for name, T, dim in (("small_moe_64k", n(65536, 64), n(1024, 75)), ("v41_16k", n(16384, 64), n(5120, 75))):
+        problem = hyper_problem(T, 4, dim)
+        times = {impl: ms(lambda: hyper_step(ops, *problem)) for impl, ops in (("triton", triton_ops),
+                                                                            ("torch", reference))}
+        # forward: x read twice, out written; backward: x twice, g once, dx twice written (fp32), y/dy bf16 twice
+        moved = T * dim * (4 * 4 * 8 + 2 * 4 + 2 * 4)
+        res[name] = {"T": T, "dim": dim, "hc": 4, **{f"{k}_ms": v for k, v in times.items()},
+                     "speedup": times["torch"] / times["triton"], "triton_tb_per_s": moved / times["triton"] / 1e9}
+        del problem
+    RESULTS["hyper"] = res
+
+
 def table() -> str:
     lines = []
     for name, value in RESULTS.items():
@@ -799,9 +843,9 @@ def main():
                                                     "usual order (bench_indexer needs bench_matmul's rate)")
     args = parser.parse_args()
     # The newest kernels first: a cut run keeps their results.
-    sections = {"check": [check_swiglu, check_indexer, check_indexer_ties, check_index_logits, check_rope,
+    sections = {"check": [check_hyper, check_swiglu, check_indexer, check_indexer_ties, check_index_logits, check_rope,
                           check_norm_and_cast, check_attention, check_dkv_step],
-                "bench": [bench_matmul, bench_attention, bench_dkv_step, bench_sdpa_cudnn, bench_indexer,
+                "bench": [bench_hyper, bench_matmul, bench_attention, bench_dkv_step, bench_sdpa_cudnn, bench_indexer,
                           bench_index_logits]}
     by_name = {fn.__name__: fn for fn in sections[args.mode]}
     chosen = args.only.split(",") if args.only else list(by_name)

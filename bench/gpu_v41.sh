@@ -5,6 +5,8 @@
 #   SMOKE=1 OUT=<dir> bash bench/gpu_v41.sh              # the same sequence on the CPU at tiny shapes
 #   ONLY="moe_ffn" OUT=<dir> bash bench/gpu_v41.sh       # only the named stages (a rerun)
 # Stages (file under $OUT -> bench/results/...):
+#   0. hyper            hyper_check.json, hyper_bench.json: the stream's collapse/expand kernels against the
+#                       reference (bench/bench_kernels.py check_hyper, bench_hyper)         -> kernels/
 #   1. train_small_moe  train_step_small_moe_65536.json: `model=small_moe layout=v41` at 64K, whole step: tokens/s,
 #                       MFU against the matmul rate of the same process, peak memory, tokens per expert, time per
 #                       part (attention, MoE, mHC, Engram; forward, recomputation, backward), the Reuse layer's
@@ -73,6 +75,10 @@ stage() {  # name cap_seconds command...: run under the smaller of cap and the b
   echo "$name rc=$rc ${limit}s-limit $(( SECONDS - start ))s" | tee -a "$OUT/stages.txt"
 }
 
+KB=(python3 bench/bench_kernels.py)
+[ "$SMOKE" = 1 ] && KB+=(--smoke)
+stage hyper 120 bash -c "${KB[*]} check --only check_hyper --out $OUT/hyper_check.json && \
+  ${KB[*]} bench --only bench_hyper --out $OUT/hyper_bench.json"
 STEP=(python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1)
 stage train_small_moe 280 "${STEP[@]}" --kernel-table --out "$OUT/train_step_small_moe_$T.json" "${MOE[@]}"
 if grep -q -e OutOfMemoryError -e "CUDA out of memory" "$OUT/train_small_moe.log" 2> /dev/null; then

@@ -326,6 +326,11 @@ class PartProbe:
         exited = None if key is None else self._through(values, start)
         return values if exited is None else exited
 
+    def add_part(self, part: str, module) -> None:
+        """Time ``module`` (its forward, recomputation and backward) as ``part`` too, e.g. the routed experts
+        inside ``moe``: spans are exclusive, so a part nested in another takes its time out of it."""
+        self._module_span(part, module, module)
+
     def _module_span(self, part: str, first, last) -> None:
         """A part that runs from ``first``'s forward start to ``last``'s forward end (hooks)."""
         pending = []

@@ -108,29 +108,41 @@ def layer_inputs(name: str, times: LayerTimes, remainder_s: float, matmul_tflops
             extra -= args.vocab_size * args.dim - small_args.vocab_size * small_args.dim
         fwd.append(scale * mode.fwd_ms / 1e3 + 2 * extra * T / rate)
         bwd.append(scale * mode.bwd_ms / 1e3 + 6 * extra * T / rate)
-    bwd[-1] += scale * times.head_ms / 1e3
-    # the head beyond small's (whose is measured, or in the step's remainder): FLOPs + fp32 logits' traffic at ~4 TB/s
-    head_flops = 6 * T * (args.dim * args.vocab_size - small_args.dim * small_args.vocab_size)
-    bwd[-1] += head_flops / rate + 4 * 4 * T * (args.vocab_size - small_args.vocab_size) / 4e12
+    bwd[-1] += scale * times.head_ms / 1e3 + head_s(args, small_args, rate)
+    boundary, gradient = boundary_bytes(name)
+    return Layers(fwd, bwd, boundary, gradient, params, remainder_s / sum(small_params))
+
+
+def head_s(args: ModelArgs, base: ModelArgs, rate: float) -> float:
+    """The LM head's time beyond ``base``'s (whose is measured, or in the step's remainder): its FLOPs at ``rate``
+    plus its fp32 logits' traffic at ~4 TB/s."""
+    flops = 6 * T * (args.dim * args.vocab_size - base.dim * base.vocab_size)
+    return flops / rate + 4 * 4 * T * (args.vocab_size - base.vocab_size) / 4e12
+
+
+def boundary_bytes(name: str) -> tuple[list[float], list[float]]:
+    """Per layer of model ``name``: the payload bytes sent after it per microbatch (bf16, one row of T, index keys
+    by shadow; 0 after the last) and those of their gradient back."""
+    args, layout = model(name)
     boundary, gradient = [], []
-    for i in range(layout.n_layers):
-        if i == layout.n_layers - 1:
-            boundary.append(0.0), gradient.append(0.0)
-            continue
+    for i in range(layout.n_layers - 1):
         payload = Payload(boundary_fields(args, layout, i, 1, T, torch.bfloat16, "shadow"))
         floats, raw = payload.wire_sizes()
         gradient.append(floats * payload.float_dtype.itemsize)
         boundary.append(gradient[-1] + raw)
-    return Layers(fwd, bwd, boundary, gradient, params, remainder_s / sum(small_params))
+    return boundary + [0.0], gradient + [0.0]
 
 
 def project(name: str, layers: Layers, stages: int, data_parallel: int, microbatches: int, cluster: Cluster,
-            p2p: str = "overlap", cuts: list[int] | None = None, measured: LayerTimes | None = None) -> dict:
+            p2p: str = "overlap", cuts: list[int] | None = None, measured: LayerTimes | None = None,
+            expert_parallel: int = 1, overlap: bool = False) -> dict:
     """One simulated configuration: at ``cuts``, or the split the engine would choose on these times;
-    ``measured``: a layer-times file of this model whose per-mode bytes replace the analytic memory figures."""
+    ``measured``: a layer-times file of this model whose per-mode bytes replace the analytic memory figures;
+    ``expert_parallel``, ``overlap``: ``parallel.simulate.stage_work``'s (the all-to-alls' share of the step is the
+    largest stage's exposed all-to-all time over the step)."""
     args, layout = model(name)
     memory = estimate(args, layout, 1, T, torch.bfloat16, layout.n_layers, data_parallel, 1, True,
-                      measured=measured)
+                      measured=measured, expert_parallel=expert_parallel)
     costs = [f + b for f, b in zip(layers.fwd_s, layers.bwd_s)]
 
     def peak(stage, span):
@@ -138,7 +150,7 @@ def project(name: str, layers: Layers, stages: int, data_parallel: int, microbat
     cuts = list(cuts) if cuts is not None else balanced_cuts(costs, stages, peak, GPU_BYTES, TIME_SLACK)
     bounds = [0, *cuts, layout.n_layers]
     split = tuple(range(a, b) for a, b in zip(bounds, bounds[1:]))
-    work = stage_work(layers, split, data_parallel, cluster)
+    work = stage_work(layers, split, data_parallel, cluster, expert_parallel, overlap)
     timeline = simulate(work, microbatches, p2p)
     peaks = memory.peaks(split, microbatches)
     gpus = stages * data_parallel
@@ -149,7 +161,9 @@ def project(name: str, layers: Layers, stages: int, data_parallel: int, microbat
             "bubble": list(timeline.bubble), "bubble_ideal": ideal_bubble(stages, microbatches),
             "of_balanced_1f1b": (microbatches + stages - 1) / stages * sum(costs) / timeline.pipeline_s,
             "transfer_share": microbatches * sum(w.send_s + w.grad_s for w in work) / timeline.step_s,
-            "peak_gib": [p / 2 ** 30 for p in peaks], "fits": max(peaks) <= GPU_BYTES}
+            "all_to_all_share": microbatches * max(w.all_to_all_s for w in work) / timeline.step_s,
+            "peak_gib": [p / 2 ** 30 for p in peaks], "fits": max(peaks) <= GPU_BYTES,
+            "state_gib": [sum(memory.state[i] for i in span) / 2 ** 30 for span in split]}
 
 
 LAYOUTS = [  # (nodes, stages, data parallel, pipeline across nodes): 8 GPUs per node

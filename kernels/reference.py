@@ -52,6 +52,22 @@ def cast(groups: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Ten
     return [stack_rows([t.to(dtype) for t in group]) for group in groups]
 
 
+def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_c pre_c X_c`` [..., D] of the hyper-connected stream x [..., hc, D], in (at least) fp32: one matmul per
+    token."""
+    dtype = torch.promote_types(_compute_dtype(x), pre.dtype)
+    return torch.matmul(pre.to(dtype).unsqueeze(-2), x.to(dtype)).squeeze(-2)
+
+
+def hc_expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``out_k = post_k y + sum_j comb[j,k] X_j`` [..., hc, D] of a sublayer's output y [..., D] and the stream x,
+    in (at least) fp32. The copy mix is one matmul per token, ``comb^T X``, so no [..., hc, hc, D] product is formed;
+    the output add goes into the matmul's result in place (its backward needs only comb and X)."""
+    dtype = torch.promote_types(torch.promote_types(_compute_dtype(x), y.dtype), comb.dtype)
+    out = torch.matmul(comb.to(dtype).transpose(-1, -2), x.to(dtype))
+    return out.addcmul_(post.to(dtype).unsqueeze(-1), y.to(dtype).unsqueeze(-2))
+
+
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the stacked projection h = [gate | up] (last dim 2I): the FFN's w1 and w3 as one GEMM."""
     gate, up = h.chunk(2, dim=-1)

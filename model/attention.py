@@ -11,10 +11,13 @@ from torch import nn
 
 import kernels
 from model.config import ModelArgs
+from model.context import gather_entries, with_window_halo
 from model.diagnostics import index_recall
-from model.geometry import EntryGeometry, Geometry, TokenGeometry
+from model.geometry import EntryGeometry, Geometry, Groups, TokenGeometry
 from model.layout import LayerPlan, Mode
+from model.lora import adapted
 from model.norm import RMSNorm
+from model.qat import simulate
 from model.rope import Rotary
 from model.weights import matmul_weights
 
@@ -35,7 +38,8 @@ class Compressor(nn.Module):
         self.wgate = linear(args.dim, args.head_dim) if ratio > 1 else None
         self.norm = RMSNorm(args.head_dim, args.norm_eps, args.kernel_backend)
 
-    def forward(self, x: torch.Tensor, entries: EntryGeometry) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, entries: EntryGeometry | Groups) -> torch.Tensor:
+        """The entries of the groups ``entries`` names (``first_token`` into x, ``valid``), [B, n, head_dim]."""
         if self.ratio == 1:  # one entry per token, stored in token order
             return self.norm(self.wkv(x))
         dtype = torch.promote_types(x.dtype, torch.float32)  # the gated pooling runs in (at least) fp32
@@ -122,14 +126,16 @@ class Attention(nn.Module):
         w_in, wq_b, wo_a, wo_b = matmul_weights([(self.wq_a, self.wkv), self.wq_b, self.wo_a, self.wo_b],
                                                 args.kernel_backend)
         q_low, kv = F.linear(x, w_in).split([args.q_lora_rank, args.head_dim], dim=-1)  # wq_a and wkv: one GEMM
+        q_low, kv = adapted(q_low, self.wq_a, x), adapted(kv, self.wkv, x)
         qr = self.q_norm(q_low)
-        q = F.linear(qr, wq_b).view(B, T, args.n_heads, args.head_dim)  # RoPE on q and back on out: in the attention
-        kv_window = self.kv_norm(kv, self.rotary, tokens)
-        produced, kv_comp, topk = {}, None, None
+        q = adapted(F.linear(qr, wq_b), self.wq_b, qr).view(B, T, args.n_heads, args.head_dim)  # RoPE: in the attention
+        kv_window = simulate(self.kv_norm(kv, self.rotary, tokens), "window_kv", args.qat)
+        produced, kv_comp, topk, context = {}, None, None, geometry.context
         if plan.mode is not Mode.WINDOW:
             entries = geometry.entries(plan.ratio)
             if plan.mode is Mode.FULL:
-                latent = produced["kv"] = self.compressor(x, entries)
+                latent = produced["kv"] = self.compressor(x, entries) if context is None else \
+                    self._chunk_entries(x, entries, context)
                 index_k = produced["index_k"] = self.indexer.keys(latent, self.rotary, entries)
             else:
                 latent, index_k = reads["kv"], reads.get("index_k")
@@ -137,11 +143,18 @@ class Attention(nn.Module):
                 produced.update(self._select(ops, x, qr, tokens, entries, index_k, reads.get("candidates")))
             topk = produced["topk"] if plan.selects else reads["topk"]
             # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
-            kv_comp = self.rotary(latent, entries, out_dtype=q.dtype)
+            kv_comp = simulate(self.rotary(latent, entries, out_dtype=q.dtype), "compressed_kv", args.qat)
         rotation = self.rotary.rotation(tokens, torch.promote_types(q.dtype, torch.float32))
-        out, selected_mass = ops.sparse_attention(q, kv_window, geometry.window_lo, kv_comp, topk, self.attn_sink,
+        operands = q, kv_window, geometry.window_lo, topk, rotation
+        if context is not None:
+            operands = with_window_halo(context, args.window_size, *operands, geometry.start)
+        q_in, kv_window, win_lo, topk_in, rotation = operands
+        out, selected_mass = ops.sparse_attention(q_in, kv_window, win_lo, kv_comp, topk_in, self.attn_sink,
                                                   args.head_dim ** -0.5, args.window_size, rotation,
                                                   with_mass=not kernels.recomputing())
+        if context is not None:  # drop the halo's placeholder queries
+            out = out[:, -T:]
+            selected_mass = selected_mass[:, -T:] if selected_mass is not None else None
         if topk is not None:
             produced["selected_mass"] = selected_mass
             if collect_recall:
@@ -149,10 +162,19 @@ class Attention(nn.Module):
                                                   topk, args.head_dim ** -0.5)
         return self._project_out(out, wo_a, wo_b), produced
 
+    def _chunk_entries(self, x: torch.Tensor, entries: EntryGeometry, context) -> torch.Tensor:
+        """The row's entries under context parallelism: this chunk pools the groups completing in it (with the
+        previous chunk's last m - 1 input rows in front, for a group that straddles the border), then every
+        chunk's are gathered."""
+        m = self.plan.ratio
+        x_groups = x if m == 1 else torch.cat([context.halo(x, m - 1), x], dim=1)
+        return gather_entries(context, self.compressor(x_groups, entries.own), entries)
+
     def _select(self, ops, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k,
                 candidates) -> dict[str, torch.Tensor]:
         """Top-k selection of this Full/Reindex layer (and candidate blocks if it is the candidate source)."""
         q_index, weights = self.indexer.queries(x, qr, self.rotary, tokens)
+        q_index, index_k = (simulate(t, "index", self.args.qat) for t in (q_index, index_k))
         topk, blocks = ops.indexer_select(
             q_index, weights, index_k, entries.vis_lo, entries.vis_hi, self.args.index_topk,
             cand_blocks=candidates, block_size=self.candidate_block_size,
@@ -163,10 +185,16 @@ class Attention(nn.Module):
         return selection
 
     def _project_out(self, out: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
-        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b."""
+        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b. An adapter
+        of wo_a adapts it as one [G*R, K] matrix: group g's update is B[g] (A x_g), B's rows cut as wo_a's."""
         B, T = out.shape[:2]
-        low_t = GroupedLowRank.apply(out.reshape(B * T, self.args.o_groups, -1), wo_a, self.args.o_lora_rank)
-        return F.linear(low_t.reshape(-1, B * T).t(), wo_b).view(B, T, -1)
+        grouped, rank = out.reshape(B * T, self.args.o_groups, -1), self.args.o_lora_rank
+        low_t = GroupedLowRank.apply(grouped, wo_a, rank)
+        if hasattr(self.wo_a, "lora"):
+            lora = self.wo_a.lora
+            low_t = low_t + lora.scale * GroupedLowRank.apply(F.linear(grouped, lora.A), lora.B, rank)
+        low = low_t.reshape(-1, B * T).t()
+        return adapted(F.linear(low, wo_b), self.wo_b, low).view(B, T, -1)
 
 
 class GroupedLowRank(torch.autograd.Function):
@@ -194,5 +222,7 @@ class GroupedLowRank(torch.autograd.Function):
         dx = x.new_empty(x.shape, dtype=dtype)
         for g in range(G):
             torch.mm(grad_low_t[g].t(), w[g], out=dx[:, g])
+        if not ctx.needs_input_grad[1]:  # a frozen wo_a (LoRA): no weight gradient to compute
+            return dx.to(x.dtype), None, None
         dw = torch.matmul(grad_low_t, x.to(dtype).permute(1, 0, 2))
         return dx.to(x.dtype), dw.view(wo_a.shape).to(wo_a.dtype), None

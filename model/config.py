@@ -102,6 +102,7 @@ class ModelArgs:
     embed_init_std: float = 1.0  # the embedding: the residual stream's scale at init
     head_init_std: float = 0.006  # the LM head
     kernel_backend: str = "auto"  # auto | torch | triton (see kernels/__init__.py)
+    qat: bool = False  # simulate the served FP8/FP4 attention activations in the forward (model/qat.py)
     attention: str = "csa2"  # csa2 | dense (the dense causal baseline of model/dense.py, on layout=window_only)
     dense_head_dim: int = 128  # head width of the dense baseline (n_heads of them)
     ffn: str = "dense"  # dense | moe

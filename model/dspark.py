@@ -154,7 +154,7 @@ class DSparkBlock(nn.Module):
         args = self.args
         return residual_block(self, x, pre, lambda h: self.attn(self.attn_norm(h), main_x, anchors, geometry),
                               lambda h: self.ffn(self.ffn_norm(h)), args.hc_sinkhorn_iters, args.norm_eps,
-                              args.hc_eps)
+                              args.hc_eps, args.kernel_backend)
 
 
 @dataclass
@@ -192,7 +192,7 @@ class DSpark(nn.ModuleList):
         x, pre = begin(F.embedding(anchors.inputs.flatten(0, 1), embed_weight.detach()), args.hc_mult)
         for block in self:
             x, pre = block(x, pre, main_x, anchors, geometry)
-        hidden = end(x, pre)
+        hidden = end(x, pre, args.kernel_backend)
         logits = F.linear(last.norm(hidden), head_weight.detach())
         bias, markov_embed = last.markov_head(anchors.prev.flatten(0, 1))
         logits = logits.to(bias.dtype) + bias

@@ -30,10 +30,11 @@ def causal_slots(T: int, m: int, cap: int) -> int:
 
 
 def model_flops(model, layout: Layout, args: ModelArgs, T: int, B: int, dense: bool = False,
-                dspark: bool = False) -> dict[str, int]:
+                dspark: bool = False, layers: range | None = None) -> dict[str, int]:
     """FLOPs of one forward + backward of ``B`` rows of ``T`` tokens through ``model`` (its parameters give the
     matmuls; the attention terms come from ``layout``), split into matmul, attention and indexer; ``dspark``: the
-    draft head trains."""
+    draft head trains. ``layers``: the layers ``model`` holds when it is a slice of the stack (a pipeline stage,
+    bench/v41_slice.py), whose attention terms alone count (default: every layer of the layout)."""
     tokens = B * T
     matmul = 0
     for name, p in model.named_parameters():
@@ -56,10 +57,11 @@ def model_flops(model, layout: Layout, args: ModelArgs, T: int, B: int, dense: b
     attention = indexer = 0
     H, D, W, K = args.n_heads, args.head_dim, args.window_size, args.index_topk
     index_width = args.index_n_heads * args.index_head_dim
+    plans = layout.plan if layers is None else [layout.plan[i] for i in layers]
     if dense:
-        attention = len(layout.plan) * 3 * 4 * H * args.dense_head_dim * B * T * (T + 1) // 2
+        attention = len(plans) * 3 * 4 * H * args.dense_head_dim * B * T * (T + 1) // 2
     else:
-        for plan in layout.plan:
+        for plan in plans:
             slots = causal_slots(T, 1, W)
             if plan.mode is not Mode.WINDOW:
                 slots += causal_slots(T, plan.ratio, K)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class EntryGeometry:
     pos: torch.Tensor  # [B,S] doc-relative position of the entry's first token (its RoPE position)
     valid: torch.Tensor  # [B,S] bool: slot holds an entry
     rotations: dict = field(default_factory=dict, compare=False, repr=False)
+    # Under context parallelism (``model/context.py``) vis_lo/vis_hi are the chunk's queries' (slots stay the
+    # row's), ``own`` the groups completing in the chunk and ``gathered_slot`` where each slot lies among the
+    # gathered chunks' entries.
+    own: "Groups | None" = None
+    gathered_slot: torch.Tensor | None = None  # [B,S]
 
     @classmethod
     def from_tokens(cls, tokens: TokenGeometry, m: int) -> "EntryGeometry":
@@ -62,14 +68,45 @@ class EntryGeometry:
         valid[b, slot] = True
         return cls(m, vis_lo, done, first_token, pos, valid)
 
+    def chunk(self, start: int, stop: int, chunks: int) -> "EntryGeometry":
+        """This row geometry seen from chunk ``[start, stop)`` of ``chunks`` equal ones. A chunk owns the groups
+        that complete inside it, at most ``L / m`` of them (``own``: their first token counted from ``m - 1``
+        rows before ``start``, the rows a halo puts in front); chunk c's slots start at the groups completed before
+        it, so slot s of the row lies at ``c * L/m + s - first[c]`` of the gathered chunks (``gathered_slot``)."""
+        m, L = self.ratio, stop - start
+        n, S = L // m, self.first_token.shape[1]
+        first = F.pad(self.vis_hi[:, L - 1::L][:, :chunks - 1], (1, 0))  # [B,C] slots before each chunk
+        mine = first[:, start // L:start // L + 1] + torch.arange(n, device=first.device)  # [B,n] own slots
+        own_valid = mine < self.vis_hi[:, stop - 1:stop]
+        own_first = torch.where(own_valid, self.first_token.gather(1, mine.clamp(max=S - 1)) - start + m - 1, 0)
+        s = torch.arange(S, device=first.device).expand_as(self.first_token)
+        owner = torch.searchsorted(first, s.contiguous(), right=True) - 1
+        gathered = (owner * n + s - first.gather(1, owner)).clamp(0, chunks * n - 1)
+        return EntryGeometry(m, self.vis_lo[:, start:stop], self.vis_hi[:, start:stop], self.first_token, self.pos,
+                             self.valid, own=Groups(own_first, own_valid), gathered_slot=gathered)
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Groups a compressor pools: each one's first token (an index into the compressor's input) and validity."""
+    first_token: torch.Tensor  # [B,n]
+    valid: torch.Tensor  # [B,n] bool
+
 
 class Geometry:
-    """All the geometry of one forward: token positions, window starts, and entries per compression ratio."""
+    """All the geometry of one forward: token positions, window starts, and entries per compression ratio.
 
-    def __init__(self, doc_ids: torch.Tensor, window: int):
-        self.doc_ids = doc_ids
-        self.tokens = TokenGeometry.from_doc_ids(doc_ids)
-        self.window_lo = self.tokens.window_lo(window)
+    With a ``context`` (``model/context.py``) ``doc_ids`` are the whole rows and the forward computes the chunk
+    ``[context.start, context.stop)``: ``tokens`` and ``window_lo`` are its queries' (positions doc-relative and
+    window starts as token indices of the row), entries are the row's (``EntryGeometry.chunk``)."""
+
+    def __init__(self, doc_ids: torch.Tensor, window: int, context=None):
+        self.doc_ids, self.context = doc_ids, context
+        self.start, self.stop = (0, doc_ids.shape[1]) if context is None else (context.start, context.stop)
+        self.row_tokens = TokenGeometry.from_doc_ids(doc_ids)
+        self.tokens = self.row_tokens if context is None else TokenGeometry(
+            *(t[:, self.start:self.stop] for t in (self.row_tokens.doc_start, self.row_tokens.pos)))
+        self.window_lo = self.row_tokens.window_lo(window)[:, self.start:self.stop]
         self._entries: dict[int, EntryGeometry] = {}
         self.cache: dict = {}  # other per-forward objects made once for all layers (the dense baseline's mask)
 
@@ -80,5 +117,12 @@ class Geometry:
 
     def entries(self, ratio: int) -> EntryGeometry:
         if ratio not in self._entries:
-            self._entries[ratio] = EntryGeometry.from_tokens(self.tokens, ratio)
+            entries = EntryGeometry.from_tokens(self.row_tokens, ratio)
+            if self.context is not None:
+                entries = entries.chunk(self.start, self.stop, self.context.size)
+            self._entries[ratio] = entries
         return self._entries[ratio]
+
+    def chunk_of(self, row: torch.Tensor) -> torch.Tensor:
+        """The columns of a row tensor [B,T,...] that belong to this forward's chunk."""
+        return row if self.context is None else row[:, self.start:self.stop]

@@ -9,6 +9,8 @@ Clipping (``clip_group``): the indexer and the draft head learn only from their 
 """
 import re
 
+from model.lora import base_parameter
+
 GROUPS = ("embedding", "attn_q", "attn_kv", "indexer", "attn_out", "ffn", "gate", "experts", "hc", "engram",
           "norms_sinks", "head", "dspark")
 CLIP_GROUPS = ("trunk", "indexer", "dspark")
@@ -32,7 +34,8 @@ _RULES = (  # first match wins; the indexer's k_norm is the indexer's, not a nor
 
 
 def param_group(name: str) -> str:
-    """The role of parameter ``name`` (one of ``GROUPS``)."""
+    """The role of parameter ``name`` (one of ``GROUPS``); a LoRA adapter's is the role of the weight it adapts."""
+    name = base_parameter(name)
     for group, pattern in _RULES:
         if re.fullmatch(pattern, name):
             return group

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 # The mHC paper's init of the gating factors alpha (here ``hc_*_scale``): 0.01 (arXiv 2512.24880, Appendix A.1,
 # Table 5, "mHC/HC Gating Factor Init"). With ``fn`` drawn at init_std 0.006 the dynamic logits are
 # 0.01 * 0.006 * sqrt(hc D) ~ 0.009 at V4 width (hc D = 20480): at init the coefficients are the static ones below.
@@ -104,23 +106,20 @@ def split_sinkhorn(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc:
     return pre, post, comb
 
 
-def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """``sum_c pre_c X_c`` [B,T,D] of x [B,T,hc,D], summed in fp32 and returned in x's dtype."""
-    dtype = _compute_dtype(x, pre)
+def collapse(x: torch.Tensor, pre: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """``sum_c pre_c X_c`` [B,T,D] of x [B,T,hc,D], summed in fp32 and returned in x's dtype (``kernels``'
+    ``hc_collapse`` of ``backend``)."""
     with _exact(x):
-        return torch.matmul(pre.to(dtype).unsqueeze(-2), x.to(dtype)).squeeze(-2).to(x.dtype)
+        return kernels.ops(backend, x.device).hc_collapse(x, pre).to(x.dtype)
 
 
-def expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+           backend: str = "auto") -> torch.Tensor:
     """The stream after a sublayer: ``out_k = post_k y + sum_j comb[j,k] X_j`` [B,T,hc,D] for its output y [B,T,D],
-    in fp32 (fp64 for fp64 inputs) whatever y's dtype: the residual stream is kept in fp32.
-
-    The copy mix is one matmul per token, ``comb^T X``, so no [B,T,hc,hc,D] product is formed; the output add
-    goes into the matmul's result in place (its backward needs only comb and X)."""
-    dtype = _compute_dtype(x, y, post, comb)
+    in fp32 (fp64 for fp64 inputs) whatever y's dtype: the residual stream is kept in fp32 (``kernels``'
+    ``hc_expand`` of ``backend``)."""
     with _exact(x):
-        out = torch.matmul(comb.to(dtype).transpose(-1, -2), x.to(dtype))
-        return out.addcmul_(post.to(dtype).unsqueeze(-1), y.to(dtype).unsqueeze(-2))
+        return kernels.ops(backend, x.device).hc_expand(y, x, post, comb)
 
 
 def first_pre_mix(x: torch.Tensor) -> torch.Tensor:
@@ -136,28 +135,29 @@ def copies(h: torch.Tensor, hc: int) -> torch.Tensor:
 
 
 def staggered_block(module: nn.Module, x: torch.Tensor, pre_in: torch.Tensor, attn_branch, ffn_branch, iters: int,
-                    norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    norm_eps: float, hc_eps: float, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """One block on the stream x [B,T,hc,D] with ``module``'s mix parameters (``add_mix_parameters``); the
     branches are callables [B,T,D] -> [B,T,D] (norm + sublayer). Returns (x'', the pending pre-mix of the next
     block's attention). The attention collapses with ``pre_in`` (the previous block's FFN pre, or
     ``first_pre_mix``), the FFN with the attention's pre: each sublayer's pre serves the sublayer after it."""
     attn_pre, attn_post, attn_comb = mixes(x, module.hc_attn_fn, module.hc_attn_scale, module.hc_attn_base, iters,
                                            norm_eps, hc_eps)
-    x = expand(attn_branch(collapse(x, pre_in)), x, attn_post, attn_comb)
+    x = expand(attn_branch(collapse(x, pre_in, backend)), x, attn_post, attn_comb, backend)
     ffn_pre, ffn_post, ffn_comb = mixes(x, module.hc_ffn_fn, module.hc_ffn_scale, module.hc_ffn_base, iters,
                                         norm_eps, hc_eps)
-    x = expand(ffn_branch(collapse(x, attn_pre)), x, ffn_post, ffn_comb)
+    x = expand(ffn_branch(collapse(x, attn_pre, backend)), x, ffn_post, ffn_comb, backend)
     return x, ffn_pre
 
 
 def residual_block(module: nn.Module, x: torch.Tensor, pre: torch.Tensor | None, attn_branch, ffn_branch,
-                   iters: int, norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   iters: int, norm_eps: float, hc_eps: float,
+                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """A block on either stream: the plain pre-norm residual (``pre`` None: ``x + attn``, then ``+ ffn``, exactly
     the stack without hyper-connections) or ``staggered_block``."""
     if pre is None:
         x = x + attn_branch(x)
         return x + ffn_branch(x), None
-    return staggered_block(module, x, pre, attn_branch, ffn_branch, iters, norm_eps, hc_eps)
+    return staggered_block(module, x, pre, attn_branch, ffn_branch, iters, norm_eps, hc_eps, backend)
 
 
 def begin(h: torch.Tensor, hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -168,6 +168,6 @@ def begin(h: torch.Tensor, hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     return x, first_pre_mix(x)
 
 
-def end(x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+def end(x: torch.Tensor, pre: torch.Tensor | None, backend: str = "auto") -> torch.Tensor:
     """What a head reads of the stream: itself, or the copies collapsed with the last block's pre-mix."""
-    return x if pre is None else collapse(x, pre)
+    return x if pre is None else collapse(x, pre, backend)

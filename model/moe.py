@@ -29,6 +29,7 @@ from torch import nn
 import kernels
 from model.attention import linear
 from model.config import MoEArgs
+from model.lora import adapted
 from model.weights import matmul_weights
 
 GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what grouped_mm multiplies (no fp64)
@@ -96,7 +97,9 @@ class Expert(nn.Module):
         """x [..., dim]; ``weights`` (broadcast against [..., inter], e.g. [N, 1]) scale the hidden activation."""
         w13, w2 = matmul_weights([(self.w1, self.w3), self.w2], self.kernel_backend)
         gate, up = F.linear(x, w13).chunk(2, dim=-1)
-        return F.linear(clamped_swiglu(gate, up, self.swiglu_limit, weights).to(compute_dtype(x)), w2)
+        h = clamped_swiglu(adapted(gate, self.w1, x), adapted(up, self.w3, x), self.swiglu_limit, weights)
+        h = h.to(compute_dtype(x))
+        return adapted(F.linear(h, w2), self.w2, h)
 
 
 class RoutedExperts(nn.Module):
@@ -134,47 +137,70 @@ class RoutedExperts(nn.Module):
         (summing to M), ``weights`` [M] the rows' routing weights -> [M, dim] in the compute dtype.
 
         ``grouped``: one grouped_mm per matrix (default on CUDA), else a loop over the experts (default elsewhere,
-        and the only way in fp64); the two compute the same function."""
+        and the only way in fp64); the two compute the same function. Adapters (``lora``, ``model/lora.py``) run
+        beside each matrix by the same path, their stacks being experts-first like the weights."""
         dtype = compute_dtype(x)
         x, weights = x.to(dtype), weights.unsqueeze(-1)
-        w1, w2, w3 = (w.to(dtype) for w in (self.w1, self.w2, self.w3))  # a cast under autocast, else themselves
+        adapters = getattr(self, "lora", None)
+        stacks = {w: (getattr(self, w), *((adapters[w].A, adapters[w].B) if adapters else ())) for w in ROUTED_WEIGHTS}
+        stacks = {w: [t.to(dtype) for t in ts] for w, ts in stacks.items()}  # a cast under autocast, else themselves
         if grouped is None:
             grouped = x.device.type == "cuda" and dtype in GROUPED_MM_DTYPES
         if not grouped:
             bounds = [0, *counts.cumsum(0).tolist()]
-            return torch.cat([self._swiglu(x[lo:hi], weights[lo:hi], F.linear, w1[i], w2[i], w3[i])
+            return torch.cat([self._swiglu(x[lo:hi], weights[lo:hi], F.linear,
+                                           {w: [t[i] for t in ts] for w, ts in stacks.items()})
                               for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
-        if self.dim % 8 or self.inter_dim % 8:
-            raise ValueError(f"grouped_mm needs 16-byte rows: model.dim={self.dim} and model.moe.inter_dim="
-                             f"{self.inter_dim} must be multiples of 8")
+        rank = adapters["w1"].A.shape[1] if adapters else 0
+        if self.dim % 8 or self.inter_dim % 8 or rank % 8:
+            raise ValueError(f"grouped_mm needs 16-byte rows: model.dim={self.dim}, model.moe.inter_dim="
+                             f"{self.inter_dim}" + (f" and train.lora.rank={rank}" if adapters else "")
+                             + " must be multiples of 8")
         offsets = counts.cumsum(0, dtype=torch.int32)
 
         def grouped_linear(rows, weight):  # rows of expert e times weight[e]ᵀ, for every e at once
             return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
 
-        return self._swiglu(x, weights, grouped_linear, w1, w2, w3)
+        return self._swiglu(x, weights, grouped_linear, stacks)
 
-    def _swiglu(self, x, weights, matmul, w1, w2, w3):
-        h = clamped_swiglu(matmul(x, w1), matmul(x, w3), self.swiglu_limit, weights)
-        return matmul(h.to(x.dtype), w2)
+    def _swiglu(self, x, weights, matmul, stacks: dict[str, list[torch.Tensor]]):
+        """``stacks``: each matrix's ``[weight]`` or ``[weight, A, B]`` (an expert's, or the stacks for ``matmul``)."""
+        def project(rows, w):
+            weight, *low_rank = stacks[w]
+            y = matmul(rows, weight)
+            return y + self.lora[w](rows, matmul, *low_rank) if low_rank else y
+
+        h = clamped_swiglu(project(x, "w1"), project(x, "w3"), self.swiglu_limit, weights)
+        return project(h.to(x.dtype), "w2")
+
+
+def expert_key(j: int, name: str) -> str:
+    """The state-dict name of expert ``j``'s slice of stacked parameter ``name``: ``w1`` -> ``{j}.w1.weight``, its
+    adapter's ``lora.w1.A`` -> ``{j}.w1.lora.A`` (``model/lora.py``)."""
+    if name.startswith("lora."):
+        _, matrix, half = name.split(".")
+        return f"{j}.{matrix}.lora.{half}"
+    return f"{j}.{name}.weight"
 
 
 def _per_expert_state(module: RoutedExperts, state_dict, prefix, local_metadata) -> None:
-    """state_dict post-hook: each stacked matrix replaced by its experts' slices under the reference names."""
-    stacked = {name: state_dict.pop(prefix + name) for name in ROUTED_WEIGHTS}
+    """state_dict post-hook: each stacked matrix (and adapter) replaced by its experts' slices under the reference
+    names."""
+    names = [n for n, _ in module.named_parameters()]
+    stacked = {name: state_dict.pop(prefix + name) for name in names}
     for i, j in enumerate(module.expert_ids):
-        for name in ROUTED_WEIGHTS:
-            state_dict[f"{prefix}{j}.{name}.weight"] = stacked[name][i]
+        for name in names:
+            state_dict[prefix + expert_key(j, name)] = stacked[name][i]
 
 
 def _stack_expert_state(module: RoutedExperts, state_dict, prefix, local_metadata, strict, missing_keys,
                         unexpected_keys, error_msgs) -> None:
     """load_state_dict pre-hook: the held experts' per-expert entries stacked under the Parameters' names. A missing
     or misshapen expert is reported under its own name and keeps its current values."""
-    for name in ROUTED_WEIGHTS:
-        param, found = getattr(module, name), {}
+    for name, param in module.named_parameters():
+        found = {}
         for i, j in enumerate(module.expert_ids):
-            key = f"{prefix}{j}.{name}.weight"
+            key = prefix + expert_key(j, name)
             if key not in state_dict:
                 missing_keys.append(key)
             elif state_dict[key].shape != param.shape[1:]:
@@ -201,21 +227,23 @@ def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
 
 
 class LocalDispatch:
-    """Routed slots to the experts of this process: ``(experts, rows, counts, weights) -> rows`` with ``rows`` [M,
-    dim] sorted by expert, ``counts`` [E] per global expert, ``weights`` [M]; each output row is its slot's expert
-    output (weighted). Held experts only (a subset of ``expert_ids``): the others' slots are zeros, so a partition
+    """Routed slots to the experts of this process: ``(experts, rows, counts, weights, meanwhile) -> (rows,
+    meanwhile())`` with ``rows`` [M, dim] sorted by expert, ``counts`` [E] per global expert, ``weights`` [M]; each
+    output row is its slot's expert output (weighted). ``meanwhile`` is the work an exchange may overlap (the shared
+    expert); here it simply runs first. Held experts only (a subset of ``expert_ids``): the others' slots are zeros, so a partition
     of the experts over modules adds up to the whole routed part. The expert-parallel dispatch
     (``parallel/experts.py``) has the same signature and sends the slots to their experts' ranks and back."""
 
-    def __call__(self, experts: RoutedExperts, rows: torch.Tensor, counts: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts: RoutedExperts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+                 meanwhile=None) -> tuple[torch.Tensor, object]:
+        during = meanwhile() if meanwhile is not None else None
         held = experts.expert_ids
         if len(held) == counts.numel():
-            return experts(rows, counts, weights)
+            return experts(rows, counts, weights), during
         lo, hi = F.pad(counts.cumsum(0), (1, 0))[[held.start, held.stop]].tolist()  # a host sync
         out = rows.new_zeros(rows.shape[0], rows.shape[1], dtype=compute_dtype(rows))
         out[lo:hi] = experts(rows[lo:hi], counts[held.start:held.stop], weights[lo:hi])
-        return out
+        return out, during
 
 
 def combine(rows: torch.Tensor, token: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -255,10 +283,12 @@ class MoE(nn.Module):
             self.load += counts
         xc = x.to(compute_dtype(x))  # the experts' operand, cast once before it is gathered k times
         token = order // k
-        rows = self.dispatch(self.experts, xc.index_select(0, token), counts, weights.flatten()[order])
+        shared = (lambda: self.shared_experts(xc)) if self.args.n_shared_experts else None
+        slots, slot_weights = xc.index_select(0, token), weights.flatten()[order]
+        rows, y_shared = self.dispatch(self.experts, slots, counts, slot_weights, meanwhile=shared)
         y = combine(rows, token, x.shape[0])  # the gather's backward: an index_add
-        if self.args.n_shared_experts:
-            y = y + self.shared_experts(xc)
+        if y_shared is not None:
+            y = y + y_shared
         return y.to(x.dtype).view(shape)
 
     def take_load(self) -> torch.Tensor:

@@ -16,10 +16,12 @@ FIELDS = ("kv", "index_k", "topk", "candidates", "index_logits", "index_target")
 
 
 class SharedState:
-    def __init__(self, layout: Layout, doc_ids: torch.Tensor, window: int, collect_recall: bool = False):
+    def __init__(self, layout: Layout, doc_ids: torch.Tensor, window: int, collect_recall: bool = False,
+                 context=None):
+        """``context``: this forward computes one chunk of the rows ``doc_ids`` (``model/context.py``)."""
         self.layout = layout
         self.collect_recall = collect_recall
-        self.geometry = Geometry(doc_ids, window)
+        self.geometry = Geometry(doc_ids, window, context)
         self.kv: dict[int, torch.Tensor] = {}  # Full layer -> pre-RoPE latent [B,S,head_dim]
         self.index_k: dict[int, torch.Tensor] = {}  # Full layer -> post-RoPE index keys [B,S,index_head_dim]
         self.topk: dict[int, torch.Tensor] = {}  # index source -> selected entries [B,T,K], -1 empty
@@ -89,14 +91,17 @@ class SharedState:
 
     def _indexer_kl(self, source: int) -> torch.Tensor:
         target = (self.index_target[source] / len(self.layout.readers(source))).detach()
-        return indexer_kl(target, self.index_logits[source])
+        return indexer_kl(target, self.index_logits[source], self.geometry.context)
 
 
-def indexer_kl(target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Mean over queries with a selection of KL(target || softmax(logits)) on the selected slots (-inf = empty)."""
+def indexer_kl(target: torch.Tensor, logits: torch.Tensor, context=None) -> torch.Tensor:
+    """Mean over queries with a selection of KL(target || softmax(logits)) on the selected slots (-inf = empty).
+    With a ``context`` the queries are one chunk's and the mean is over the whole rows' queries: the chunk's share,
+    which the chunks' shares add up to."""
     valid = logits > float("-inf")
     log_q = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)).masked_fill(~valid, -1e30),
                           dim=-1)
     terms = torch.where(valid & (target > 0), torch.xlogy(target, target) - target * log_q, 0.0)
     has_selection = valid.any(-1)
-    return terms.sum(-1)[has_selection].sum() / has_selection.sum().clamp_min(1)
+    count = has_selection.sum() if context is None else context.total(has_selection.sum())
+    return terms.sum(-1)[has_selection].sum() / count.clamp_min(1)

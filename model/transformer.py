@@ -33,6 +33,7 @@ from model.dense import DenseAttention
 from model.dspark import DSpark, DSparkOutput
 from model.engram import Engram, EngramHash, EngramTable
 from model.layout import Layout, LayerPlan
+from model.lora import adapted
 from model.moe import ROUTED_WEIGHTS, MoE, update_bias
 from model.norm import RMSNorm
 from model.state import SharedState
@@ -48,7 +49,12 @@ class FeedForward(nn.Module):
     def forward(self, x):
         w13, w2 = matmul_weights([(self.w1, self.w3), self.w2], self.kernel_backend)
         swiglu = kernels.ops(self.kernel_backend, x.device).swiglu
-        return F.linear(swiglu(F.linear(x, w13)), w2)  # w1 and w3: one GEMM, [gate | up]
+        gate_up = F.linear(x, w13)  # w1 and w3: one GEMM, [gate | up]
+        if hasattr(self.w1, "lora") or hasattr(self.w3, "lora"):
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate_up = torch.cat([adapted(gate, self.w1, x), adapted(up, self.w3, x)], dim=-1)
+        h = swiglu(gate_up)
+        return adapted(F.linear(h, w2), self.w2, h)
 
 
 def make_ffn(args: ModelArgs, moe=None, dispatch=None) -> nn.Module:
@@ -114,7 +120,7 @@ class Block(nn.Module):
             produced["dspark_feature"] = (x if pre is None else x.mean(2)).detach()
         args = self.args
         x, pre = hyper.residual_block(self, x, pre, attention, ffn, args.hc_sinkhorn_iters, args.norm_eps,
-                                      args.hc_eps)
+                                      args.hc_eps, args.kernel_backend)
         return x, pre, produced
 
 
@@ -146,6 +152,7 @@ class Transformer(nn.Module):
         layout.check_candidate_capacity(args.index_topk)
         args.check_stack(layout.n_layers)
         self.args, self.layout = args, layout
+        self.moves_biases = True  # the balance steps move the routing biases (False: a frozen base, model/lora.py)
         layer_ids = range(layout.n_layers) if layer_ids is None else layer_ids
         self.has_embed, self.has_head = layer_ids.start == 0, layer_ids.stop == layout.n_layers
         if self.has_embed:
@@ -167,12 +174,17 @@ class Transformer(nn.Module):
             init_parameters(self.state_dict(keep_vars=True).items(), args, layout.n_layers, seed, self.row_shards())
 
     def new_state(self, doc_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
-                  collect_recall: bool = False) -> SharedState:
-        """The forward's shared state; ``input_ids`` when this slice hashes n-grams or trains the draft head."""
-        state = SharedState(self.layout, doc_ids, self.args.window_size, collect_recall)
+                  collect_recall: bool = False, context=None) -> SharedState:
+        """The forward's shared state; ``input_ids`` when this slice hashes n-grams or trains the draft head.
+        ``context``: the forward computes one chunk of the rows (``model/context.py``); ``doc_ids`` and
+        ``input_ids`` are the whole rows'."""
+        if context is not None and (self.run_dspark or self.args.attention == "dense"):
+            raise ValueError("a forward over one chunk of each row (context) runs CSA2 attention without the draft "
+                             "head only (train/engine.py's check_context says why)")
+        state = SharedState(self.layout, doc_ids, self.args.window_size, collect_recall, context)
         state.input_ids = input_ids
-        if self.engram_hash is not None:
-            ids = self.engram_hash(input_ids, state.geometry.tokens.doc_start)
+        if self.engram_hash is not None:  # look-back reaches into earlier chunks: hash the row, keep the chunk
+            ids = state.geometry.chunk_of(self.engram_hash(input_ids, state.geometry.row_tokens.doc_start))
             state.engram_ids = {layer: ids[:, :, k] for k, layer in enumerate(self.args.engram.layers)}
         return state
 
@@ -192,7 +204,7 @@ class Transformer(nn.Module):
         return x, pre
 
     def logits(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
-        logits = self.head(self.norm(hyper.end(x, pre)))
+        logits = self.head(self.norm(hyper.end(x, pre, self.args.kernel_backend)))
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def draft(self, state: SharedState, logits: torch.Tensor,
@@ -212,10 +224,10 @@ class Transformer(nn.Module):
                 if isinstance(module, EngramTable)}
 
     def expert_shards(self) -> dict[str, tuple[int, int]]:
-        """The stacked routed-expert parameters when this process holds a range of the experts (expert
-        parallelism): name -> (first expert held, experts of the MoE). Empty when every MoE holds all its experts."""
+        """The stacked routed-expert parameters (their adapters too: ``model/lora.py``) when this process holds a
+        range of the experts (expert parallelism): name -> (first expert held, experts of the MoE). Empty when every MoE holds all its experts."""
         return {f"{name}.experts.{w}": (moe.experts.expert_ids.start, moe.args.n_routed_experts)
-                for name, moe in self.experts().items() for w in ROUTED_WEIGHTS
+                for name, moe in self.experts().items() for w, _ in moe.experts.named_parameters()
                 if len(moe.experts.expert_ids) < moe.args.n_routed_experts}
 
     def experts(self) -> dict[str, MoE]:
@@ -234,17 +246,19 @@ class Transformer(nn.Module):
         loads = torch.cat([moe.take_load() for moe in moes.values()])
         all_reduce(loads)
         loads = dict(zip(moes, loads.split([moe.gate.bias.numel() for moe in moes.values()])))
-        if apply:
+        if apply and self.moves_biases:
             for name, moe in moes.items():
                 update_bias(moe.gate, loads[name], moe.args.bias_update_rate)
         return loads
 
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                collect_recall: bool = False) -> ModelOutput:
-        """Logits and per-source indexer losses; ``collect_recall`` adds each reading layer's index recall."""
+                collect_recall: bool = False, context=None) -> ModelOutput:
+        """Logits and per-source indexer losses; ``collect_recall`` adds each reading layer's index recall.
+        With a ``context`` (``model/context.py``) the logits are those of its chunk's tokens and each indexer loss
+        is the chunk's share of the rows' (the chunks' shares add up to it)."""
         state = self.new_state(torch.zeros_like(input_ids) if doc_ids is None else doc_ids, input_ids,
-                               collect_recall)
-        x, pre = self.run_layers(*self.embed_tokens(input_ids), state)
+                               collect_recall, context)
+        x, pre = self.run_layers(*self.embed_tokens(state.geometry.chunk_of(input_ids)), state)
         logits = self.logits(x, pre)
         draft = self.draft(state, logits)
         return ModelOutput(logits, state.indexer_losses, state.index_recall, draft.losses if draft else {})
@@ -301,9 +315,13 @@ def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int,
                 _draw_rows(p, *shard, std, seed, name, device)
 
 
+def seeded_generator(seed: int, key: str, device: torch.device) -> torch.Generator:
+    """The generator of the tensor named ``key``: seeded by (seed, name) alone, whatever else a process builds."""
+    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+
+
 def _normal(shape, std: float, seed: int, name: str, device: torch.device, chunk: int | None = None) -> torch.Tensor:
-    key = name if chunk is None else f"{name}#{chunk}"
-    generator = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+    generator = seeded_generator(seed, name if chunk is None else f"{name}#{chunk}", device)
     return torch.empty(shape, dtype=torch.float32, device=device).normal_(std=std, generator=generator)
 
 

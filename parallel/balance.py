@@ -140,7 +140,7 @@ def split_stages(cfg, dtype: torch.dtype, microbatches: int, data_parallel: int,
         times.check(args, layout, seq_len, micro_batch, par.recompute)
     costs = times.layer_costs(layout) if times else layer_costs(args, layout, seq_len)
     memory = estimate(args, layout, micro_batch, seq_len, dtype, recompute, data_parallel, par.zero_stage, cuda,
-                      par.index_k, measured=times)
+                      par.index_k, measured=times, expert_parallel=int(par.get("expert_parallel", 1)))
 
     keep = kept_per_stage(par.get("keep_attention_layers", 0), stages)
 

@@ -4,7 +4,9 @@ One optimizer step consumes ``train.global_batch_size`` rows over all data-paral
 pushes ``microbatches`` microbatches of ``data.micro_batch_size`` rows through its pipeline (1F1B), so::
 
     global_batch_size = micro_batch_size x microbatches x data-parallel replicas
-    data-parallel replicas = launched processes / parallel.pipeline_stages
+    data-parallel replicas = launched processes / (parallel.pipeline_stages x parallel.context_parallel)
+
+(the ``parallel.context_parallel`` ranks of a replica share its rows, one chunk of each: ``parallel/context.py``).
 
 1F1B needs at least one microbatch per stage, and a stage idles for a share (P-1)/(M+P-1) of the step (the
 "bubble") with P stages and M microbatches. A user sets the global batch (``train.global_batch_size``) or the
@@ -13,6 +15,8 @@ fewest that fill it. A number the user sets is never changed; one that cannot be
 which values would work.
 """
 from dataclasses import dataclass
+
+from parallel.context import check_context_world
 
 
 class BatchConfigError(ValueError):
@@ -26,6 +30,7 @@ class BatchPlan:
     data_parallel: int  # replicas of the pipeline
     stages: int  # pipeline stages
     source: str  # which setting fixed the microbatches, for the printout
+    context: int = 1  # ranks that split each row (parallel.context_parallel)
 
     @property
     def global_batch(self) -> int:
@@ -40,6 +45,8 @@ class BatchPlan:
     def describe(self) -> str:
         line = (f"batch: {self.global_batch} rows per step = {self.micro_batch} rows x {self.microbatches} "
                 f"microbatch(es) x {self.data_parallel} data-parallel replica(s) ({self.source})")
+        if self.context > 1:
+            line += f"; each row split over {self.context} context-parallel ranks"
         if self.stages > 1:
             line += f"; 1F1B bubble {self.bubble:.0%} ((P-1)/(M+P-1): more microbatches shrink it)"
         return line
@@ -48,7 +55,8 @@ class BatchPlan:
 def batch_plan(cfg, world_size: int) -> BatchPlan:
     """The plan of a composed job config (``data``, ``parallel`` and ``train`` groups) on ``world_size`` processes."""
     return plan_batch(cfg.data.micro_batch_size, cfg.parallel.pipeline_stages, world_size,
-                      cfg.train.get("global_batch_size"), cfg.train.get("grad_accum_steps"))
+                      cfg.train.get("global_batch_size"), cfg.train.get("grad_accum_steps"),
+                      cfg.parallel.get("context_parallel", 1))
 
 
 def data_parallel_size(stages: int, world_size: int) -> int:
@@ -62,9 +70,9 @@ def data_parallel_size(stages: int, world_size: int) -> int:
 
 
 def plan_batch(micro_batch: int, stages: int, world_size: int, global_batch: int | None = None,
-               microbatches: int | None = None) -> BatchPlan:
+               microbatches: int | None = None, context: int = 1) -> BatchPlan:
     """The step's geometry from ``train.global_batch_size`` and/or ``train.grad_accum_steps`` (None: unset)."""
-    replicas = data_parallel_size(stages, world_size)
+    replicas = check_context_world(context, stages, data_parallel_size(stages, world_size) * stages)
     _check_positive("data.micro_batch_size", micro_batch)
     for name, value in (("train.global_batch_size", global_batch), ("train.grad_accum_steps", microbatches)):
         if value is not None:
@@ -81,12 +89,13 @@ def plan_batch(micro_batch: int, stages: int, world_size: int, global_batch: int
             raise BatchConfigError(
                 f"train.global_batch_size={global_batch} means {derived} microbatch(es) per step here, but "
                 f"train.grad_accum_steps={microbatches} — set only one of them")
-        plan = BatchPlan(micro_batch, derived, replicas, stages, f"train.global_batch_size={global_batch}")
+        plan = BatchPlan(micro_batch, derived, replicas, stages, f"train.global_batch_size={global_batch}", context)
     elif microbatches is not None:
-        plan = BatchPlan(micro_batch, microbatches, replicas, stages, f"train.grad_accum_steps={microbatches}")
+        plan = BatchPlan(micro_batch, microbatches, replicas, stages, f"train.grad_accum_steps={microbatches}",
+                         context)
     else:
         plan = BatchPlan(micro_batch, stages, replicas, stages,
-                         "by default one per stage; train.global_batch_size sets it")
+                         "by default one per stage; train.global_batch_size sets it", context)
     if plan.microbatches < stages:
         raise BatchConfigError(
             f"{plan.microbatches} microbatch(es) per step ({plan.source}) is fewer than parallel.pipeline_stages="

@@ -39,6 +39,7 @@ from deepspeed.utils import groups as ds_groups
 from model.config import ModelArgs
 from model.groups import CLIP_GROUPS, GROUPS, clip_group, param_group
 from model.layout import Layout
+from parallel.context import context_shard
 from parallel.p2p import EagerSends, StageLinks, boundary_groups
 from parallel.experts import expert_groups
 from parallel.partition import StagePlan
@@ -54,21 +55,31 @@ class CSA2PipelineModule(PipelineModule):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn,
                  micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int,
                  recompute_layers: int, keep_attention_layers: tuple[int, ...] | None = None, token_map=None,
-                 run_dspark: bool = False, expert_parallel: int = 1):
+                 run_dspark: bool = False, expert_parallel: int = 1, expert_overlap: bool = True,
+                 context_parallel: int = 1, lora=None):
         """``keep_attention_layers``: per stage, how many of its leading recomputed layers keep their attention
         outputs (none when not given); ``token_map`` and ``run_dspark``: ``PipelineStage``'s; ``expert_parallel``:
-        ranks of a stage's data-parallel group that split the routed experts (``parallel/experts.py``)."""
+        ranks of a stage's data-parallel group that split the routed experts (``parallel/experts.py``), with the
+        shared expert overlapping the all-to-all when ``expert_overlap``; ``context_parallel``: ranks of a stage's
+        data-parallel group that split each row (``parallel/context.py``: consecutive ranks, sharing the rows);
+        ``lora``: ``PipelineStage``'s (only the adapters train: the frozen base is in no optimizer, reduction or
+        checkpoint)."""
         os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
         keep = keep_attention_layers or (0,) * len(plan.stages)
         stages, replicas = len(plan.stages), dist.get_world_size() // len(plan.stages)
         tables = self._table_rows(stages, replicas) if args.engram.layers else None
-        self.expert_groups = expert_groups(stages, replicas, expert_parallel) if expert_parallel > 1 else None
+        self.expert_groups = (expert_groups(stages, replicas, expert_parallel, expert_overlap)
+                              if expert_parallel > 1 else None)
         dispatch = self.expert_groups.dispatch if self.expert_groups else None
+        self.context = context_shard(stages, replicas, context_parallel, seq_len)
         specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
-                           recompute_layers, keep[s], token_map, run_dspark, tables, dispatch) for s in range(stages)]
+                           recompute_layers, keep[s], token_map, run_dspark, tables, dispatch, self.context,
+                           lora)
+                 for s in range(stages)]
         super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method="uniform")
         laid = set(tables[0].ranks if tables else ()) | set(
-            dispatch.ranks + self.expert_groups.data_ranks if dispatch else ())
+            dispatch.ranks + self.expert_groups.data_ranks if dispatch else ()) | set(
+            self.context.ranks if self.context else ())
         if not laid <= set(self._grid.get_data_parallel_group_ranks()):  # the topology's rank order, as assumed
             raise RuntimeError(f"groups laid over ranks {sorted(laid)} are not inside DeepSpeed's data-parallel "
                                f"group of this stage, {self._grid.get_data_parallel_group_ranks()}")
@@ -103,17 +114,17 @@ class CSA2PipelineModule(PipelineModule):
         return {**self.dense_named_parameters(), **self.expert_named_parameters()}
 
     def dense_named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """The stage's own parameters but its row-sharded tables and expert-parallel experts (under the full
+        """The stage's own trained parameters but its row-sharded tables and expert-parallel experts (under the full
         model's names): what the data-parallel reduction sums and ZeRO partitions over the whole data-parallel
         group."""
         return {n: p for n, p in self.stage.model.named_parameters()
-                if n not in self.row_shards and n not in self.expert_shards}
+                if p.requires_grad and n not in self.row_shards and n not in self.expert_shards}
 
     def expert_named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's routed experts under expert parallelism (stacked): reduced and partitioned over the ranks
         that hold the same experts."""
         named = dict(self.stage.model.named_parameters())
-        return {n: named[n] for n in self.expert_shards}
+        return {n: named[n] for n in self.expert_shards if named[n].requires_grad}
 
     def table_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The row-sharded tables that train (sparse gradients, ``torch.optim.SparseAdam``)."""
@@ -133,6 +144,8 @@ class CSA2PipelineModule(PipelineModule):
         os.makedirs(save_dir, exist_ok=True)
         state = self.stage.owned_state_dict()
         for name, (start, rows) in self.row_shards.items():
+            if name not in state:  # a frozen table under LoRA: not checkpointed
+                continue
             stop = min(start + state[name].shape[0], rows)  # the last shard's padding is not part of the table
             if stop > start:
                 torch.save({"name": name, "rows": (start, stop), "values": state[name][:stop - start].clone()},
@@ -178,11 +191,13 @@ class CSA2PipelineModule(PipelineModule):
             state.update(found)
         pieces = saved_rows(load_dir)
         for name, (start, rows) in self.row_shards.items():
+            if name not in own:  # a frozen table under LoRA: not checkpointed
+                continue
             shard = own[name].detach().clone()
             stop = min(start + shard.shape[0], rows)
             shard[:stop - start] = join_rows(name, start, stop, pieces.get(name, []))
             state[name] = shard
-        self.stage.model.load_state_dict(state)
+        self.stage.load_owned_state_dict(state)
 
 
 def _squares(grad: torch.Tensor | None) -> torch.Tensor:
@@ -239,6 +254,21 @@ class CSA2PipelineEngine(PipelineEngine):
         self.last_step_skipped = False
         self._shadow_links = self._link_shadows()
         self._replica_links = self._link_draft_embedding()
+
+    @property
+    def context_parallel(self) -> int:
+        """Ranks that split each row (``parallel.context_parallel``), consecutive in the data-parallel group."""
+        return self.module.context.size if self.module.context is not None else 1
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas D of the pipeline (the data-parallel group's C x D ranks / C): rows are theirs."""
+        return self.dp_world_size // self.context_parallel
+
+    @property
+    def replica_id(self) -> int:
+        """Which replica's rows this rank reads (the C ranks of a context group read the same)."""
+        return self.grid.data_parallel_id // self.context_parallel
 
     def _link_stages(self) -> StageLinks:
         module: CSA2PipelineModule = self.module

@@ -23,33 +23,41 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from model.config import ModelArgs
+from model.layout import Layout
+
 
 class _AllToAll(torch.autograd.Function):
     """``send[r]`` leading rows of ``x`` (rank order) to rank ``r`` of ``group``, ``receive[r]`` rows from it; the
-    gradient goes back the same way."""
+    gradient goes back the same way. With a ``pending`` list the forward's exchange is only started (its work is
+    appended there): the caller waits on it before it reads the output."""
 
     @staticmethod
-    def forward(ctx, x, send: list[int], receive: list[int], group):
+    def forward(ctx, x, send: list[int], receive: list[int], group, pending: list | None = None):
         ctx.send, ctx.receive, ctx.group = send, receive, group
-        return exchange(x, send, receive, group)
+        return exchange(x, send, receive, group, pending)
 
     @staticmethod
     def backward(ctx, grad):
-        return exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+        return exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None, None
 
 
-def exchange(x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
+def exchange(x: torch.Tensor, send: list[int], receive: list[int], group, pending: list | None = None) -> torch.Tensor:
     out = x.new_empty((sum(receive), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+    work = dist.all_to_all_single(out, x.contiguous(), receive, send, group=group, async_op=pending is not None)
+    if pending is not None:
+        pending.append(work)
     return out
 
 
 class ExpertAllToAll:
     """The dispatch of one expert-parallel group (``group``, its global ``ranks`` in group order): ``(experts, rows,
-    counts, weights) -> rows`` as ``model.moe.LocalDispatch``, with this rank's ``experts`` holding its range."""
+    counts, weights, meanwhile) -> (rows, meanwhile())`` as ``model.moe.LocalDispatch``, with this rank's
+    ``experts`` holding its range. ``overlap``: ``meanwhile`` (the shared expert) runs while the slots are on their
+    way to the experts' ranks (on CUDA, NCCL's stream beside the compute stream); off, after the exchange."""
 
-    def __init__(self, group, ranks: list[int]):
-        self.group, self.ranks = group, list(ranks)
+    def __init__(self, group, ranks: list[int], overlap: bool = True):
+        self.group, self.ranks, self.overlap = group, list(ranks), overlap
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
 
     def experts_of(self, n_experts: int) -> range:
@@ -60,17 +68,21 @@ class ExpertAllToAll:
         held = n_experts // self.world
         return range(self.rank * held, (self.rank + 1) * held)
 
-    def __call__(self, experts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, experts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor, meanwhile=None):
         world, held = self.world, len(experts.expert_ids)
         per_expert = counts.view(world, held)  # rows for each rank's experts, by destination
         received = exchange(per_expert, [1] * world, [1] * world, self.group)  # [source, my expert]
         send, receive = per_expert.sum(1).tolist(), received.sum(1).tolist()
-        slots = _AllToAll.apply(rows, send, receive, self.group)
-        slot_weights = _AllToAll.apply(weights.unsqueeze(-1), send, receive, self.group).squeeze(-1)
+        pending = [] if self.overlap else None
+        slots = _AllToAll.apply(rows, send, receive, self.group, pending)
+        slot_weights = _AllToAll.apply(weights.unsqueeze(-1), send, receive, self.group, pending).squeeze(-1)
+        during = meanwhile() if meanwhile is not None else None
+        for work in pending or ():
+            work.wait()
         order = expert_major(received)  # source-major rows -> grouped by my expert
         out = experts(slots[order], received.sum(0), slot_weights[order])
         back = torch.empty_like(out).index_copy_(0, order, out)  # the inverse permutation
-        return _AllToAll.apply(back, receive, send, self.group)
+        return _AllToAll.apply(back, receive, send, self.group), during
 
 
 def expert_major(counts: torch.Tensor) -> torch.Tensor:
@@ -93,9 +105,9 @@ class ExpertGroups:
     data_ranks: list[int]
 
 
-def expert_groups(stages: int, replicas: int, expert_parallel: int) -> ExpertGroups:
+def expert_groups(stages: int, replicas: int, expert_parallel: int, overlap: bool = True) -> ExpertGroups:
     """Every stage's expert-parallel and expert-data-parallel groups, made by every rank in the same order (as
-    ``torch.distributed.new_group`` requires); returns this rank's."""
+    ``torch.distributed.new_group`` requires); returns this rank's (``overlap``: ``ExpertAllToAll``'s)."""
     if expert_parallel < 1 or replicas % expert_parallel:
         raise ValueError(f"parallel.expert_parallel={expert_parallel} does not divide the {replicas} data-parallel "
                          f"replicas of a stage: use one of {[e for e in range(1, replicas + 1) if replicas % e == 0]}")
@@ -106,10 +118,33 @@ def expert_groups(stages: int, replicas: int, expert_parallel: int) -> ExpertGro
             ranks = [base + first + r for r in range(expert_parallel)]
             group = dist.new_group(ranks)
             if me in ranks:
-                mine["dispatch"] = ExpertAllToAll(group, ranks)
+                mine["dispatch"] = ExpertAllToAll(group, ranks, overlap)
         for r in range(expert_parallel):
             ranks = [base + first + r for first in range(0, replicas, expert_parallel)]
             group = dist.new_group(ranks)
             if me in ranks:
                 mine["data"], mine["data_ranks"] = group, ranks
     return ExpertGroups(**mine)
+
+
+def routed_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, itemsize: int,
+                 dspark: bool = False) -> list[float]:
+    """Bytes of one exchange of each layer's routed rows per microbatch (plans and the schedule simulator): the
+    rank's routing slots (tokens x top-k) x dim in the compute dtype (``itemsize``), summed over the layer's MoEs:
+    its FFN, and on the last layer the draft head's blocks when it trains (``dspark``: tokens x block_size slots of
+    its top-k each). A MoE makes four exchanges a microbatch (dispatch and combine, and their gradients back) and
+    two more when its layer is recomputed; of each, (E - 1) / E of the bytes leave the rank under uniform routing.
+    The routing weights (4 B a row) and the counts are left out (under 0.1% at dim 5120)."""
+    if args.ffn != "moe":
+        return [0.0] * layout.n_layers
+    tokens = micro_batch * seq_len
+    rows = [float(tokens * args.moe.n_activated_experts)] * layout.n_layers
+    if dspark and args.dspark.blocks:
+        d = args.dspark
+        rows[-1] += d.blocks * tokens * d.block_size * d.n_activated_experts
+    return [r * args.dim * itemsize for r in rows]
+
+
+def leaving(expert_parallel: int) -> float:
+    """The share of a rank's routed rows that goes to other ranks of its group under uniform routing: (E - 1) / E."""
+    return (expert_parallel - 1) / expert_parallel

@@ -2,8 +2,9 @@
 
 A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
 - state, per parameter: fp32 weight and gradient (8 B) and AdamW's two fp32 moments (8 B, divided by the
-  data-parallel size under ZeRO-1); an Engram table's rows are sharded over the data-parallel ranks, with no
-  dense gradient (it is sparse) and sparse Adam's two moments when the table trains;
+  data-parallel size under ZeRO-1); under expert parallelism a rank holds 1/E of the routed experts, whose
+  moments ZeRO-1 divides by D / E (the ranks holding the same experts); an Engram table's rows are sharded over
+  the data-parallel ranks, with no dense gradient (it is sparse) and sparse Adam's two moments when it trains;
 - casts: under bf16 autocast the bf16 copy of every weight of the stage lives until its forward ends (2 B per
   parameter); it is gone before a backward starts (a recomputed layer casts again, inside its transient);
 - retained activations, per microbatch in flight: under 1F1B stage s holds min(M, P - s) microbatches between their
@@ -20,6 +21,7 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
 The analytic per-layer figures are estimates; a benchmark's measured figures (``LayerTimes.retained_bytes`` and
 ``backward_bytes`` per layer mode, ``parallel/balance.py``) replace them where given.
 """
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,25 +36,36 @@ GIB = 2 ** 30
 KERNEL_WORKSPACE = 4 * GIB  # the sparse-attention backward's chunk buffer (docs/KERNELS.md), on CUDA
 
 
-def layer_parameters(args: ModelArgs, layout: Layout, tables: bool = False) -> list[int]:
-    """Parameters of each layer, the embedding counted in layer 0 and the final norm, head and draft head in the
-    last; the Engram tables apart (``tables``: only them; else everything but them)."""
+@functools.cache
+def parameter_counts(args: ModelArgs, layout: Layout) -> dict[str, tuple[int, ...]]:
+    """Parameters of each layer by kind: ``tables`` (Engram tables), ``experts`` (routed experts, the stacked
+    ``ffn.experts.w*`` of the layer's MoE and, in the last layer, of the draft head's), ``dense`` (the rest); the
+    embedding counted in layer 0, the final norm, head and draft head in the last. Built once per model (meta)."""
     with torch.device("meta"):
         model = Transformer(args, layout, init=False)
-    counts = [0] * layout.n_layers
+    counts = {kind: [0] * layout.n_layers for kind in ("dense", "tables", "experts")}
     for name, p in model.named_parameters():
-        if (".engram.embed." in name) != tables:
-            continue
+        kind = "tables" if ".engram.embed." in name else "experts" if ".ffn.experts." in name else "dense"
         layer = int(name.split(".")[1]) if name.startswith("layers.") else (0 if name.startswith("embed.") else -1)
-        counts[layer] += p.numel()
-    return counts
+        counts[kind][layer] += p.numel()
+    return {kind: tuple(c) for kind, c in counts.items()}
 
 
-def _saved_bytes(args: ModelArgs, layout: Layout, layer: int, tokens: int, itemsize: int) -> float:
+def layer_parameters(args: ModelArgs, layout: Layout, tables: bool = False) -> list[int]:
+    """Parameters of each layer (``parameter_counts``): the Engram tables only (``tables``), else everything but
+    them."""
+    counts = parameter_counts(args, layout)
+    return list(counts["tables"]) if tables else [d + e for d, e in zip(counts["dense"], counts["experts"])]
+
+
+def _saved_bytes(args: ModelArgs, layout: Layout, layer: int, tokens: int, itemsize: int,
+                 routed_rows: float = 1.0) -> float:
     """Tensors a layer's backward reads when it is not recomputed (inputs of its matmuls, norms and activations):
     the normed inputs (2 x dim), the low-rank query (q_lora), q and the attention output (2 x heads x head_dim),
     the window latent (head_dim), the grouped output's input (o_groups x o_lora) and the FFN's three hidden tensors
-    (3 x inter_dim), in the compute dtype; the indexer's query side for a selecting layer."""
+    (3 x inter_dim), in the compute dtype; the indexer's query side for a selecting layer. ``routed_rows``: the
+    routed rows a rank's experts compute, per token and activated expert (1 on average, under expert parallelism
+    too: a rank receives as many rows as its tokens send out; more on a rank whose experts are the busiest)."""
     width = (2 * args.dim + args.q_lora_rank + 2 * args.n_heads * args.head_dim + args.head_dim
              + args.o_groups * args.o_lora_rank)
     if layout.plan[layer].selects:
@@ -62,7 +75,7 @@ def _saved_bytes(args: ModelArgs, layout: Layout, layer: int, tokens: int, items
         width += 3 * args.inter_dim
     else:  # per activated expert: its sorted input and hidden output, the fp32 gate and up values; the scores
         moe = args.moe
-        active = moe.n_activated_experts + moe.n_shared_experts
+        active = moe.n_activated_experts * routed_rows + moe.n_shared_experts
         width += active * (args.dim + moe.inter_dim)
         fp32 += active * 2 * moe.inter_dim + moe.n_routed_experts
     if args.hc_mult > 1:  # the normalised stream of each sublayer's mixes, and what expand reads of the stream
@@ -121,26 +134,40 @@ def kept_per_stage(keep, n_stages: int) -> tuple[int, ...]:
 
 def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype,
              recompute_layers: int, data_parallel: int = 1, zero_stage: int = 1, cuda: bool = True,
-             index_k: str = "shadow", measured=None) -> MemoryModel:
+             index_k: str = "shadow", measured=None, expert_parallel: int = 1, routed_rows: float = 1.0) -> MemoryModel:
     """The analytic model of a job's layers. ``recompute_layers`` counts from each stage's first layer; since the
     split is not known yet, layers are treated as recomputed when every layer is (``recompute=layer``) and as not
     recomputed otherwise (an upper bound for ``block``). ``measured``: a ``LayerTimes`` whose per-mode bytes
-    replace the analytic retained and transient figures."""
-    params = layer_parameters(args, layout)
-    tables = layer_parameters(args, layout, tables=True)  # row-sharded over the stage's data-parallel ranks
+    replace the analytic retained and transient figures.
+
+    ``expert_parallel`` (E, ``parallel/experts.py``): a rank holds the dense parameters and 1/E of every MoE's
+    routed experts; ZeRO-1 partitions the dense AdamW state over the D data-parallel ranks and the experts' over the
+    D / E ranks holding the same experts. Its routed rows are on average its own tokens x top-k (``routed_rows``
+    times that on the busiest rank); with E > 1 the all-to-all's two receive buffers (the rows from the other ranks,
+    their outputs back), in the compute dtype, live while a MoE layer's forward or backward runs (transient)."""
+    counts = parameter_counts(args, layout)
+    tables = counts["tables"]  # row-sharded over the stage's data-parallel ranks
+    if data_parallel % expert_parallel:
+        raise ValueError(f"parallel.expert_parallel={expert_parallel} does not divide the {data_parallel} "
+                         "data-parallel replicas of a stage")
+    held = [e / expert_parallel for e in counts["experts"]]
     per_row = 4 + (8 if args.engram.train else 0)  # fp32 weight, sparse Adam's moments (no dense gradient)
-    state = [n * (8 + 8 / (data_parallel if zero_stage == 1 else 1)) + t * per_row / data_parallel
-             for n, t in zip(params, tables)]
-    casts = [n * 2 if dtype == torch.bfloat16 else 0 for n in params]
+    dense_shards, expert_shards = (data_parallel, data_parallel // expert_parallel) if zero_stage == 1 else (1, 1)
+    state = [n * (8 + 8 / dense_shards) + e * (8 + 8 / expert_shards) + t * per_row / data_parallel
+             for n, e, t in zip(counts["dense"], held, tables)]
+    casts = [(n + e) * 2 if dtype == torch.bfloat16 else 0 for n, e in zip(counts["dense"], held)]
     tokens = micro_batch * seq_len
     produced = _produced_bytes(args, layout, micro_batch, seq_len, dtype)
     all_recomputed = recompute_layers >= layout.n_layers
+    exchange = 0.0
+    if expert_parallel > 1 and args.ffn == "moe":
+        exchange = 2 * tokens * args.moe.n_activated_experts * routed_rows * args.dim * dtype.itemsize
     retained, transient = [], []
     for i in range(layout.n_layers):
-        saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize)
+        saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize, routed_rows)
         stream = 4 * tokens * args.dim * args.hc_mult + (4 * tokens * args.hc_mult if args.hc_mult > 1 else 0)
         retained.append(stream + produced[i] + (0 if all_recomputed else saved))
-        transient.append((saved if all_recomputed else 0) + (KERNEL_WORKSPACE if cuda else 0))
+        transient.append((saved if all_recomputed else 0) + exchange + (KERNEL_WORKSPACE if cuda else 0))
     if measured is not None:
         retained, transient = measured.memory(layout, retained, transient)
     boundary = [0.0] * layout.n_layers

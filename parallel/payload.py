@@ -51,24 +51,31 @@ class Field:
 
 
 def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batch: int, seq_len: int,
-                    dtype: torch.dtype, index_k: str = "shadow", dspark: bool = False) -> list[Field]:
+                    dtype: torch.dtype, index_k: str = "shadow", dspark: bool = False,
+                    context: int = 1) -> list[Field]:
     """Fields that cross the boundary after ``last_layer``: produced at or before it, last used after it.
 
     ``dtype`` is the compute dtype of projections (bf16 under autocast); the residual stream ``h`` stays fp32
     (fp32 master weights, the embedding's dtype), and so does the latent of an m > 1 Full layer (its gated
     pooling runs in fp32). With hyper-connections ``h`` holds the copies [B,T,hc,D] and ``pre_mix`` the pending
     pre-mix of the next block's attention. The token ids cross when a later layer hashes n-grams or the draft
-    head trains (``dspark``: it also needs the features of its target layers up to here)."""
-    B, T, K = micro_batch, seq_len, args.index_topk
+    head trains (``dspark``: it also needs the features of its target layers up to here).
+
+    With ``context`` > 1 ranks per row (``parallel/context.py``) a rank sends its chunk: the per-token fields hold
+    ``seq_len / context`` tokens, while the ids (positions, documents and n-gram look-back are the row's) and the
+    row's gathered compressed entries (every chunk's queries read them) stay whole; each rank's gradient of the
+    entries comes back and the earlier stage's all-gather sums them over the chunks."""
+    B, T, K = micro_batch, seq_len // context, args.index_topk
+    row = seq_len
     ratio = layout.compress_ratios
     n_blocks = layout.candidate_topk_blocks
-    block_id = torch.int16 if -(-T // layout.candidate_block_size) < 2 ** 15 else torch.int32
+    block_id = torch.int16 if -(-row // layout.candidate_block_size) < 2 ** 15 else torch.int32
     specs = {  # name -> (shape, model dtype, wire dtype, differentiable)
-        "kv": (lambda s: (B, T // ratio[s], args.head_dim), None, None, True),
-        "index_k": (lambda s: (B, T // ratio[s], args.index_head_dim), dtype, None, True),
+        "kv": (lambda s: (B, row // ratio[s], args.head_dim), None, None, True),
+        "index_k": (lambda s: (B, row // ratio[s], args.index_head_dim), dtype, None, True),
         "index_logits": (lambda s: (B, T, K), torch.float32, None, True),
         "topk": (lambda s: (B, T, K), torch.int64, torch.int32, False),
-        "candidates": (lambda s: (B, T, min(n_blocks, -(-T // layout.candidate_block_size))), torch.int64,
+        "candidates": (lambda s: (B, T, min(n_blocks, -(-row // layout.candidate_block_size))), torch.int64,
                        block_id, False),
         "index_target": (lambda s: (B, T, K), torch.float32, torch.float32, False),
     }
@@ -76,9 +83,9 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
     fields = [Field("h", None, stream, torch.float32, torch.float32, True)]
     if args.hc_mult > 1:
         fields.append(Field("pre_mix", None, (B, T, args.hc_mult), torch.float32, torch.float32, True))
-    fields.append(Field("doc_ids", None, (B, T), torch.int64, torch.int32, False))
+    fields.append(Field("doc_ids", None, (B, row), torch.int64, torch.int32, False))
     if dspark or any(layer > last_layer for layer in args.engram.layers):
-        fields.append(Field("input_ids", None, (B, T), torch.int64, torch.int32, False))
+        fields.append(Field("input_ids", None, (B, row), torch.int64, torch.int32, False))
     for (name, source), last in sorted(layout.last_use.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if source <= last_layer < last and not (name == "index_k" and index_k == "shadow"):
             shape, model_dtype, wire, diff = specs[name]

@@ -22,6 +22,7 @@ from model.config import ModelArgs
 from model.layout import Layout
 from parallel.balance import split_stages
 from parallel.batch import BatchPlan, batch_plan
+from parallel.experts import leaving, routed_bytes
 from parallel.partition import StagePlan, layer_costs
 from parallel.payload import boundary_fields
 from parallel.stage import shadow_sources
@@ -72,6 +73,36 @@ def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int,
         index_bytes = entries * args.index_head_dim * dtype.itemsize
         lines.append(f"  index K of layer {source}: shadow recompute {flops / 1e9:,.2f} GFLOP per stage and "
                      f"microbatch vs {_mib(index_bytes)} per boundary sent (and its gradient back)")
+    return "\n".join(lines)
+
+
+def describe_experts(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int, seq_len: int,
+                     dtype: torch.dtype, expert_parallel: int, data_parallel: int, recomputed: bool,
+                     dspark: bool = False) -> str:
+    """The expert-parallel lines of the plan (none for E = 1): E, the experts a rank holds of every MoE, and per
+    stage the all-to-all bytes a rank sends per microbatch (``parallel.experts.routed_bytes`` x (E - 1) / E, four
+    exchanges a MoE forward and backward, six when recomputed; it receives as many)."""
+    E = expert_parallel
+    if E <= 1:
+        return ""
+    moes = [f"{args.moe.n_routed_experts // E} of the {args.moe.n_routed_experts} routed experts of each MoE"]
+    if args.dspark.blocks:
+        moes.append(f"{args.dspark.n_routed_experts // E} of the draft head's {args.dspark.n_routed_experts}")
+    lines = [f"experts: parallel.expert_parallel={E} over each stage's {data_parallel} data-parallel replicas "
+             f"({data_parallel // E} group(s) of {E}); a rank holds {' and '.join(moes)}; their gradients and ZeRO-1 "
+             f"state over the {data_parallel // E} replica(s) holding the same experts",
+             f"  all-to-all per microbatch and rank: tokens x top-k x dim x {dtype.itemsize} B per exchange, "
+             f"(E-1)/E = {leaving(E):.0%} of it leaving the rank (uniform routing assumed: a rank holding busier "
+             f"experts receives more); dispatch + combine forward, their gradients backward"
+             + (", and the forward's again in the recomputation" if recomputed else "")]
+    exchanges = [b * leaving(E) for b in routed_bytes(args, layout, micro_batch, seq_len, dtype.itemsize, dspark)]
+    for s, layers in enumerate(plan.stages):
+        fwd = 2 * sum(exchanges[i] for i in layers)
+        bwd = fwd * (2 if recomputed else 1)
+        moe_layers = sum(1 for i in layers if exchanges[i])
+        draft = " + draft head" if dspark and args.dspark.blocks and layers.stop == layout.n_layers else ""
+        lines.append(f"  stage {s}: {moe_layers} MoE layer(s){draft}, {_mib(fwd + bwd)} sent per microbatch "
+                     f"(forward {_mib(fwd)}, backward {_mib(bwd)})")
     return "\n".join(lines)
 
 
@@ -287,6 +318,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     from model.cli import compose_checked, run_cli
     from model.layout import layout_from_config
+    from train.engine import check_experts, trains_dspark
 
     options = parser().parse_intermixed_args(argv)
     world = options.world_size or (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)
@@ -299,6 +331,7 @@ def main(argv: list[str]) -> None:
         par = cfg.parallel
         processes = world or par.pipeline_stages
         batch = batch_plan(cfg, processes)
+        check_experts(cfg, batch.data_parallel)
         on_gpu = job_device(cfg.train.get("device", "auto")) == "cuda"
         dtype = compute_dtype(cfg.train.get("precision", "auto"), on_gpu)
         memory = device_memory(on_gpu, processes, options.memory)
@@ -306,6 +339,11 @@ def main(argv: list[str]) -> None:
                              memory.capacity if memory is not None and on_gpu else None, cuda=on_gpu)
         print(describe(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
                        par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks), flush=True)
+        experts = describe_experts(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
+                                   int(par.get("expert_parallel", 1)), batch.data_parallel,
+                                   par.recompute == "layer", trains_dspark(cfg))
+        if experts:
+            print(experts, flush=True)
         print(check_memory(cfg, processes, split, batch, dtype, on_gpu, memory))
         if options.plot:
             from parallel.plan_figure import draw

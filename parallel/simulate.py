@@ -12,7 +12,12 @@ of it with ``parallel.p2p=overlap``) with given durations:
   gradient norm, then step the optimizer (``StageWork.optimizer_s``).
 
 ``stage_work`` turns per-layer times, payload bytes and parameter counts into each stage's work on a ``Cluster``
-(link bandwidths; stages laid out in order over the nodes, data-parallel replicas within or across nodes).
+(link bandwidths; stages laid out in order over the nodes, data-parallel replicas within or across nodes). Under
+expert parallelism (E > 1) every MoE layer's all-to-alls are a cost inside its passes: per microbatch two exchanges
+forward (dispatch, combine), two backward (their gradients) and two more when the layer is recomputed, each moving
+(E - 1) / E of the rank's routed rows (uniform routing) over NVLink or, for the part that leaves the node when the
+expert group spans nodes, over the inter-node links; optionally (``overlap``) hidden behind the shared expert's
+compute of the same pass, up to that compute's time.
 
 Assumptions (what the simulator does not model): a pass takes the same time whatever runs beside it (no slowdown
 from a transfer's kernels or from the host), every microbatch of a stage takes the same time, a link moves one
@@ -34,6 +39,7 @@ class StageWork:
     grad_s: float = 0.0  # their gradient back from the next stage
     reduce_s: float = 0.0  # data-parallel gradient all-reduce after the last pass
     optimizer_s: float = 0.0  # gradient norm, clipping and the optimizer step
+    all_to_all_s: float = 0.0  # of fwd_s + bwd_s: the expert all-to-alls' exposed time, per microbatch
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,23 @@ class Cluster:
     allreduce_gbps: float = 300.0  # all-reduce bus bandwidth within a node
     latency_s: float = 20e-6
     pipeline_across_nodes: bool = False  # stages spread over the nodes (else replicas are)
+    alltoall_gbps: float = 350.0  # expert all-to-all within a node, effective, per GPU and direction (NVLink)
+    alltoall_internode_gbps: float = 40.0  # its part between nodes, effective, per GPU and direction
 
     def node_of(self, stage: int, stages: int) -> int:
         return stage * self.nodes // stages if self.pipeline_across_nodes else 0
+
+    def all_to_all_s(self, nbytes: float, expert_parallel: int) -> float:
+        """One exchange of ``nbytes`` of a rank's rows over an expert group of E consecutive ranks (DeepSpeed's
+        rank order: a group fills a node's GPUs before the next node): (E - 1) / E of them leave the rank, the share
+        to the other ``min(E, gpus_per_node) - 1`` ranks of its node over NVLink, the rest between nodes, the two at
+        once (the slower one sets the time)."""
+        E = expert_parallel
+        if E <= 1 or not nbytes:
+            return 0.0
+        here = min(E, self.gpus_per_node)
+        within, across = nbytes * (here - 1) / E, nbytes * (E - here) / E
+        return self.latency_s + max(within / (self.alltoall_gbps * 1e9), across / (self.alltoall_internode_gbps * 1e9))
 
 
 @dataclass(frozen=True)
@@ -74,14 +94,34 @@ class Layers:
     gradient_bytes: list[float]  # their gradient back
     params: list[int]
     optimizer_s_per_param: float = 0.0
+    # expert parallelism: per layer, bytes of one exchange of its routed rows (``parallel.experts.routed_bytes``),
+    # the shared expert's forward and backward seconds (what ``overlap`` hides the all-to-alls behind) and the
+    # routed-expert parameters (of ``params``; reduced over the D / E ranks holding the same experts)
+    routed_bytes: list[float] | None = None
+    shared_fwd_s: list[float] | None = None
+    shared_bwd_s: list[float] | None = None
+    expert_params: list[int] | None = None
+    recomputed: bool = False  # the backward runs each layer's forward again (and its all-to-alls)
 
 
-def stage_work(layers: Layers, stages: tuple[range, ...], data_parallel: int, cluster: Cluster) -> list[StageWork]:
+def stage_work(layers: Layers, stages: tuple[range, ...], data_parallel: int, cluster: Cluster,
+               expert_parallel: int = 1, overlap: bool = False) -> list[StageWork]:
     """Each stage's work: its layers' times summed, its boundary's transfer over NVLink or between nodes, the
     ring all-reduce of its fp32 gradients and ZeRO-1's broadcast of its updated weights over its replicas
     (2 (D-1)/D and (D-1)/D times the bytes over the all-reduce bandwidth, or between nodes when the replicas
-    are on other nodes), and its optimizer step over its 1/D of the parameters."""
-    P = len(stages)
+    are on other nodes; the routed experts' over their D / E replicas), and its optimizer step over its 1/D of
+    the parameters (a rank steps 1/D of the dense ones and 1/(D/E) of its 1/E of the experts: 1/D of them too).
+    With ``expert_parallel`` E > 1 each layer's all-to-alls (``Cluster.all_to_all_s``) are added to its passes;
+    ``overlap``: less the shared expert's time of the same pass, down to zero."""
+    P, E, D = len(stages), expert_parallel, data_parallel
+    n = len(layers.params)
+    routed = layers.routed_bytes or [0.0] * n
+    shared_fwd, shared_bwd = layers.shared_fwd_s or [0.0] * n, layers.shared_bwd_s or [0.0] * n
+    experts = layers.expert_params or [0] * n
+
+    def exposed(seconds: float, hidden_by: float) -> float:
+        return max(0.0, seconds - hidden_by) if overlap else seconds
+
     work = []
     for s, span in enumerate(stages):
         last = span.stop - 1
@@ -92,13 +132,23 @@ def stage_work(layers: Layers, stages: tuple[range, ...], data_parallel: int, cl
             grad = cluster.latency_s + layers.gradient_bytes[last] / (gbps * 1e9)
         else:
             send = grad = 0.0
+        exchange = [cluster.all_to_all_s(routed[i], E) for i in span]
+        a2a_fwd = sum(exposed(2 * t, shared_fwd[i]) for t, i in zip(exchange, span))
+        a2a_bwd = sum(exposed((4 if layers.recomputed else 2) * t, shared_bwd[i]) for t, i in zip(exchange, span))
         params = sum(layers.params[i] for i in span)
-        D = data_parallel
+        expert = sum(experts[i] for i in span) if E > 1 else 0
         gbps = cluster.allreduce_gbps if cluster.pipeline_across_nodes or cluster.nodes == 1 else cluster.internode_gbps
-        reduce = (3 * (D - 1) / D) * 4 * params / (gbps * 1e9) if D > 1 else 0.0
-        work.append(StageWork(sum(layers.fwd_s[i] for i in span), sum(layers.bwd_s[i] for i in span), send, grad,
-                              reduce, layers.optimizer_s_per_param * params / D))
+        reduce = ring_reduce_s(params - expert, D, gbps) + ring_reduce_s(expert / E, D // E, gbps)
+        work.append(StageWork(sum(layers.fwd_s[i] for i in span) + a2a_fwd,
+                              sum(layers.bwd_s[i] for i in span) + a2a_bwd, send, grad,
+                              reduce, layers.optimizer_s_per_param * params / D, a2a_fwd + a2a_bwd))
     return work
+
+
+def ring_reduce_s(params: float, replicas: int, gbps: float) -> float:
+    """The ring all-reduce of ``params`` fp32 gradients and the broadcast of the updated weights over ``replicas``:
+    3 (R-1)/R x 4 B a parameter over ``gbps``."""
+    return (3 * (replicas - 1) / replicas) * 4 * params / (gbps * 1e9) if replicas > 1 else 0.0
 
 
 def ideal_bubble(stages: int, microbatches: int) -> float:

@@ -11,6 +11,7 @@ from torch import nn
 from model.attention import IndexKeys
 from model.config import ModelArgs
 from model.layout import Layout, Mode
+from model.lora import LoRA, adapter_of, attach
 from model.rope import Rotary
 from model.transformer import Transformer, init_parameters
 from parallel.ledger import Ledger
@@ -33,17 +34,21 @@ class PipelineStage(nn.Module):
     def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, stage_id: int, micro_batch: int,
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
                  recompute_layers: int = 0, keep_attention_layers: int = 0, token_map=None,
-                 run_dspark: bool = False, engram_rows=None, experts=None):
+                 run_dspark: bool = False, engram_rows=None, experts=None, context=None,
+                 lora: LoRA | None = None):
         """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights.
         The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints; the first
         ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention.
         ``token_map`` feeds the Engram hashes, ``engram_rows`` shards their tables, ``run_dspark`` trains the draft
-        head, ``experts`` is the expert-parallel dispatch (``model.transformer``)."""
+        head, ``experts`` is the expert-parallel dispatch (``model.transformer``), ``context`` this rank's chunk of
+        every row (``parallel.context.ContextShard``; None: whole rows). ``lora``: the base is frozen (its
+        autocast-only matrices kept in bf16 under bf16) and only adapters train and are checkpointed
+        (``model/lora.py``)."""
         super().__init__()
         if index_k not in ("shadow", "payload"):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
         layers = plan.stages[stage_id]
-        self.stage_id, self.layout, self.compute_dtype = stage_id, layout, dtype
+        self.stage_id, self.layout, self.compute_dtype, self.context = stage_id, layout, dtype, context
         self.model = Transformer(args, layout, layers, seed, token_map=token_map, engram_rows=engram_rows,
                                  run_dspark=run_dspark, experts=experts)
         for i, block in enumerate(self.model.layers.values()):
@@ -63,10 +68,15 @@ class PipelineStage(nn.Module):
             self.draft_embed = torch.nn.Parameter(torch.empty(args.vocab_size, args.dim), requires_grad=False)
             self.draft_embed.ds_pipe_replicated = True
             init_parameters([("embed.weight", self.draft_embed)], args, layout.n_layers, seed)  # the owner's draw
+        self.lora = lora
+        if lora is not None:
+            attach(self.model, lora, seed, torch.bfloat16 if dtype == torch.bfloat16 else None)
+            for p in self.shadows.parameters():  # replicas of frozen owners
+                p.requires_grad_(False)
 
         def payload(last_layer):
             return Payload(boundary_fields(args, layout, last_layer, micro_batch, seq_len, dtype, index_k,
-                                           run_dspark))
+                                           run_dspark, context.size if context is not None else 1))
 
         self.incoming = payload(layers.start - 1) if layers.start > 0 else None
         self.outgoing = payload(layers.stop - 1) if layers.stop < layout.n_layers else None
@@ -84,10 +94,11 @@ class PipelineStage(nn.Module):
     def _forward(self, inputs):
         if self.incoming is None:
             input_ids, doc_ids = inputs
-            state = self.model.new_state(doc_ids, input_ids)
-            h, pre = self.model.embed_tokens(input_ids)
+            state = self.model.new_state(doc_ids, input_ids, context=self.context)
+            h, pre = self.model.embed_tokens(state.geometry.chunk_of(input_ids))
         else:
-            h, pre, state = self.incoming.unpack(*inputs, self.model.new_state)
+            h, pre, state = self.incoming.unpack(*inputs, lambda doc_ids, input_ids: self.model.new_state(
+                doc_ids, input_ids, context=self.context))
             self._recompute_index_keys(state)
         self.ledger.watch(state)
         if h.requires_grad:
@@ -120,5 +131,19 @@ class PipelineStage(nn.Module):
             state.index_k[source] = shadow(state.kv[source], self.shadow_rotary, entries)
 
     def owned_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters this stage owns, under the full model's names (what it writes to checkpoints)."""
-        return self.model.state_dict()
+        """What this stage writes to checkpoints, under the full model's names: its parameters and buffers, or
+        under LoRA its adapters alone (the base is ``train.init_from``'s)."""
+        state = self.model.state_dict()
+        return state if self.lora is None else {k: v for k, v in state.items() if adapter_of(k)}
+
+    def load_owned_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """``owned_state_dict``'s inverse: every entry of it must be in ``state``, and nothing else."""
+        if self.lora is None:
+            self.model.load_state_dict(state)
+            return
+        result = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if adapter_of(k)]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"the adapters of this stage do not match the checkpoint's: {len(missing)} missing "
+                               f"(e.g. {missing[:1]}), {len(result.unexpected_keys)} unexpected (e.g. "
+                               f"{result.unexpected_keys[:1]}) — it was trained with other train.lora.targets")

@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
     (["+train.max_step=5"], r"unknown config key train.max_step — did you mean train.max_steps\?"),  # Hydra's hint
     (["++train.eval.evry=5"], r"train.eval.evry — did you mean train.eval.every\?"),
     (["layout=all_full", "layout.decoder.reindex_evry=2"], r"did you mean layout.decoder.reindex_every\?"),
-    (["trian.lr=1"], r"did you mean train.lr\?"),
-    (["-m", "train.max_steps=1,2", "train.lrr=1,2"], r"train.lrr — did you mean train.lr\?"),
+    (["trian.lr=1"], r"did you mean train.lr\b"),
+    (["-m", "train.max_steps=1,2", "train.lrr=1,2"], r"train.lrr — did you mean train.lr\b"),
 ])
 def test_unknown_keys_are_refused_with_the_nearest_names(overrides, message):
     overrides = [o for o in overrides if o != "-m"]

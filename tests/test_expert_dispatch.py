@@ -5,8 +5,9 @@ and gets the weighted outputs back; the reference runs the same slots through a 
 outputs, the gradients of the rows and of the routing weights (the gate learns through them) and every expert's
 weight gradient (its owner's, summed over both ranks' slots) must be equal to float rounding. Cases: a random
 routing, every slot to one expert (the other rank receives nothing), and a rank that routes nothing at all to the
-other's experts, with empty experts on both sides. A backward that does not send the gradients back (either
-direction) fails it.
+other's experts, with empty experts on both sides; each with the shared expert's stand-in overlapping the exchange
+(``overlap``, the default) and after it. A backward that does not send the gradients back (either direction), or an
+overlapped exchange read before it is waited on, fails it.
 """
 import pytest
 import torch
@@ -41,7 +42,8 @@ def _full():
 def _run(experts, dispatch, ids, rows, weights):
     rows, weights = rows.clone().requires_grad_(), weights.clone().requires_grad_()
     counts = torch.bincount(ids, minlength=ARGS.n_routed_experts)
-    out = dispatch(experts, rows, counts, weights)
+    out, during = dispatch(experts, rows, counts, weights, meanwhile=lambda: "shared")
+    assert during == "shared"
     (out * torch.arange(1, out.numel() + 1, dtype=out.dtype).view_as(out)).sum().backward()
     grads = {n: p.grad.clone() for n, p in experts.named_parameters()}
     return out.detach(), rows.grad, weights.grad, grads
@@ -52,14 +54,16 @@ def _worker(rank, out, case):
 
     from parallel.experts import ExpertAllToAll
 
-    dispatch = ExpertAllToAll(dist.new_group([0, 1]), [0, 1])
-    full = _full()
-    mine = RoutedExperts(DIM, ARGS, dispatch.experts_of(ARGS.n_routed_experts)).double()
-    with torch.no_grad():
-        for name in ("w1", "w2", "w3"):
-            getattr(mine, name).copy_(getattr(full, name)[mine.expert_ids.start:mine.expert_ids.stop])
-    result = _run(mine, dispatch, *_slots(rank, case))
-    torch.save({"result": result, "held": mine.expert_ids}, f"{out}/rank{rank}.pt")
+    group, results = dist.new_group([0, 1]), {}
+    for overlap in (True, False):
+        dispatch = ExpertAllToAll(group, [0, 1], overlap)
+        full = _full()
+        mine = RoutedExperts(DIM, ARGS, dispatch.experts_of(ARGS.n_routed_experts)).double()
+        with torch.no_grad():
+            for name in ("w1", "w2", "w3"):
+                getattr(mine, name).copy_(getattr(full, name)[mine.expert_ids.start:mine.expert_ids.stop])
+        results[overlap] = _run(mine, dispatch, *_slots(rank, case))
+    torch.save(results, f"{out}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module", params=["random", "one_expert", "only_local"])
@@ -72,17 +76,18 @@ def exchanged(request, tmp_path_factory):
 def test_the_all_to_all_equals_every_expert_in_one_process(exchanged):
     case, ranks = exchanged
     reference = [_run(_full(), LocalDispatch(), *_slots(r, case)) for r in range(WORLD)]
-    for r in range(WORLD):
-        out, grad_rows, grad_weights, _ = ranks[r]["result"]
-        want_out, want_rows, want_weights, _ = reference[r]
-        assert torch.allclose(out, want_out, rtol=1e-12, atol=1e-12), (case, r)
-        assert torch.allclose(grad_rows, want_rows, rtol=1e-12, atol=1e-12), (case, r)
-        assert torch.allclose(grad_weights, want_weights, rtol=1e-12, atol=1e-12), (case, r)
-    # an expert's weight gradient lives on its owner and sums both ranks' slots (the reference sums per rank)
-    for name in ("w1", "w2", "w3"):
-        want = reference[0][3][name] + reference[1][3][name]
-        got = torch.cat([ranks[r]["result"][3][name] for r in range(WORLD)])
-        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (case, name)
+    for overlap in (True, False):
+        for r in range(WORLD):
+            out, grad_rows, grad_weights, _ = ranks[r][overlap]
+            want_out, want_rows, want_weights, _ = reference[r]
+            assert torch.allclose(out, want_out, rtol=1e-12, atol=1e-12), (case, overlap, r)
+            assert torch.allclose(grad_rows, want_rows, rtol=1e-12, atol=1e-12), (case, overlap, r)
+            assert torch.allclose(grad_weights, want_weights, rtol=1e-12, atol=1e-12), (case, overlap, r)
+        # an expert's weight gradient lives on its owner and sums both ranks' slots (the reference sums per rank)
+        for name in ("w1", "w2", "w3"):
+            want = reference[0][3][name] + reference[1][3][name]
+            got = torch.cat([ranks[r][overlap][3][name] for r in range(WORLD)])
+            assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (case, overlap, name)
 
 
 def test_the_cases_are_what_they_say(exchanged):

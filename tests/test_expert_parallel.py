@@ -3,10 +3,11 @@ routed experts a layer, 4 in the draft head's MoE).
 
 In one spawn of 4 processes: one stage x 4 data-parallel replicas with ``parallel.expert_parallel`` 1 and 2 (each
 replica its own microbatch stream), two steps each; the E = 2 run saves after step 1 and an E = 4 engine resumes it
-for step 2; then 2 stages x 2 replicas with E = 2. In a second spawn of one process: the 2 x 2 run's microbatches
-accumulated in one step, and the E = 2 checkpoint resumed with the 4 replicas' step-2 microbatches. Everything equal to fp32 reduction order (``NEAR_*``): the losses, every reduced gradient of step 1 (an
-expert's under its global id, from whichever rank holds it) and the whole state after step 2, routing biases
-included; the biases bitwise equal across replicas.
+for step 2 (the shared expert after the exchange, ``parallel.expert_overlap=false``; the others overlap it); then 2
+stages x 2 replicas with E = 2. In a second spawn of one process: the 2 x 2 run's microbatches accumulated in one
+step, and the E = 2 checkpoint resumed with the 4 replicas' step-2 microbatches. Everything equal to fp32 reduction
+order (``NEAR_*``): the losses, every reduced gradient of step 1 (an expert's under its global id, from whichever
+rank holds it) and the whole state after step 2, routing biases included; the biases bitwise equal across replicas.
 """
 from pathlib import Path
 
@@ -26,12 +27,14 @@ OVERRIDES = ["model=v41_mini", "train.dspark_loss_coef=1.0", f"data.seq_len={har
 NEAR_GRAD, NEAR_STATE = 1e-5, 1e-3
 
 
-def _engine(stages: int, replicas: int, experts: int, microbatches: int = 1):
+def _engine(stages: int, replicas: int, experts: int, microbatches: int = 1, overlap: bool = True):
     from model.cli import compose
     from train.engine import build_engine
 
     cfg = compose([*OVERRIDES, f"parallel.pipeline_stages={stages}", f"parallel.expert_parallel={experts}",
-                   f"train.grad_accum_steps={microbatches}", "parallel.cuts=[8]" if stages == 2 else "parallel.cuts=null"])
+                   f"parallel.expert_overlap={str(overlap).lower()}",
+                   f"train.grad_accum_steps={microbatches}",
+                   "parallel.cuts=[8]" if stages == 2 else "parallel.cuts=null"])
     return build_engine(cfg, "fp32", torch.device("cpu")), cfg.model.vocab_size
 
 
@@ -86,7 +89,8 @@ def _spread(rank, out):
         runs[f"E{experts}"] = _train(engine, data, 2, Path(out) / "checkpoints" if experts == 2 else None)
     from train import checkpoint
 
-    resumed, vocab = _engine(1, WORLD, 4)
+    resumed, vocab = _engine(1, WORLD, 4, overlap=False)
+    assert not resumed.module.expert_groups.dispatch.overlap
     checkpoint.load(resumed, checkpoint.find("auto", Path(out) / "checkpoints"), 1)
     data = harness.batches(vocab, seed=resumed.grid.data_parallel_id)
     next(data)
@@ -115,7 +119,24 @@ def _whole(rank, out):
     runs["E2_into_one"] = _train(resumed, _interleaved(vocab, WORLD, skip=1), 1)
     engine, vocab = _engine(1, 1, 1, microbatches=4)  # the 2 x 2 run's microbatches of a step
     runs["two_replicas_in_one"] = _train(engine, _interleaved(vocab, 2), 2)
+    saved = checkpoint.find("auto", Path(out) / "checkpoints").path
+    runs["missing_expert_error"] = _missing_expert_error(engine, saved)
     torch.save(runs, f"{out}/whole.pt")
+
+
+def _missing_expert_error(engine, saved: Path) -> str:
+    """The error of loading the E = 2 checkpoint with the second half of layer 0's experts gone."""
+    import shutil
+
+    damaged = saved.parent / "missing_expert"
+    shutil.copytree(saved, damaged)
+    (second,) = [p for p in damaged.rglob("experts_layer_000_*.pt") if not p.name.endswith("_00000.pt")]
+    second.unlink()
+    try:
+        engine.module.load_weights(str(second.parent))
+    except FileNotFoundError as err:
+        return str(err)
+    return "loaded"
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +229,28 @@ def test_routing_biases_are_identical_on_every_replica(runs):
             for r in ranks:
                 if name in r[key]["state"]:
                     assert torch.equal(r[key]["state"][name], ranks[0][key]["state"][name]), (key, name)
+
+
+def test_a_checkpoint_missing_experts_is_refused(runs):
+    _, whole = runs
+    error = whole["missing_expert_error"]
+    assert "does not hold every expert of this model: 12 missing, e.g. layers.0.ffn.experts.4.w1.weight" in error
+
+
+@pytest.mark.parametrize("overrides, processes, message", [
+    (["parallel.expert_parallel=3"], 4, "parallel.expert_parallel=3 does not divide the 4 data-parallel replica(s) "
+     "of a stage (processes / parallel.pipeline_stages): use one of [1, 2, 4], or more processes"),
+    (["parallel.expert_parallel=2", "parallel.pipeline_stages=2"], 2, "does not divide the 1 data-parallel"),
+    (["parallel.expert_parallel=8", "model.dspark.n_routed_experts=6"], 8,
+     "parallel.expert_parallel=8 does not divide the routed experts (8 and 6): use one of [1, 2]"),
+    (["model=tiny", "parallel.expert_parallel=2"], 2, "needs routed experts: model.ffn=dense has none"),
+    (["parallel.expert_parallel=0"], 2, "parallel.expert_parallel=0: use an integer >= 1"),
+])
+def test_expert_parallel_sizes_that_cannot_split_are_one_line_errors(overrides, processes, message):
+    from model.cli import compose
+    from train.engine import check_experts
+
+    cfg = compose([*OVERRIDES, *overrides])
+    with pytest.raises(ValueError) as err:
+        check_experts(cfg, processes // int(cfg.parallel.pipeline_stages))
+    assert message in str(err.value) and "\n" not in str(err.value)

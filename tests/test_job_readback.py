@@ -918,6 +918,13 @@ ELSEWHERE = {  # settings whose test needs another job: one that reads them from
     "parallel.layer_times": "tests/test_pipeline_balance.py::test_split_follows_measured_times",
     "parallel.check_memory": "tests/test_memory_verdict.py::test_a_job_that_does_not_fit_names_settings_that_do",
     "parallel.keep_attention_layers (a list)": "tests/test_pipeline.py::test_kept_attention_layers_per_stage",
+    "parallel.expert_overlap":
+        "tests/test_expert_parallel.py::test_expert_parallel_equals_every_expert_on_every_replica",
+    "parallel.context_parallel": "tests/test_context_engine.py::test_steps_equal_one_process",
+    "model.qat": "tests/test_qat.py::test_qat_rounds_exactly_the_served_tensors",
+    "train.lora.rank": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
+    "train.lora.alpha": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
+    "train.lora.targets": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
 }
 NOT_READ_BACK = {  # settings with nothing on a CPU to read them from, and why
     "train.peak_tflops": "the MFU's denominator, computed on GPU only (bench/results hold GPU rows with mfu)",

@@ -570,6 +570,36 @@ def test_swiglu(seed):
         triton_ops.swiglu(torch.randn(4, 7))
 
 
+@pytest.mark.parametrize("hc, dim, y_dtype", [(4, 75, torch.float32), (3, 40, torch.float16)])
+def test_hc_collapse_and_expand(seed, hc, dim, y_dtype):
+    """The hyper-connected stream's collapse and expand with every gradient, against the formulas written out in
+    fp64 here (not the reference's matmuls): rows of several column blocks with a partial last one (the interpreter's
+    block is 32 columns), hc = 3 padded to 4 copies, y in fp16 with its gradient in fp16. Catches comb read as
+    [k, j] instead of [j, k], a copy or column block not written, the padding copy leaking into a sum, a
+    coefficient gradient summed over one block only."""
+    x = torch.randn(2, 5, hc, dim, requires_grad=True)
+    y = torch.randn(2, 5, dim).to(y_dtype).requires_grad_()
+    pre, post = torch.rand(2, 5, hc, requires_grad=True), torch.rand(2, 5, hc, requires_grad=True)
+    comb = torch.rand(2, 5, hc, hc, requires_grad=True)
+    inputs = (x, y, pre, post, comb)
+    x64, y64, pre64, post64, comb64 = (t.detach().double().requires_grad_() for t in inputs)
+    collapsed = triton_ops.hc_collapse(x, pre)
+    expanded = triton_ops.hc_expand(y, x, post, comb)
+    want_collapsed = (pre64.unsqueeze(-1) * x64).sum(-2)
+    want_expanded = post64.unsqueeze(-1) * y64.unsqueeze(-2) + (comb64.unsqueeze(-1) * x64.unsqueeze(-2)).sum(-3)
+    assert collapsed.dtype == expanded.dtype == torch.float32
+    assert rel_err(collapsed, want_collapsed) < TOL and rel_err(expanded, want_expanded) < TOL, seed
+    g_collapsed, g_expanded = torch.randn(collapsed.shape), torch.randn(expanded.shape)
+    got = torch.autograd.grad((collapsed, expanded), inputs, (g_collapsed, g_expanded))
+    want = torch.autograd.grad((want_collapsed, want_expanded), (x64, y64, pre64, post64, comb64),
+                               (g_collapsed.double(), g_expanded.double()))
+    assert got[1].dtype == y_dtype
+    for name, g, w in zip(("dx", "dy", "dpre", "dpost", "dcomb"), got, want):
+        assert rel_err(g, w) < (1e-3 if name == "dy" and y_dtype == torch.float16 else TOL), (name, seed)
+    with pytest.raises(ValueError, match="fp32 stream"):
+        triton_ops.hc_collapse(x.double(), pre.double())
+
+
 def test_cast(seed):
     """Several tensors cast in one launch, a group of two stacked by rows: exact values and shapes (views of one
     buffer), gradients back in the source dtype. Catches a stack in the wrong order or a member's rows misplaced."""

@@ -138,10 +138,10 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     seed_everything(cfg.train.seed)
     engine = build_engine(cfg, checked.precision, checked.device, checked.split, checked.memory_line)
-    loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
+    loader = build_loader(cfg.data, rank=engine.replica_id, world_size=engine.replicas,
                           vocab_size=cfg.model.vocab_size, documents=checked.train_documents)
     evaluator = Evaluator(cfg, checked.device, engine, checked.heldout_documents, checked.probes)
-    log.info("%s model (%.2fM parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
+    log.info("%s model (%.2fM trained parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
              cfg.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, cfg.layout.name,
              checked.precision, checked.device.type, distributed.world_size(), run_dir)
     log.info("%s", checked.data_line)
@@ -149,17 +149,17 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
     if crowded:
         log.warning("%s", crowded)
     ref, saved = checked.resume, checked.saved
+    if checked.warm_start:  # a fresh run's weights, or the frozen base of a LoRA run (its checkpoints: adapters)
+        checked.warm_start.load_into(engine)
+        if distributed.rank() == 0:
+            checked.warm_start.report(run_dir)
     if ref:
         resume_state = checkpoint.load(engine, ref, saved["config"]["parallel"]["pipeline_stages"])
         checkpoint.set_rng_state(resume_state["rng"])
         loader.load_state_dict(resume_state["loader"])
         log.info("resumed from %s at step %d%s", ref.path, saved["step"],
-                 f" (train.init_from={cfg.train.init_from} is not used: train.resume wins)" if cfg.train.init_from
-                 else "")
-    elif checked.warm_start:
-        checked.warm_start.load_into(engine)
-        if distributed.rank() == 0:
-            checked.warm_start.report(run_dir)
+                 f" (train.init_from={cfg.train.init_from} is not used: train.resume wins)"
+                 if cfg.train.init_from and not checked.warm_start else "")
     return Trainer(cfg, engine, loader, evaluator, checkpoint_dir(cfg, run_dir), checked.device,
                    {key: saved.get(key, 0) for key in ("step", "bad_streak", "skipped")}, run_dir)
 
@@ -185,7 +185,7 @@ class Trainer:
         cfg, engine = self.cfg, self.engine
         per_microbatch = training_flops(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout),
                                         int(cfg.data.seq_len), int(cfg.data.micro_batch_size), trains_dspark(cfg))
-        return per_microbatch * engine.micro_batches * engine.dp_world_size
+        return per_microbatch * engine.micro_batches * engine.replicas
 
     def train(self, logger: MetricsLogger, interrupts: Interrupts) -> None:
         train = self.cfg.train
@@ -313,7 +313,7 @@ def summary_table(final: dict[str, float], cfg: DictConfig, chance: dict[str, fl
 def closing_line(trainer: Trainer, seconds: float, run_dir: Path) -> str:
     """Steps of this job, wall time, tokens trained and where everything is."""
     last, steps = trainer.state["step"], trainer.steps_run
-    tokens = steps * trainer.engine.micro_batches * trainer.engine.dp_world_size * \
+    tokens = steps * trainer.engine.micro_batches * trainer.engine.replicas * \
         int(trainer.cfg.data.micro_batch_size) * int(trainer.cfg.data.seq_len)
     minutes, secs = divmod(round(seconds), 60)
     span = f"steps {last - steps + 1}-{last}" if steps else f"no steps (already at step {last})"

@@ -16,9 +16,11 @@ from omegaconf import DictConfig, ListConfig
 
 from model import ModelArgs, layout_from_config
 from model.dspark import DRAFT_PARTS
+from model.lora import LoRA
 from model.transformer import ModelOutput
 from parallel.balance import Split, split_stages
 from parallel.batch import batch_plan
+from parallel.context import chunk_length
 from parallel.engine import P2P, CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
 from parallel.memory import kept_per_stage
 from parallel.plan import describe
@@ -152,11 +154,17 @@ class PipelineLoss:
     indexer KLs by source, then the draft head's parts when it trains).
 
     Keeps the parts of its latest microbatch (``parts``, named by ``part_names``) for the engine to average
-    over microbatches and data-parallel ranks."""
+    over microbatches and data-parallel ranks.
+
+    Under context parallelism (``context``: the rank's ``ContextShard``) the logits are its chunk's and the labels
+    the whole rows': the LM loss is the chunk's cross-entropy over the rows' label count, the indexer KLs the
+    chunk's shares already, and every part is multiplied by the C chunks, so that the data-parallel mean over the
+    C x D ranks of a stage is the mean over replicas of whole-row losses (and gradients)."""
 
     def __init__(self, coef: float, sources: list[int], dspark_coef: float = 0.0,
-                 draft_parts: tuple[str, ...] = ()):
+                 draft_parts: tuple[str, ...] = (), context=None):
         self.coef, self.sources, self.dspark_coef, self.draft_parts = coef, sources, dspark_coef, draft_parts
+        self.context = context
         self.parts: OrderedDict | None = None
 
     def part_names(self) -> list[str]:
@@ -167,12 +175,16 @@ class PipelineLoss:
         logits, aux = outputs
         indexer, draft = aux[:len(self.sources)], aux[len(self.sources):]
         output = ModelOutput(logits, dict(zip(self.sources, indexer)), {}, dict(zip(self.draft_parts, draft)))
-        loss = compute_loss(output, labels, self.coef, self.dspark_coef)
+        count, chunks = None, 1
+        if self.context is not None:
+            count, chunks = int((labels != -100).sum()), self.context.size
+            labels = labels[:, self.context.start:self.context.stop]
+        loss = compute_loss(output, labels, self.coef, self.dspark_coef, count)
         values = [loss.total, loss.lm, loss.indexer_total, *(loss.indexer[s] for s in self.sources)]
         if self.draft_parts:
             values += [loss.draft_total, *(loss.draft[p] for p in self.draft_parts)]
-        self.parts = OrderedDict(zip(self.part_names(), (v.detach().float() for v in values)))
-        return loss.total
+        self.parts = OrderedDict(zip(self.part_names(), (v.detach().float() * chunks for v in values)))
+        return loss.total * chunks if chunks > 1 else loss.total
 
 
 def check_experts(cfg: DictConfig, replicas: int) -> None:
@@ -195,6 +207,28 @@ def check_experts(cfg: DictConfig, replicas: int) -> None:
         works = [e for e in range(1, replicas + 1) if replicas % e == 0 and all(n % e == 0 for n in counts)]
         raise ValueError(f"parallel.expert_parallel={ep} does not divide the routed experts ({' and '.join(map(str, counts))}"
                          f"): use one of {works}")
+
+
+def check_context(cfg: DictConfig, args: ModelArgs, layout, run_dspark: bool) -> None:
+    """``parallel.context_parallel`` against the row and the model, before any process group (one line each)."""
+    context = cfg.parallel.context_parallel
+    chunk_length(context, int(cfg.data.seq_len), args.window_size, layout.compress_ratios,
+                 layout.candidate_block_size)
+    if context > 1 and run_dspark:
+        raise ValueError(f"parallel.context_parallel={context} cannot train the DSpark draft head (its blocks read the "
+                         "tokens and logits after their anchor, in the next chunk): set train.dspark_loss_coef=0 or "
+                         "parallel.context_parallel=1")
+    if context > 1 and args.attention == "dense":
+        raise ValueError(f"parallel.context_parallel={context} splits CSA2 attention only: model.attention=dense "
+                         "needs parallel.context_parallel=1")
+
+
+def lora_settings(cfg: DictConfig) -> LoRA | None:
+    """``train.lora`` checked against the model (None: rank 0, full fine-tuning)."""
+    lora = LoRA.from_config(cfg.train.get("lora"))
+    if lora is not None:
+        lora.check(ModelArgs.from_config(cfg.model))
+    return lora
 
 
 def trains_dspark(cfg: DictConfig) -> bool:
@@ -234,6 +268,7 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
     batch = batch_plan(cfg, distributed.world_size())
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     seq_len, micro_batch = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
+    check_context(cfg, args, layout, trains_dspark(cfg))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     if split is None:
         capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
@@ -245,7 +280,8 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
                        split.unit, split.peaks), flush=True)
         if memory_line:
             print(memory_line, flush=True)
-    check_experts(cfg, batch.data_parallel)
+    context = int(parallel.context_parallel)
+    check_experts(cfg, batch.data_parallel * context)
     run_dspark = trains_dspark(cfg)
     loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids),
                         float(cfg.train.dspark_loss_coef), DRAFT_PARTS if run_dspark else ())
@@ -253,7 +289,9 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
                                     int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
                                     kept_attention_layers_per_stage(parallel), engram_token_map(cfg, args),
-                                    run_dspark, int(parallel.expert_parallel))
+                                    run_dspark, int(parallel.expert_parallel), bool(parallel.expert_overlap),
+                                    context, lora_settings(cfg))
+    loss.context = module.context
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.optimized_named_parameters().items()), float(cfg.train.weight_decay))
     return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches, fused_adam=device.type == "cuda"),
@@ -284,5 +322,5 @@ def train_step(engine: CSA2PipelineEngine, micro_batches: list[dict]) -> StepRes
     norm = engine.grad_norm
     metrics.update(lr=lr, grad_norm=norm.item() if norm is not None else math.nan)
     metrics.update({f"grad_norm/{group}": value.item() for group, value in engine.group_grad_norms.items()})
-    tokens = sum(b["input_ids"].numel() for b in micro_batches) * engine.dp_world_size
+    tokens = sum(b["input_ids"].numel() for b in micro_batches) * engine.replicas  # a row's C ranks: one row
     return StepResult(metrics, tokens, not engine.last_step_skipped)

@@ -93,7 +93,7 @@ class Evaluator:
         """``documents``, ``probes``: the held-out documents and the probes if already built (``build_documents``,
         ``build_probes``)."""
         self.cfg, self.device, self.engine = cfg, device, engine
-        self.loader = build_loader(cfg.data, rank=engine.grid.data_parallel_id, world_size=engine.dp_world_size,
+        self.loader = build_loader(cfg.data, rank=engine.replica_id, world_size=engine.replicas,
                                    heldout=True, vocab_size=cfg.model.vocab_size, documents=documents)
         self.loader_start = self.loader.state_dict()
         self.probes = build_probes(cfg, engine.num_stages) if probes is None else probes
@@ -152,7 +152,10 @@ class Evaluator:
         data = iter([((ids, docs), torch.full_like(ids, -100))])
         _, outputs = self.engine.eval_batch(data, return_logits=True, compute_loss=False, reduce_output=None,
                                             bcast_loss=False, num_micro_batches=1)
-        return outputs[0][:, :length] if self.engine.is_last_stage() else None
+        if not self.engine.is_last_stage():
+            return None
+        context = self.engine.module.context  # context parallelism: each rank's logits are its chunk's
+        return (outputs[0] if context is None else context.gather(outputs[0]))[:, :length]
 
     @torch.no_grad()
     def heldout(self, model) -> dict[str, float]:
@@ -185,7 +188,7 @@ class Evaluator:
         evaluation is collective. ``logits_of(input_ids, doc_ids)`` returns None where no logits are (pipeline
         stages before the last), which then yield nothing."""
         batch_size = self.cfg.data.micro_batch_size
-        replica, replicas = self.engine.grid.data_parallel_id, self.engine.dp_world_size
+        replica, replicas = self.engine.replica_id, self.engine.replicas
         mine = samples[replica::replicas]
         for start in range(0, -(-len(samples) // replicas), batch_size):
             chunk = mine[start:start + batch_size]

@@ -1,11 +1,17 @@
-"""``python -m train.export <checkpoint> <out dir> [--dtype bf16|fp32] [--max-shard-size 5GB]``.
+"""``python -m train.export <checkpoint> <out dir> [--format ours|deepseek] [--dtype bf16|fp32] [--max-shard-size 5GB]``.
 
 Writes a checkpoint's weights in the reference format (``train/reference_format.py``): ``model.safetensors``
 (sharded above ``--max-shard-size``, with ``model.safetensors.index.json``) under the reference tensor names, and
 ``config.json`` with the reference config's field names. ``<checkpoint>`` is a checkpoint directory (its
-``latest``) or one tag directory, written under any pipeline split. ``train.init_from=<out dir>`` reads it back.
+``latest``) or one tag directory, written under any pipeline split; a LoRA run's is written merged into its base
+(``train/lora.py``). ``train.init_from=<out dir>`` reads it back.
 The tokenizer file the run trained with, if any, is copied beside them as ``tokenizer.json``, with a
 ``tokenizer_config.json`` holding its chat template and the run's special tokens.
+
+``--format deepseek`` writes DeepSeek's released format instead (``train/released_format.py``: FP8 / FP4 with e8m0
+block scales, its shards, index and ``config.json``), byte for byte as the release for every tensor not trained,
+with ``quantization_report.json`` for the rest; ``--source <released dir>`` (default: the run's
+``train.init_from``, when it is one) gives the shards, dtypes, scales and the vision tensors to keep.
 """
 import argparse
 import json
@@ -17,7 +23,9 @@ from pathlib import Path
 
 from model import ModelArgs, layout_from_config
 from train import checkpoint
+from train.lora import checkpoint_weights
 from train.reference_format import CONFIG, DTYPES, MAX_SHARD_BYTES, reference_config, write_json, write_weights
+from train.released_format import export_deepseek, quantisation_table
 from train.tokenizer import TOKENIZER_CONFIG
 
 log = logging.getLogger(__name__)
@@ -42,7 +50,7 @@ def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16",
     if args.attention != "csa2":
         raise ValueError(f"{ref.path} is a model.attention={args.attention} baseline, not a CSA2 model that the "
                          "reference code runs: nothing to export")
-    weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in checkpoint.read_weights(ref).items()}
+    weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in checkpoint_weights(ref).items()}
     files = write_weights(weights, out_dir, max_shard_bytes)
     write_json(out_dir / CONFIG, reference_config(args, layout, dtype))
     files.append(CONFIG)
@@ -79,13 +87,23 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--max-shard-size", type=parse_size, default=MAX_SHARD_BYTES,
                         help="shard the weights above this size (default 5GB)")
+    parser.add_argument("--format", choices=("ours", "deepseek"), default="ours",
+                        help="ours: the reference format in --dtype; deepseek: the released FP8/FP4 format")
+    parser.add_argument("--source", help="--format deepseek: the released directory to follow (default: the run's "
+                        "train.init_from, when it is one)")
     options = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        files = export(options.checkpoint, options.out_dir, options.dtype, options.max_shard_size)
+        if options.format == "deepseek":
+            files, report = export_deepseek(options.checkpoint, options.out_dir, options.source,
+                                            options.max_shard_size)
+            print(quantisation_table(report))
+        else:
+            files = export(options.checkpoint, options.out_dir, options.dtype, options.max_shard_size)
     except (checkpoint.CheckpointError, ValueError, OSError) as error:
         sys.exit(f"error: {error}")
-    print(f"exported {options.checkpoint} ({options.dtype}) to {options.out_dir}: {', '.join(files)}")
+    print(f"exported {options.checkpoint} ({options.format if options.format == 'deepseek' else options.dtype}) to "
+          f"{options.out_dir}: {', '.join(files)}")
 
 
 if __name__ == "__main__":

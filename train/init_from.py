@@ -1,8 +1,10 @@
 """``train.init_from``: a run that starts from trained weights instead of the seeded initialisation.
 
 The source is a checkpoint of ours (a checkpoint directory or one tag directory, written under any stage count,
-data-parallel size or ZeRO stage: the weights are stored per layer under the full model's names) or a directory
-in the reference format (``python -m train.export``). Weights only: the optimizer, the schedule and the data
+data-parallel size or ZeRO stage: the weights are stored per layer under the full model's names), a directory
+in the reference format (``python -m train.export``), or DeepSeek's released directory (``train/released_format.py``:
+its ``config.json`` then sets the model, ``adopt_released_config``, and its FP8 / FP4 tensors are dequantised on
+load). Weights only: the optimizer, the schedule and the data
 position start fresh. ``train.resume`` wins: a run that finds a checkpoint to resume never reads ``init_from``.
 
 The match is by tensor name against the whole model of this run (built on the meta device), before the engine is
@@ -16,6 +18,7 @@ it means other dimensions, not another layout. What was loaded, newly initialise
 written to ``<run dir>/init_from.json``. Settings that change what the weights compute without changing a shape
 (``norm_eps``, the RoPE and YaRN fields, window and top-k sizes) are listed as a warning when they differ.
 """
+import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -26,7 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from model import ModelArgs, Transformer, layout_from_config
 from train import checkpoint
+from train.lora import checkpoint_weights
 from train.reference_format import ExportedWeights, is_exported, model_settings, reference_config, write_json
+from train.released_format import ReleasedWeights, is_released, released_settings
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ class CheckpointWeights:
 
     def __init__(self, ref: checkpoint.CheckpointRef):
         self.description = f"checkpoint {ref.path}"
-        self._tensors = checkpoint.read_weights(ref)
+        self._tensors = checkpoint_weights(ref)  # a LoRA run's: merged into its base
         saved = checkpoint.read_trainer_state(ref).get("config", {})
         try:
             self.config = reference_config(ModelArgs.from_config(saved["model"]), layout_from_config(saved["layout"]),
@@ -55,13 +60,17 @@ class CheckpointWeights:
     def shapes(self) -> dict[str, torch.Size]:
         return {name: tensor.shape for name, tensor in self._tensors.items()}
 
-    def load(self, names) -> dict[str, torch.Tensor]:
-        return {name: self._tensors[name] for name in names}
+    def load(self, names, rows: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+        rows = rows or {}
+        return {name: self._tensors[name][slice(*rows[name]) if name in rows else slice(None)] for name in names}
 
 
-def open_weights(path: str) -> CheckpointWeights | ExportedWeights:
-    """The weights at ``path``: an exported directory, else a checkpoint (directory with ``latest``, or a tag)."""
+def open_weights(path: str) -> CheckpointWeights | ExportedWeights | ReleasedWeights:
+    """The weights at ``path``: DeepSeek's released directory, an exported one, else a checkpoint (directory with
+    ``latest``, or a tag)."""
     location = Path(path).expanduser().resolve()
+    if is_released(location):
+        return ReleasedWeights(location)
     if is_exported(location):
         return ExportedWeights(location)
     try:
@@ -131,6 +140,7 @@ class InitFrom:
         train = cfg.train
         self.path, self.strict = str(train.init_from), bool(train.get("init_strict", True))
         self.source = open_weights(self.path)
+        self.cfg_model = cfg.model
         args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
         with torch.device("meta"):
             expected = {name: t.shape for name, t in Transformer(args, layout).state_dict().items()}
@@ -154,10 +164,33 @@ class InitFrom:
 
     def load_into(self, engine) -> None:
         """Copy the matched weights into this rank's stage (owned parameters; shadow replicas follow their owners)."""
-        stage = engine.module.stage.model
-        loaded = set(self.match.loaded)
-        stage.load_state_dict(self.source.load([n for n in stage.state_dict() if n in loaded]), strict=False)
+        load_stage(engine.module.stage.model, self.source, set(self.match.loaded))
         engine.sync_shadows()
+
+    def describe_ranks(self, stages: tuple[range, ...], replicas: int, expert_parallel: int) -> list[str]:
+        """What each rank will read of the source, before anything is read: one line per stage and expert rank
+        (the replicas of a stage with the same experts read the same, but for their own rows of the Engram
+        tables), from the source's headers."""
+        if not isinstance(self.source, ReleasedWeights):
+            return []
+        args = ModelArgs.from_config(self.cfg_model)
+        loaded = set(self.match.loaded)
+        lines = []
+        for stage, layers in enumerate(stages):
+            for expert_rank in range(expert_parallel):
+                share = rank_share(self.source.shapes(), args, layers, stage == 0, stage == len(stages) - 1,
+                                   expert_rank, expert_parallel, expert_rank, replicas)
+                share = {n: r for n, r in share.items() if n in loaded}
+                stored = sum(self.source.stored_bytes(n, r) for n, r in share.items())
+                values = sum(_numel(self.source.shapes()[n], r) for n, r in share.items()) * 4
+                experts = f", experts {expert_rank + 1}/{expert_parallel} of each MoE" if expert_parallel > 1 else ""
+                tables = f", 1/{replicas} of the Engram rows" if args.engram.layers and replicas > 1 else ""
+                lines.append(f"stage {stage} (layers {layers.start}-{layers.stop - 1}){experts}{tables}: "
+                             f"{len(share)} tensors, {stored / 1e9:.3g} GB read, {values / 1e9:.3g} GB dequantised "
+                             "(fp32 masters, one layer at a time)")
+        for line in lines:
+            log.info("train.init_from: %s", line)
+        return lines
 
     def report(self, run_dir: Path) -> None:
         """Print what was loaded, newly initialised and ignored, and write it to ``<run_dir>/init_from.json``."""
@@ -187,6 +220,79 @@ def settings_differences(source: dict | None, this: dict) -> list[str]:
 def _plain(value):
     """Lists and tuples compare alike (JSON has no tuples)."""
     return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def load_stage(model, source, loaded: set[str]) -> None:
+    """Load ``loaded`` tensors of the source into ``model`` (a stage's slice): its own layers, only its experts
+    (expert parallelism) and only its rows of the Engram tables, one layer at a time (a dequantised released
+    layer is the most that is held at once besides the model)."""
+    state = model.state_dict()
+    shards = model.row_shards()
+    by_part: dict[str, list[str]] = {}
+    for name in state:
+        if name in loaded:
+            part = name.split(".")
+            by_part.setdefault(".".join(part[:2]) if part[0] in ("layers", "mtp") else part[0], []).append(name)
+    for names in by_part.values():
+        rows = {n: (shards[n][0], max(shards[n][0], min(shards[n][0] + state[n].shape[0], shards[n][1])))
+                for n in names if n in shards}
+        tensors = source.load(names, rows=rows)
+        for name, (start, stop) in rows.items():  # the last shard's padding rows keep their values
+            full = state[name].detach().clone()
+            full[:stop - start] = tensors[name]
+            tensors[name] = full
+        model.load_state_dict(tensors, strict=False)
+
+
+def rank_share(shapes: dict[str, torch.Size], args: ModelArgs, layers: range, has_embed: bool, has_head: bool,
+               expert_rank: int, expert_parallel: int, table_rank: int, table_ranks: int
+               ) -> dict[str, tuple[int, int] | None]:
+    """The tensors of the full model's ``shapes`` that one rank holds, with the rows it holds of a row-sharded
+    one (None: whole): its layers, the embedding on the first stage, the norm, head and draft head on the last,
+    its range of every MoE's routed experts and its ``ceil(rows / table_ranks)`` rows of each Engram table."""
+    share = {}
+    for name, shape in shapes.items():
+        first = name.split(".")[0]
+        if first == "layers" and int(name.split(".")[1]) not in layers or first == "embed" and not has_embed or \
+                first in ("norm", "head", "mtp") and not has_head:
+            continue
+        expert = re.search(r"\.ffn\.experts\.(\d+)\.", name)
+        if expert:
+            n = args.dspark.n_routed_experts if first == "mtp" else args.moe.n_routed_experts
+            held = n // expert_parallel
+            if not expert_rank * held <= int(expert.group(1)) < (expert_rank + 1) * held:
+                continue
+        rows = None
+        if name.endswith("engram.embed.weight"):
+            part = -(-shape[0] // table_ranks)
+            rows = (min(table_rank * part, shape[0]), min((table_rank + 1) * part, shape[0]))
+        share[name] = rows
+    return share
+
+
+def _numel(shape: torch.Size, rows: tuple[int, int] | None) -> int:
+    return (rows[1] - rows[0]) * shape[1:].numel() if rows else shape.numel()
+
+
+def adopt_released_config(cfg: DictConfig) -> list[str]:
+    """With ``train.init_from`` a released directory, its ``config.json`` sets the model: every ``model.*`` /
+    ``layout.*`` setting it describes is set from it (the training-only ones, such as the balance rate or frozen
+    tables, stay the run's). Returns ``key: run's -> released`` for what changed (logged)."""
+    path = OmegaConf.select(cfg, "train.init_from")
+    if not path or not is_released(Path(str(path)).expanduser().resolve()):
+        return []
+    location = Path(str(path)).expanduser().resolve()
+    settings = released_settings(json.loads((location / "config.json").read_text()))
+    changed = []
+    for key, value in settings.items():
+        before = OmegaConf.select(cfg, key)
+        if _plain(before) != _plain(value):
+            changed.append(f"{key}: {before!r} -> {value!r}")
+            OmegaConf.update(cfg, key, value, force_add=True)
+    if changed:
+        log.info("train.init_from=%s is DeepSeek's released model: its config.json sets\n  %s", path,
+                 "\n  ".join(changed))
+    return changed
 
 
 def from_config(cfg: DictConfig) -> InitFrom | None:

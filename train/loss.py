@@ -39,21 +39,24 @@ class Loss:
         return row
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor, int]:
     """Mean next-token cross-entropy over labelled tokens, and their count.
 
     A batch with no labelled token (all padding) gives 0 with a graph, not the 0/0 = NaN of a plain mean, so
-    it cannot be mistaken for a diverged step.
+    it cannot be mistaken for a diverged step. ``count``: the labelled tokens of the whole rows when ``logits`` and
+    ``labels`` are one chunk's (context parallelism): the chunk's share of the rows' mean.
     """
     summed = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum")
-    count = int((labels != IGNORE_INDEX).sum())
+    count = int((labels != IGNORE_INDEX).sum()) if count is None else count
     return summed / max(count, 1), count
 
 
-def compute_loss(output, labels: torch.Tensor, indexer_loss_coef: float, dspark_loss_coef: float = 0.0) -> Loss:
-    """The objective of one forward (``model.ModelOutput``) against its ``labels`` (-100 = ignored)."""
-    lm, count = lm_loss(output.logits, labels)
+def compute_loss(output, labels: torch.Tensor, indexer_loss_coef: float, dspark_loss_coef: float = 0.0,
+                 label_count: int | None = None) -> Loss:
+    """The objective of one forward (``model.ModelOutput``) against its ``labels`` (-100 = ignored);
+    ``label_count``: ``lm_loss``'s ``count``."""
+    lm, count = lm_loss(output.logits, labels, label_count)
     loss = Loss(lm, lm, dict(output.indexer_losses), count, dict(output.draft_losses))
     loss.total = lm + indexer_loss_coef * loss.indexer_total + dspark_loss_coef * loss.draft_total
     return loss

@@ -4,7 +4,8 @@ tokenizer, device and precision, the batch against the stages and launched proce
 memory (every stage's estimated peak against the GPU's memory, or the host's RAM: ``parallel/plan.py``), the
 probes, the data (path, format, text field, every row's type, both parts non-empty, the chat template), the
 checkpoint to resume (manifest: sizes and SHA-256) or else the weights of ``train.init_from`` (matched tensor by
-tensor against the model).
+tensor against the model; a released directory first sets the model from its config.json, so the memory verdict
+is the released model's, and what each rank will read of it is printed).
 
 What the checks build (documents, probes, the checkpoint) is kept for the job, so nothing is read twice.
 """
@@ -19,9 +20,10 @@ from model import LayoutError, ModelArgs, layout_from_config
 from parallel.balance import Split, split_stages
 from parallel.batch import BatchPlan, batch_plan
 from parallel.plan import check_memory, device_memory
-from train import checkpoint, init_from, sft
+from train import checkpoint, init_from, lora as lora_runs, sft
 from train.data import SetSize, build_documents, data_config, set_size, synthetic_tasks
-from train.engine import check_experts, check_parallel, engram_token_map, resolve_device, resolve_precision
+from train.engine import (check_experts, check_parallel, engram_token_map, lora_settings, resolve_device,
+                          resolve_precision)
 from train.evaluate import build_probes, data_tokenizer
 
 LOGGER_MODES = ("offline", "online", "disabled")
@@ -42,7 +44,8 @@ class Checked:
     probes: dict
     resume: checkpoint.CheckpointRef | None
     saved: dict  # the checkpoint's trainer state ({} for a fresh run)
-    warm_start: init_from.InitFrom | None  # train.init_from, matched against the model (None when resuming)
+    warm_start: init_from.InitFrom | None  # train.init_from, matched against the model (None when resuming, but for
+    # a LoRA run: its frozen base)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -68,6 +71,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"train.stop_at={train.stop_at} is outside 1..train.max_steps={train.max_steps} — set a step "
                          "in that range, or null")
     check_parallel(cfg.parallel)
+    lora_runs.check_run(cfg, lora_settings(cfg))
     if cfg.logger.mode not in LOGGER_MODES:
         raise ValueError(f"logger.mode={cfg.logger.mode!r} — use one of {', '.join(LOGGER_MODES)}")
 
@@ -135,6 +139,7 @@ def launched_world_size() -> int:
 
 
 def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
+    init_from.adopt_released_config(cfg)  # a released train.init_from sets the model, before anything checks it
     check_config(cfg)
     device = resolve_device(cfg.train.device)
     precision = resolve_precision(cfg.train.precision, device)
@@ -157,7 +162,11 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
              for d in (train_documents, heldout_documents)]
     ref = checkpoint.find(cfg.train.resume, checkpoint_dir(cfg, run_dir))
     saved = checkpoint.check_compatible(ref, cfg) if ref else {}
-    warm_start = None if ref else init_from.from_config(cfg)
+    if ref:
+        lora_runs.check_resume(ref, saved["config"], cfg)
+    warm_start = None if ref and lora_settings(cfg) is None else init_from.from_config(cfg)
+    if warm_start is not None:  # what each rank will read, printed before anything is read
+        warm_start.describe_ranks(split.plan.stages, batch.data_parallel, int(cfg.parallel.expert_parallel))
     return Checked(device, precision, batch, split, memory_line, train_documents, heldout_documents,
                    data_line(cfg, batch, *sizes), probes, ref, saved, warm_start)
 

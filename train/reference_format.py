@@ -34,7 +34,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LAYOUT_FIELDS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
                   "candidate_topk_blocks", "candidate_block_size")
 # How we initialise, compute or run a baseline, not what the weights are: not in config.json.
-NOT_EXPORTED = ("init_std", "embed_init_std", "head_init_std", "kernel_backend", "attention", "dense_head_dim")
+NOT_EXPORTED = ("init_std", "embed_init_std", "head_init_std", "kernel_backend", "qat", "attention",
+                "dense_head_dim")
 PARTS = ("ffn", "inter_dim", "moe", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "engram", "dspark")  # below
 # The V4.1 parts' settings under the reference config's flat names, written only where the part is on; the
 # training-only ones (the balance rate, frozen tables) are not part of the weights' description.
@@ -208,12 +209,15 @@ class ExportedWeights:
     def shapes(self) -> dict[str, torch.Size]:
         return dict(self._shapes)
 
-    def load(self, names) -> dict[str, torch.Tensor]:
+    def load(self, names, rows: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+        """``names``; ``rows[name] = (start, stop)`` reads only those rows of it (a rank's Engram table shard)."""
+        rows = rows or {}
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self._files[name], []).append(name)
         tensors = {}
         for file, wanted in by_file.items():
             with safe_open(str(self.directory / file), framework="pt") as handle:
-                tensors.update({name: handle.get_tensor(name) for name in wanted})
+                tensors.update({name: handle.get_slice(name)[slice(*rows[name])] if name in rows else
+                                handle.get_tensor(name) for name in wanted})
         return tensors

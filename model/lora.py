@@ -1,0 +1,204 @@
+"""LoRA (Hu et al., 2021): a frozen weight ``W [out, in]`` and a trained low-rank update of it,
+``y = W x + (alpha / r) · B A x`` with ``A [r, in]``, ``B [out, r]``.
+
+Why it is built this way:
+- The update is applied factored, ``B (A x)``, beside the base GEMM, never as a merged ``W + s·B A``: the merged
+  form would materialise every adapted matrix again each forward (the routed experts of one V4.1 layer are 13 GB
+  in bf16) and its backward would compute the full ``dW`` that LoRA exists to avoid. With ``W`` frozen autograd
+  skips that GEMM; the adapters' own cost is ``r (in + out)`` per row.
+- ``A`` draws Kaiming-uniform (``U(±1/sqrt(in))``, what ``nn.Linear`` and PEFT draw), ``B`` starts at zero, so a
+  run's first forward is the base's bit for bit. Each ``A`` draws from a generator seeded by (seed, its state-dict
+  name), a routed expert's under its own per-expert name, so every pipeline split and expert-parallel size starts
+  from the same adapters.
+- Adapters live on the modules whose weights they adapt: ``<linear>.lora.A`` / ``.B`` for an ``nn.Linear``, and for
+  the stacked routed experts ``experts.lora.w1.A [E_local, r, in]`` / ``.B [E_local, out, r]``, split over expert
+  ranks with their experts and named per expert in the state dict (``experts.{j}.w1.lora.A``): in state-dict
+  names an adapter ``X.lora.A`` always adapts ``X.weight``.
+- ``attach`` freezes the whole base (requires_grad False: no gradient, no optimizer state, no reduction) and stops
+  the routing biases' balance steps (they are part of the base); only the trunk's blocks (``layers.*``) are
+  adapted, the draft head stays frozen. ``low_precision`` keeps the frozen matrices that only autocast's matmuls
+  read in bf16 (half the memory of fp32 masters, and no cast per forward: autocast would round them the same way).
+
+Targets (``train.lora.targets``): the attention projections by name (``wq_a``, ``wq_b``, ``wkv``, ``wo_a``,
+``wo_b``; ``wo_a`` is the grouped projection, adapted as one ``[G·R, K]`` matrix), ``shared_experts`` (its w1, w2,
+w3), ``experts`` (every routed expert's w1, w2, w3) and ``dense_ffn`` (a dense model's FFN).
+"""
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelArgs
+
+ATTENTION = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+TARGETS = (*ATTENTION, "shared_experts", "experts", "dense_ffn")
+FFN_MATRICES = ("w1", "w2", "w3")
+LOW_PRECISION = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|ffn\.(shared_experts\.)?w[123]"
+                           r"(\.weight)?|ffn\.experts\.w[123])|head\.weight")
+
+
+@dataclass(frozen=True)
+class LoRA:
+    """``train.lora``: ``rank`` 0 is off; ``alpha`` scales the update by ``alpha / rank``."""
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ATTENTION
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_config(cls, node) -> "LoRA | None":
+        """The settings of a ``train.lora`` node, checked; None when it is absent or its rank is 0."""
+        if node is None:
+            return None
+        lora = cls(node.get("rank", 0), node.get("alpha", cls.alpha), tuple(node.get("targets", ATTENTION)))
+        lora.check()
+        return lora if lora.rank else None
+
+    def check(self, args: ModelArgs | None = None) -> None:
+        """One line per bad setting; with ``args``, also the targets this model has none of."""
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"train.lora.rank={self.rank!r}: use an integer >= 0 (0: no LoRA)")
+        if not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"train.lora.alpha={self.alpha!r}: use a number > 0 (the update is scaled by "
+                             "alpha / rank)")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) < len(self.targets):
+            raise ValueError(f"train.lora.targets={list(self.targets)}: use a non-empty list of distinct names from "
+                             f"{list(TARGETS)}" + (f" ({', '.join(map(repr, unknown))} unknown)" if unknown else ""))
+        if args is None:
+            return
+        missing = {"dense_ffn": args.ffn != "dense", "experts": args.ffn != "moe",
+                   "shared_experts": args.ffn != "moe" or not args.moe.n_shared_experts,
+                   **{t: args.attention != "csa2" for t in ATTENTION}}
+        absent = [t for t in self.targets if missing[t]]
+        if absent:
+            raise ValueError(f"train.lora.targets: this model (model.ffn={args.ffn}, model.attention={args.attention}"
+                             f", {args.moe.n_shared_experts if args.ffn == 'moe' else 0} shared expert(s)) has no "
+                             f"{', '.join(absent)} — leave {'it' if len(absent) == 1 else 'them'} out")
+
+
+class Adapter(nn.Module):
+    """``ΔW = scale · B A`` of a weight ``[*lead, out, in]`` (``lead``: the experts of a stack): ``A [*lead, r, in]``,
+    ``B [*lead, out, r]``, fp32 (the trained master values; autocast runs their matmuls)."""
+
+    def __init__(self, shape: torch.Size, rank: int, scale: float):
+        super().__init__()
+        *lead, out, fan_in = shape
+        self.scale = scale
+        self.A = nn.Parameter(torch.empty(*lead, rank, fan_in))
+        self.B = nn.Parameter(torch.zeros(*lead, out, rank))
+
+    def forward(self, x: torch.Tensor, matmul=F.linear, A: torch.Tensor | None = None,
+                B: torch.Tensor | None = None) -> torch.Tensor:
+        """``scale · B A x`` by ``matmul(rows, weight)`` (``F.linear``, or the experts' grouped GEMM with
+        ``A``/``B`` the stacks, or one expert's slices of them)."""
+        A, B = (self.A, self.B) if A is None else (A, B)
+        return matmul(matmul(x, A), B) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """``scale · B A`` (stacked like the weight), for merging."""
+        return self.scale * (self.B @ self.A)
+
+
+def adapted(y: torch.Tensor, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``y = x Wᵀ`` of ``layer`` (an ``nn.Linear``) plus its adapter's update of ``x``, when it has one."""
+    adapter = getattr(layer, "lora", None)
+    return y if adapter is None else y + adapter(x)
+
+
+def targeted_modules(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every ``nn.Linear`` and stack of routed experts the targets name, in the trunk."""
+    found = []
+    for layer_name, block in model.layers.items():
+        prefix = f"layers.{layer_name}"
+        for target in targets:
+            if target in ATTENTION:
+                found.append((f"{prefix}.attn.{target}", getattr(block.attn, target)))
+            elif target == "experts":
+                found.append((f"{prefix}.ffn.experts", block.ffn.experts))
+            else:
+                owner = block.ffn.shared_experts if target == "shared_experts" else block.ffn
+                found += [(f"{prefix}.ffn.{'shared_experts.' * (target == 'shared_experts')}{w}", getattr(owner, w))
+                          for w in FFN_MATRICES]
+    return found
+
+
+def attach(model: nn.Module, lora: LoRA, seed: int, low_precision: torch.dtype | None = None) -> None:
+    """Freeze every parameter of ``model`` (a ``Transformer`` or a slice of one) and its routing biases, then give
+    the targeted matrices of its blocks adapters (``A`` drawn by name, ``B`` zero). ``low_precision``: the dtype to
+    keep the frozen autocast-only matrices in (bf16 under bf16 autocast; None keeps them as they are)."""
+    lora.check(model.args)
+    for name, p in model.named_parameters():
+        p.requires_grad_(False)
+        if low_precision is not None and LOW_PRECISION.fullmatch(name):
+            p.data = p.data.to(low_precision)
+    model.moves_biases = False
+    for name, module in targeted_modules(model, lora.targets):
+        device = next(module.parameters()).device
+        if hasattr(module, "expert_ids"):  # stacked routed experts: one adapter per matrix, per-expert draws
+            module.lora = nn.ModuleDict({w: Adapter(getattr(module, w).shape, lora.rank, lora.scale)
+                                         for w in FFN_MATRICES}).to(device)
+            for w, adapter in module.lora.items():
+                for i, j in enumerate(module.expert_ids):
+                    _kaiming_uniform(adapter.A[i], seed, f"{name}.{j}.{w}.lora.A")
+        else:
+            module.lora = Adapter(module.weight.shape, lora.rank, lora.scale).to(device)
+            _kaiming_uniform(module.lora.A, seed, f"{name}.lora.A")
+
+
+def _kaiming_uniform(a: torch.Tensor, seed: int, name: str) -> None:
+    """``U(-1/sqrt(in), 1/sqrt(in))`` (Kaiming-uniform with a = sqrt(5), nn.Linear's draw) from (seed, name)."""
+    from model.transformer import seeded_generator
+
+    bound = 1 / math.sqrt(a.shape[-1])
+    cpu = torch.device("cpu")  # drawn on the CPU (the same values on any device), also under a CUDA default device
+    values = torch.empty(a.shape, device=cpu).uniform_(-bound, bound, generator=seeded_generator(seed, name, cpu))
+    with torch.no_grad():
+        a.copy_(values)
+
+
+ADAPTER = re.compile(r"(.+)\.lora\.([AB])")
+
+
+def adapter_of(name: str) -> tuple[str, str] | None:
+    """``(adapted weight, "A" or "B")`` of an adapter's state-dict name (``layers.0.attn.wq_a.lora.A`` ->
+    ``layers.0.attn.wq_a.weight``; a routed expert's ``...experts.3.w1.lora.B`` -> ``...experts.3.w1.weight``),
+    None for any other name."""
+    found = ADAPTER.fullmatch(name)
+    return (f"{found.group(1)}.weight", found.group(2)) if found else None
+
+
+def base_parameter(name: str) -> str:
+    """The base parameter an adapter parameter adapts (``named_parameters`` names: a routed stack's
+    ``...experts.lora.w1.A`` -> ``...experts.w1``); any other name is itself."""
+    stacked = re.fullmatch(r"(.+\.experts)\.lora\.(w[123])\.[AB]", name)
+    if stacked:
+        return f"{stacked.group(1)}.{stacked.group(2)}"
+    found = adapter_of(name)
+    return found[0] if found else name
+
+
+def merge(weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """``weights`` (state-dict names) with every adapted one replaced by ``W + scale · B A``, in fp32 at least (a
+    bf16 base keeps an update smaller than its rounding until the writer picks the dtype); ``adapters`` holds the ``.lora.A`` / ``.lora.B`` entries. An adapter without its weight or its
+    other half is an error naming it."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in adapters.items():
+        target, half = adapter_of(name) or (None, None)
+        if target is None:
+            raise ValueError(f"{name} is not an adapter tensor (X.lora.A / X.lora.B)")
+        pairs.setdefault(target, {})[half] = tensor
+    merged = dict(weights)
+    for target, pair in pairs.items():
+        if target not in weights or set(pair) != {"A", "B"}:
+            raise ValueError(f"adapter of {target}: {'its base weight is missing' if target not in weights else 'A or B is missing'}")
+        w = weights[target]
+        dtype = torch.promote_types(w.dtype, torch.float32)
+        merged[target] = w.to(dtype) + scale * (pair["B"].to(dtype) @ pair["A"].to(dtype))
+    return merged

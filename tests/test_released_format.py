@@ -1,0 +1,488 @@
+"""DeepSeek's released format (SPEC §6) in and out: a miniature V4.1 (``model=v41_mini``) written here in that
+format by the test's own writer (e4m3 / e2m1 decoded from their bit layouts, not through ``model/quant.py``), then
+imported (``train.init_from``) and compared with the fp64 oracle of ``tests/oracle.py``; exported back
+(``--format deepseek``) byte for byte; the codecs against hand-worked values; a pipeline stage and an
+expert-parallel rank reading only their share (bytes counted); damaged directories and configs refused in one line.
+
+The test's writer picks each block's scale as DeepSeek's activation quantiser does, ``2^⌈log2(amax/qmax)⌉``, which
+is not the module's rule: some blocks (largest code <= qmax/2) and the planted all-zero block can only come back
+byte for byte through the kept source scales, so the byte test would catch an export that recomputed them.
+"""
+import dataclasses
+import json
+import math
+import os
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model import Transformer
+from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, quantize
+from train import checkpoint, manifest
+from train.init_from import InitFrom, adopt_released_config, load_stage, rank_share
+from train.reference_format import reference_config
+from train.released_format import ReleasedWeights, export_deepseek, reference_fields, released_model
+
+sys.path.insert(0, os.path.dirname(__file__))
+from oracle import oracle_forward  # noqa: E402
+from test_v41_oracle import MIN_GAP, assert_close_rel, batch, configured, random_state  # noqa: E402
+
+OVERRIDES = ["model.engram.num_embeddings=[]"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------------------ the test's writer
+
+def e4m3_value(byte: int) -> float:
+    """OCP e4m3fn from its bits: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 subnormal."""
+    sign, exp, man = byte >> 7, (byte >> 3) & 15, byte & 7
+    magnitude = man / 8 * 2.0 ** -6 if exp == 0 else (1 + man / 8) * 2.0 ** (exp - 7)
+    return -magnitude if sign else magnitude
+
+
+E4M3 = torch.tensor([e4m3_value(b) for b in range(256)], dtype=torch.float64)  # 0x7F, 0xFF are NaN: not used
+E4M3_FINITE = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F])
+E2M1 = torch.tensor([(-1) ** (n >> 3) * [0, .5, 1, 1.5, 2, 3, 4, 6][n & 7] for n in range(16)], dtype=torch.float64)
+
+
+def nearest(values: torch.Tensor, table: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The code (index into ``table``) nearest each value, among ``allowed`` codes."""
+    return allowed[(values.unsqueeze(-1) - table[allowed]).abs().argmin(-1)]
+
+
+def ceil_rule_exponent(amax: float, qmax: float) -> int:
+    return 0 if amax == 0 else math.ceil(math.log2(amax / qmax))
+
+
+def write_block_quantised(w: torch.Tensor, block, fp4: bool, zero_block: bool = False):
+    """(codes bytes, scale bytes, the decoded fp64 values) of ``w`` in blocks of ``block``."""
+    out, inp = w.shape
+    r, c = block
+    scales = torch.zeros(-(-out // r), -(-inp // c), dtype=torch.int64)
+    codes = torch.zeros(out, inp, dtype=torch.int64)
+    decoded = torch.zeros(out, inp, dtype=torch.float64)
+    table, allowed, qmax = (E2M1, torch.arange(16), 6.0) if fp4 else (E4M3, E4M3_FINITE, 448.0)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * r, (i + 1) * r), slice(j * c, (j + 1) * c)
+            e = ceil_rule_exponent(w[rows, cols].abs().max().item(), qmax)
+            if zero_block and i == j == 0:
+                w[rows, cols], e = 0.0, -27  # an all-zero block whose scale only the file knows
+            scales[i, j] = e + 127
+            codes[rows, cols] = nearest(w[rows, cols] / 2.0 ** e, table, allowed)
+            decoded[rows, cols] = table[codes[rows, cols]] * 2.0 ** e
+    if fp4:
+        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+        return packed, scales.to(torch.uint8).view(torch.float8_e8m0fnu), decoded
+    return codes.to(torch.uint8).view(torch.float8_e4m3fn), scales.to(torch.uint8).view(torch.float8_e8m0fnu), decoded
+
+
+def stored_as(name: str) -> str:
+    """SPEC §6 as the test reads it: fp8 32x32 / fp4 rows of 32 / fp8 rows of 32 (Engram tables) / fp32 / bf16."""
+    if name.endswith("engram.embed.weight"):
+        return "fp8_rows"
+    if ".ffn.experts." in name:
+        return "fp4"
+    if any(name.endswith(f".{m}.weight") for m in ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b",
+                                                    "indexer.wq_b", "engram.wkv", "main_proj")) or \
+            ".shared_experts." in name:
+        return "fp8"
+    if name.endswith(("attn_sink", "gate.bias")) or ".hc_" in name:
+        return "fp32"
+    return "bf16"
+
+
+def hf_config(args, layout) -> dict:
+    """The miniature's config.json as DeepSeek's HF config spells V4.1-Flash's (values from the model)."""
+    moe, eng, ds = args.moe, args.engram, args.dspark
+    from model.engram import table_rows
+    text = {
+        "model_type": "deepseek_v41_text", "vocab_size": args.vocab_size, "hidden_size": args.dim,
+        "moe_intermediate_size": moe.inter_dim, "num_hidden_layers": layout.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": 1, "head_dim": args.head_dim,
+        "qk_rope_head_dim": args.rope_head_dim, "q_lora_rank": args.q_lora_rank, "o_lora_rank": args.o_lora_rank,
+        "o_groups": args.o_groups, "hidden_act": "silu", "swiglu_limit": moe.swiglu_limit,
+        "rms_norm_eps": args.norm_eps, "attention_bias": False, "max_position_embeddings": 1048576,
+        "rope_theta": args.rope_theta, "rope_scaling": {
+            "rope_type": "yarn", "factor": args.rope_factor, "beta_fast": args.beta_fast,
+            "beta_slow": args.beta_slow, "original_max_position_embeddings": args.original_seq_len},
+        "n_routed_experts": moe.n_routed_experts, "n_shared_experts": moe.n_shared_experts,
+        "num_experts_per_tok": moe.n_activated_experts, "scoring_func": moe.score_func, "topk_method": "noaux_tc",
+        "norm_topk_prob": moe.norm_topk_prob, "routed_scaling_factor": moe.route_scale,
+        "sliding_window": args.window_size,
+        "compress_ratios": [*layout.compress_ratios, *[0] * ds.blocks], "compress_rope_theta": args.compress_rope_theta,
+        "kv_source_layer_ids": list(layout.kv_source_layer_ids),
+        "index_source_layer_ids": list(layout.index_source_layer_ids), "index_n_heads": args.index_n_heads,
+        "index_head_dim": args.index_head_dim, "index_topk": args.index_topk,
+        "candidate_source_layer_id": layout.candidate_source_layer_id,
+        "candidate_topk_blocks": layout.candidate_topk_blocks, "candidate_block_size": layout.candidate_block_size,
+        "hc_mult": args.hc_mult, "hc_sinkhorn_iters": args.hc_sinkhorn_iters, "hc_eps": args.hc_eps,
+        "engram_layer_ids": list(eng.layers), "engram_num_embeddings": list(table_rows(eng)),
+        "engram_max_ngram_size": eng.max_ngram_size, "engram_vocab_size": eng.vocab_size,
+        "engram_n_heads": eng.n_heads, "engram_head_dim": eng.head_dim, "engram_pad_token_id": eng.pad_id,
+        "engram_compressed_vocab_size": eng.compressed_vocab_size, "num_nextn_predict_layers": ds.blocks,
+        "dspark_block_size": ds.block_size, "dspark_noise_token_id": ds.noise_token_id,
+        "dspark_target_layer_ids": list(ds.target_layers), "dspark_markov_rank": ds.markov_rank,
+        "dspark_n_routed_experts": ds.n_routed_experts, "dspark_num_experts_per_tok": ds.n_activated_experts}
+    return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "dtype": "bfloat16",
+            "bos_token_id": 0, "eos_token_id": 1, "image_token_id": 129264,
+            "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                    "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
+            "text_config": text, "vision_config": {"num_hidden_layers": 2, "hidden_size": 8}}
+
+
+VISION = {"vision.blocks.0.attn.qkv.weight": torch.randn(24, 8), "aligner.proj.weight": torch.randn(16, 8)}
+
+
+def write_release(directory: Path, state: dict, config: dict, shards: int = 3) -> dict:
+    """The release's files for ``state`` (fp64, our names); returns the decoded fp64 values by name. Tensors go
+    round-robin by layer into ``shards`` files plus the vision ones, with the index."""
+    directory.mkdir(parents=True)
+    files, decoded = [{} for _ in range(shards)], {}
+    for k, (name, value) in enumerate(state.items()):
+        form = stored_as(name)
+        shard = files[int(name.split(".")[1]) % shards if name.startswith("layers.") else k % shards]
+        w = value.detach().clone()
+        if form in ("fp8", "fp4", "fp8_rows"):
+            block = BLOCK_FP8 if form == "fp8" else BLOCK_ROW
+            codes, scale, decoded[name] = write_block_quantised(w, block, form == "fp4",
+                                                                zero_block=name == "layers.0.attn.wq_a.weight")
+            shard[name], shard[name.removesuffix(".weight") + ".scale"] = codes, scale
+        else:
+            shard[name] = w.to(torch.float32 if form == "fp32" else torch.bfloat16)
+            decoded[name] = shard[name].double()
+    files[-1].update({k: v.bfloat16() for k, v in VISION.items()})
+    weight_map = {}
+    for i, tensors in enumerate(files):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps(config))
+    return decoded
+
+
+def setup_release(root: Path, seed: int = 0, tries: int = 5):
+    """A released miniature whose decoded parameters give the oracle unambiguous discrete choices."""
+    args, layout = configured(OVERRIDES)
+    model = Transformer(args, layout, run_dspark=True).double()
+    dims, layout_d = dataclasses.asdict(args), dataclasses.asdict(layout)
+    ids, doc = batch(seed)
+    for k in range(tries):
+        directory = root / f"release{k}"
+        decoded = write_release(directory, random_state(model, seed + 1000 * k), hf_config(args, layout))
+        params, diag = {n: v.requires_grad_(not n.endswith("gate.bias")) for n, v in decoded.items()}, {}
+        outputs = oracle_forward(params, dims, layout_d, ids, doc, diag=diag, draft=True)
+        if min(diag[key] for key in ("topk_margin", "block_margin", "route_margin", "argmax_margin")) > MIN_GAP:
+            return directory, args, layout, model, decoded, ids, doc, outputs
+    raise RuntimeError("no seed with unambiguous discrete choices")
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return setup_release(tmp_path_factory.mktemp("released"))
+
+
+def run_cfg(directory: Path, *overrides):
+    from model.cli import compose
+
+    cfg = compose(["model=v41_mini", "model.kernel_backend=torch", *overrides])
+    OmegaConf.update(cfg, "train.init_from", str(directory), force_add=True)
+    adopt_released_config(cfg)  # what preflight does first: the released config.json sets the model
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------ import
+
+def test_config_json_gives_the_model(release):
+    """DeepSeek's HF config.json -> the miniature's ModelArgs and Layout (every field that describes the weights),
+    the vision ones ignored."""
+    directory, args, layout, *_ = release
+    config = json.loads((directory / "config.json").read_text())
+    assert reference_config(*released_model(config), "bf16") == reference_config(args, layout, "bf16")
+    assert {"vision_config", "image_token_id", "quantization_config"} <= set(reference_fields(config)[1])
+
+
+def test_import_matches_the_fp64_oracle(release):
+    """The imported miniature's logits, indexer losses and draft parts equal the oracle on the decoded values
+    (relative 1e-10): FP8 / FP4 / e8m0 dequantised exactly, every tensor in its place. Planted in the module and
+    caught: nibbles swapped, scale exponent off by one (127 vs 128 bias), the FP8 scale transposed over blocks,
+    the wo_a scale ignored."""
+    directory, args, layout, model, decoded, ids, doc, (logits, indexer, draft) = release
+    cfg = run_cfg(directory)
+    assert cfg.model.index_n_heads == 8 and cfg.model.engram.num_embeddings == list(args.engram.num_embeddings) or \
+        cfg.model.engram.num_embeddings  # set from config.json (v41_mini has 4 index heads and computed rows)
+    init = InitFrom(cfg)
+    assert not init.match.new and not init.match.ignored
+    assert sorted(init.source.ignored) == sorted(VISION)
+    target = Transformer(args, layout, run_dspark=True).double()
+    load_stage(target, init.source, set(init.match.loaded))
+    out, errors = target(ids, doc), {}
+    assert_close_rel(out.logits, logits, "logits", errors)
+    for s, kl in indexer.items():
+        assert_close_rel(out.indexer_losses[s], kl, f"indexer {s}", errors)
+    for part, value in draft.items():
+        assert_close_rel(out.draft_losses[part], value, f"draft {part}", errors)
+    state = target.state_dict()
+    assert all(torch.equal(state[n], v) for n, v in decoded.items())
+
+
+class Dispatch:
+    """The expert range a rank of ``world`` holds (what ``parallel/experts.py`` gives a model), without a group."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+    def experts_of(self, n):
+        held = n // self.world
+        return range(self.rank * held, (self.rank + 1) * held)
+
+
+class Rows:
+    def __init__(self, rank, world):
+        self.rank, self.world = rank, world
+
+
+@pytest.mark.parametrize("stage,expert_rank", [(0, 0), (1, 1)])
+def test_a_stage_and_an_expert_rank_read_only_their_share(release, stage, expert_rank):
+    """Stage ``stage`` of 2 (layers 0-4 / 5-9 and the head) on expert rank ``expert_rank`` of 2 and table rank 1 of
+    2 reads exactly its tensors: the bytes read are the stored sizes of its layers, its half of every MoE's experts
+    and its half of each Engram table (counted from the headers here), less than half of the files, and its values
+    equal the decoded ones. Planted and caught: loading every expert (the bytes), a table shard read from row 0 (the values; and in
+    ``rank_share``, what the preflight prints)."""
+    directory, args, layout, _, decoded, *_ = release
+    source = ReleasedWeights(directory)
+    layers = range(0, 5) if stage == 0 else range(5, 10)
+    model = Transformer(args, layout, layers, experts=Dispatch(expert_rank, 2), engram_rows=(Rows(1, 2), 1, 2),
+                        run_dspark=True).double()
+    names = set(model.state_dict())
+    load_stage(model, source, names)
+    expected = 0
+    for file in set(source.weight_map.values()):
+        with open(directory / file, "rb") as handle:
+            length = struct.unpack("<Q", handle.read(8))[0]
+            header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            base = name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else name
+            if base in names:
+                size = entry["data_offsets"][1] - entry["data_offsets"][0]
+                if base.endswith("engram.embed.weight"):
+                    rows = entry["shape"][0]
+                    half = -(-rows // 2)
+                    size = size // rows * (rows - half)
+                expected += size
+    total = sum((directory / f).stat().st_size for f in set(source.weight_map.values()))
+    assert source.bytes_read == expected and 0 < expected < total / 2
+    share = rank_share(source.shapes(), args, layers, stage == 0, stage == 1, expert_rank, 2, 1, 2)
+    assert set(share) == names
+    for name, (start, rows) in model.row_shards().items():  # the preflight's rows are the ones the stage loads
+        assert share[name] == (start, min(start + model.state_dict()[name].shape[0], rows)), name
+    assert sum(source.stored_bytes(n, r) for n, r in share.items()) == expected
+    for name, value in model.state_dict().items():
+        start, _ = model.row_shards().get(name, (0, 0))
+        want = decoded[name][start:start + value.shape[0]] if name in model.row_shards() else decoded.get(name)
+        if name in model.row_shards():
+            assert torch.equal(value[:want.shape[0]], want), name
+        elif ".experts." in name and name.split(".experts.")[1].split(".")[0].isdigit():
+            assert torch.equal(value, want), name
+        else:
+            assert torch.equal(value, want), name
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+def fake_checkpoint(root: Path, state: dict, cfg) -> Path:
+    """A checkpoint tag directory as ``train/checkpoint.py`` reads one: per-layer files, trainer state, manifest."""
+    from parallel.engine import is_expert, split_by_layer
+
+    tag = root / "global_step1"
+    tag.mkdir(parents=True)
+    for part, tensors in split_by_layer({k: v for k, v in state.items() if not is_expert(k)}).items():
+        torch.save(tensors, tag / part)
+    for part, tensors in split_by_layer({k: v for k, v in state.items() if is_expert(k)}).items():
+        torch.save(tensors, tag / f"experts_{part.removesuffix('.pt')}_00000.pt")
+    config = OmegaConf.to_container(cfg, resolve=True)
+    (tag / checkpoint.TRAINER_STATE).write_text(json.dumps({"step": 1, "config": config}))
+    manifest.write(tag)
+    return tag
+
+
+def stored_bytes(directory: Path) -> dict[str, bytes]:
+    out = {}
+    for file in json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values():
+        with safe_open(str(directory / file), framework="pt") as handle:
+            for name in handle.keys():
+                t = handle.get_tensor(name)
+                out[name] = (str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def test_released_import_export_is_byte_identical(release, tmp_path):
+    """Released -> import (fp32 masters, as training holds them) -> export: every tensor's dtype, shape and bytes,
+    scales included (the all-zero block's arbitrary scale, the blocks whose largest code is below qmax/2), the
+    vision tensors, the shard of every tensor and config.json's fields. Planted and caught: the export recomputing
+    every scale (keep= ignored), fp4 nibbles swapped on the way out, a plain bf16 tensor written as fp32."""
+    directory, args, layout, *_ = release
+    init = InitFrom(run_cfg(directory))
+    model = Transformer(args, layout, run_dspark=True)  # fp32, as the trainer's master weights
+    load_stage(model, init.source, set(init.match.loaded))
+    tag = fake_checkpoint(tmp_path / "ckpt", model.state_dict(), run_cfg(directory))
+    files, report = export_deepseek(str(tag), tmp_path / "out")
+    assert all(entry["exact"] and entry["blocks_rescaled"] == 0 for entry in report.values())
+    assert stored_bytes(tmp_path / "out") == stored_bytes(directory)
+    index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
+    assert index(tmp_path / "out") == index(directory)
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((directory / "config.json").read_text())
+
+
+def test_a_trained_tensor_is_requantised_and_reported(release, tmp_path):
+    """A changed matrix comes out requantised (its error in the report, the others exact); without a source the
+    export is our own layout and reads back to the same values (the module's scales are idempotent)."""
+    directory, args, layout, *_ = release
+    init = InitFrom(run_cfg(directory))
+    model = Transformer(args, layout, run_dspark=True)
+    load_stage(model, init.source, set(init.match.loaded))
+    state = model.state_dict()
+    state["layers.3.attn.wq_b.weight"] = state["layers.3.attn.wq_b.weight"] * 1.01
+    cfg = run_cfg(directory)
+    tag = fake_checkpoint(tmp_path / "ckpt", state, cfg)
+    _, report = export_deepseek(str(tag), tmp_path / "out")
+    inexact = {n for n, v in report.items() if not v["exact"]}
+    assert inexact == {"layers.3.attn.wq_b.weight"}
+    assert 0 < report["layers.3.attn.wq_b.weight"]["rel_rms_error"] < 0.05
+    OmegaConf.update(cfg, "train.init_from", None)
+    tag2 = fake_checkpoint(tmp_path / "ckpt2", state, cfg)
+    export_deepseek(str(tag2), tmp_path / "fresh")
+    again = ReleasedWeights(tmp_path / "fresh")
+    first = ReleasedWeights(tmp_path / "out")
+    names = first.names()
+    assert again.load(names) .keys() == first.load(names).keys()
+    assert all(torch.equal(a, b) for a, b in zip(again.load(names).values(), first.load(names).values()))
+
+
+# ------------------------------------------------------------------------------------------------ codecs
+
+def test_dequantisation_against_hand_worked_values():
+    """FP8: byte 0x38 is 1.0, 0x40 2.0, 0xC4 -3.0, 0x01 2^-9 (subnormal), 0x7E 448; e8m0 byte 127 is 1, 128 is 2,
+    120 is 2^-7, 0 is 2^-127. One 32x32 block per scale: [[127, 129]] over a 1x64 row scales columns 32.. by 4.
+    FP4: byte 0x21 holds 0.5 (low nibble, column 0) then 1.0 (column 1); 0xF8 holds -0.0 then -6.0."""
+    codes = torch.tensor([[0x38, 0x40, 0xC4, 0x01, 0x7E] + [0] * 27 + [0x38] * 32], dtype=torch.uint8)
+    scale = torch.tensor([[127, 129]], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    got = dequantize(codes.view(torch.float8_e4m3fn), scale, "fp8", BLOCK_FP8)
+    assert got[0, :5].tolist() == [1.0, 2.0, -3.0, 2.0 ** -9, 448.0] and got[0, 32:].eq(4.0).all()
+    for byte, value in ((127, 1.0), (128, 2.0), (120, 2.0 ** -7), (0, 2.0 ** -127)):
+        s = torch.full((1, 1), byte, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        assert dequantize(torch.full((1, 1), 0x38, dtype=torch.uint8).view(torch.float8_e4m3fn), s, "fp8",
+                          BLOCK_FP8).item() == value
+    packed = torch.tensor([[0x21, 0xF8] + [0] * 14], dtype=torch.uint8)
+    got = dequantize(packed, torch.tensor([[127]], dtype=torch.uint8).view(torch.float8_e8m0fnu), "fp4", BLOCK_ROW)
+    assert got[0, :4].tolist() == [0.5, 1.0, -0.0, -6.0] and torch.signbit(got[0, 2])
+    codes, s = quantize(got, "fp4", BLOCK_ROW)
+    assert codes[0, :2].tolist() == [0x21, 0xF8] and s.view(torch.uint8).item() == 127
+
+
+def test_quantise_is_idempotent_and_keeps_what_it_is_given():
+    """dequantise -> quantise gives the same codes and scales for the module's own output (every block), also via
+    bf16; the ceil rule's block with largest code 224 (amax/2^e in (224, 232)) requantises to 448 at half the scale
+    unless the scale is kept; rounding of e2m1 ties goes to the even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 96, generator=g) * torch.logspace(-4, 4, 96)
+    for fmt, block in (("fp8", BLOCK_FP8), ("fp4", BLOCK_ROW), ("fp8", BLOCK_ROW)):
+        codes, scale = quantize(w, fmt, block)
+        again = quantize(dequantize(codes, scale, fmt, block, torch.bfloat16), fmt, block)
+        assert torch.equal(again[0].view(torch.uint8), codes.view(torch.uint8)), fmt
+        assert torch.equal(again[1].view(torch.uint8), scale.view(torch.uint8)), fmt
+    block = torch.full((1, 32), 1.0)
+    block[0, 0] = 224.0  # codes up to 224 at scale 1: what 2^ceil(log2(amax/448)) writes for amax in (224, 232)
+    one = torch.full((1, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert quantize(block, "fp8", BLOCK_FP8)[1].view(torch.uint8).item() == 126
+    codes, kept = quantize(block, "fp8", BLOCK_FP8, keep=one)
+    assert kept.view(torch.uint8).item() == 127 and codes.float()[0, 0].item() == 224.0
+    ties = torch.tensor([[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5] * 4])
+    got = dequantize(*quantize(ties, "fp4", BLOCK_ROW, keep=one), "fp4", BLOCK_ROW)
+    assert got[0, :8].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+def test_a_truncated_or_mismatched_shard_names_the_tensor_and_file(release, tmp_path):
+    directory = release[0]
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(directory, bad)
+    last = bad / "model-00002-of-00003.safetensors"
+    last.write_bytes(last.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"model-00002-of-00003.safetensors is truncated: tensor \S+ ends at"):
+        ReleasedWeights(bad)
+    shutil.copy(directory / "model-00002-of-00003.safetensors", last)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    index["weight_map"]["layers.1.attn.wq_a.weight"] = "model-00001-of-00003.safetensors"
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"puts tensor layers.1.attn.wq_a.weight in model-00001-of-00003.safetensors, "
+                                         r"but model-00002-of-00003.safetensors holds it"):
+        ReleasedWeights(bad)
+    shutil.copy(directory / "model.safetensors.index.json", bad / "model.safetensors.index.json")
+    with safe_open(str(last), framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    tensors["layers.1.attn.wq_a.scale"] = tensors["layers.1.attn.wq_a.scale"][:1]
+    save_file(tensors, str(last))
+    with pytest.raises(ValueError, match=r"tensor layers.1.attn.wq_a.scale in model-00002-of-00003.safetensors has "
+                                         r"shape \[1, 4\]; layers.1.attn.wq_a.weight \[64, 128\] needs \[2, 4\]"):
+        ReleasedWeights(bad).shapes()
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t.update(topk_method="greedy"), r"topk_method='greedy' is not a model this framework builds"),
+    (lambda t: t.update(first_k_dense_replace=3), r"first_k_dense_replace=3: a stack that mixes dense and MoE"),
+    (lambda t: t.update(rope_scaling={"rope_type": "linear", "factor": 2}), r"rope_scaling type 'linear'"),
+    (lambda t: t.update(mla_kv_rank=512), r"fields this framework does not have: \['mla_kv_rank'\]"),
+    (lambda t: t.update(hidden_act="gelu"), r"hidden_act='gelu'"),
+])
+def test_unsupported_config_is_a_one_line_error(release, change, message):
+    config = json.loads((release[0] / "config.json").read_text())
+    change(config["text_config"])
+    with pytest.raises(ValueError, match=message) as error:
+        reference_fields(config)
+    assert "\n" not in str(error.value)
+
+
+def test_unsupported_quantisation_is_a_one_line_error(release):
+    config = json.loads((release[0] / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [128, 128]
+    with pytest.raises(ValueError, match=r"quantization_config.weight_block_size=\[128, 128\]; this framework reads"):
+        reference_fields(config)
+
+
+def test_score_of_a_released_directory(release, tmp_path, capsys):
+    """``python -m train.score <released dir> --tokens`` prints each document's perplexity and writes log-probs and
+    logits that equal the oracle's on the decoded weights (fp32: relative 1e-5)."""
+    from train.score import main
+
+    directory, *_, ids, doc, (logits, _, _) = release
+    docs = ids[0, :30].tolist(), ids[1, :13].tolist()  # row 0's first and row 1's documents: doc_ids 0 throughout
+    (tmp_path / "docs.json").write_text(json.dumps(docs))
+    main([str(directory), "--tokens", str(tmp_path / "docs.json"), "--out", str(tmp_path / "s.safetensors"),
+          "--logits", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as handle:
+        got = {k: handle.get_tensor(k) for k in handle.keys()}
+    for i, (row, n) in enumerate(((0, 30), (1, 13))):
+        want = logits[row, :n].double()
+        assert (got[f"doc{i}.logits"].double() - want).abs().max() <= 1e-5 * want.abs().max()
+        lp = torch.log_softmax(want[:-1], -1).gather(-1, ids[row, 1:n, None]).squeeze(-1)
+        assert torch.allclose(got[f"doc{i}.logprobs"].double(), lp, atol=1e-4)
+        assert f"doc {i}: {n} tokens, perplexity {math.exp(-got[f'doc{i}.logprobs'].double().mean()):.4f}" in printed
