@@ -3,7 +3,8 @@
 A quantised matrix is ``codes * scale`` blockwise: ``codes`` on a small float grid (FP8 e4m3, max 448; FP4 e2m1,
 values ±{0, .5, 1, 1.5, 2, 3, 4, 6}, two per byte, the low nibble the even column), ``scale`` one e8m0 byte per
 block, ``2^(byte - 127)`` (255 is NaN). Blocks are ``BLOCK_FP8`` = 32 x 32 for the FP8 matrices (scale
-``[⌈out/32⌉, ⌈in/32⌉]``), and 1 x 32 (one scale per 32 columns of a row) for FP4 experts and the FP8 Engram tables.
+``[⌈out/32⌉, ⌈in/32⌉]``), and 1 x 32 (one scale per 32 columns of a row) for FP4 experts and the FP8 Engram
+tables.
 
 The scale of a block is the smallest power of two at which no value rounds past the grid's largest code:
 ``s = 2^⌈log2(amax / (qmax + gap/2))⌉``, ``gap`` the grid's spacing below ``qmax`` (464 for e4m3, 7 for e2m1). The

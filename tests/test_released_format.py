@@ -31,17 +31,10 @@ from train.released_format import ReleasedWeights, export_deepseek, reference_fi
 
 sys.path.insert(0, os.path.dirname(__file__))
 from oracle import oracle_forward  # noqa: E402
-from test_v41_oracle import MIN_GAP, assert_close_rel, batch, configured, random_state  # noqa: E402
+from test_v41_oracle import (  # noqa: E402, F401 (_one_thread: the autouse fixture, here too)
+    MIN_GAP, _one_thread, assert_close_rel, batch, configured, random_state)
 
 OVERRIDES = ["model.engram.num_embeddings=[]"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------------------------------------ the test's writer
@@ -261,8 +254,8 @@ def test_a_stage_and_an_expert_rank_read_only_their_share(release, stage, expert
     """Stage ``stage`` of 2 (layers 0-4 / 5-9 and the head) on expert rank ``expert_rank`` of 2 and table rank 1 of
     2 reads exactly its tensors: the bytes read are the stored sizes of its layers, its half of every MoE's experts
     and its half of each Engram table (counted from the headers here), less than half of the files, and its values
-    equal the decoded ones. Planted and caught: loading every expert (the bytes), a table shard read from row 0 (the values; and in
-    ``rank_share``, what the preflight prints)."""
+    equal the decoded ones. Planted and caught: loading every expert (the bytes), a table shard read from row 0
+    (the values; and in ``rank_share``, what the preflight prints)."""
     directory, args, layout, _, decoded, *_ = release
     source = ReleasedWeights(directory)
     layers = range(0, 5) if stage == 0 else range(5, 10)
@@ -345,7 +338,8 @@ def test_released_import_export_is_byte_identical(release, tmp_path):
     assert stored_bytes(tmp_path / "out") == stored_bytes(directory)
     index = lambda d: json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]  # noqa: E731
     assert index(tmp_path / "out") == index(directory)
-    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((directory / "config.json").read_text())
+    config = lambda d: json.loads((d / "config.json").read_text())  # noqa: E731
+    assert config(tmp_path / "out") == config(directory)
 
 
 def test_a_trained_tensor_is_requantised_and_reported(release, tmp_path):

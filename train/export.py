@@ -1,4 +1,5 @@
-"""``python -m train.export <checkpoint> <out dir> [--format ours|deepseek] [--dtype bf16|fp32] [--max-shard-size 5GB]``.
+"""``python -m train.export <checkpoint> <out dir> [--format ours|deepseek] [--dtype bf16|fp32]
+[--max-shard-size 5GB] [--source <released dir>]``.
 
 Writes a checkpoint's weights in the reference format (``train/reference_format.py``): ``model.safetensors``
 (sharded above ``--max-shard-size``, with ``model.safetensors.index.json``) under the reference tensor names, and
@@ -41,15 +42,21 @@ def parse_size(text: str) -> int:
     return int(float(found.group(1)) * _UNITS[found.group(2)])
 
 
-def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16",
-           max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
-    """Write the checkpoint at ``checkpoint_path`` into ``out_dir``; returns the files written."""
+def checkpoint_model(checkpoint_path: str):
+    """(ref, saved config, ModelArgs, Layout) of the checkpoint to export; a non-CSA2 baseline is refused."""
     ref = checkpoint.locate(checkpoint_path, "checkpoint")
     config = checkpoint.read_trainer_state(ref)["config"]
     args, layout = ModelArgs.from_config(config["model"]), layout_from_config(config["layout"])
     if args.attention != "csa2":
         raise ValueError(f"{ref.path} is a model.attention={args.attention} baseline, not a CSA2 model that the "
                          "reference code runs: nothing to export")
+    return ref, config, args, layout
+
+
+def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16",
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """Write the checkpoint at ``checkpoint_path`` into ``out_dir``; returns the files written."""
+    ref, config, args, layout = checkpoint_model(checkpoint_path)
     weights = {name: tensor.to(DTYPES[dtype]) for name, tensor in checkpoint_weights(ref).items()}
     files = write_weights(weights, out_dir, max_shard_bytes)
     write_json(out_dir / CONFIG, reference_config(args, layout, dtype))

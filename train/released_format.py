@@ -270,7 +270,8 @@ class ReleasedWeights:
             extra = sorted(set(self.entries) - set(mapping))
             if extra:
                 raise ValueError(f"shard {self.entries[extra[0]].file} holds tensor {extra[0]}, which {index} does "
-                                 f"not list ({len(extra)} such) — the index and the shards are of different downloads")
+                                 f"not list ({len(extra)} such) — the index and the shards are of different "
+                                 "downloads")
         self.ignored = sorted(n for n in self.entries if VISION.match(n))
         self.weight_map = {name: entry.file for name, entry in self.entries.items()}
         self.bytes_read = 0
@@ -314,14 +315,17 @@ class ReleasedWeights:
         """``names`` dequantised into ``dtype``; ``rows[name] = (start, stop)`` reads only those rows of it (an
         Engram table's shard). Each file is opened once and only the asked slices are read (``safe_open``)."""
         rows = rows or {}
+        return self._per_file(names, lambda name, handle, file: self._read(name, handle, file, dtype, rows.get(name)))
+
+    def _per_file(self, names, read) -> dict[str, torch.Tensor]:
+        """``{name: read(name, handle, file)}``, each file opened once."""
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(self.entries[name].file, []).append(name)
         out = {}
         for file, wanted in by_file.items():
             with safe_open(str(self.directory / file), framework="pt") as handle:
-                for name in wanted:
-                    out[name] = self._read(name, handle, file, dtype, rows.get(name))
+                out.update({name: read(name, handle, file) for name in wanted})
         return out
 
     def _read(self, name, handle, file, dtype, rows):
@@ -348,14 +352,7 @@ class ReleasedWeights:
 
     def stored(self, names) -> dict[str, torch.Tensor]:
         """The stored tensors themselves (codes, scales, vision tensors), for an export to keep or copy them."""
-        by_file: dict[str, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.entries[name].file, []).append(name)
-        out = {}
-        for file, wanted in by_file.items():
-            with safe_open(str(self.directory / file), framework="pt") as handle:
-                out.update({name: handle.get_tensor(name) for name in wanted})
-        return out
+        return self._per_file(names, lambda name, handle, file: handle.get_tensor(name))
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -381,7 +378,8 @@ def released_tensors(name: str, value: torch.Tensor, source: ReleasedWeights | N
     report = {"format": fmt, "exact": bool(torch.equal(back, ref)),
               "rel_rms_error": (error.norm() / ref.norm().clamp_min(1e-30)).item(),
               "max_abs_error": error.abs().max().item() if error.numel() else 0.0,
-              "blocks_rescaled": None if keep is None else int((scales.view(torch.uint8) != keep.view(torch.uint8)).sum())}
+              "blocks_rescaled": None if keep is None else
+              int((scales.view(torch.uint8) != keep.view(torch.uint8)).sum())}
     return {name: codes.view(dtype) if packed else codes, scale_name(name): scales}, report
 
 
@@ -470,15 +468,10 @@ def export_deepseek(checkpoint_path: str, out_dir: Path, source: str | None = No
     error). ``source``: the released directory to take shards, dtypes, scales, vision tensors and the config's
     other fields from (default: the run's ``train.init_from`` when it is one); without one the layout is
     ``storage``'s and the shards are by size. Returns (files written, the report)."""
-    from model import layout_from_config
-    from train import checkpoint
+    from train.export import checkpoint_model  # which imports this module
+    from train.lora import checkpoint_weights
 
-    ref = checkpoint.locate(checkpoint_path, "checkpoint")
-    config = checkpoint.read_trainer_state(ref)["config"]
-    args, layout = ModelArgs.from_config(config["model"]), layout_from_config(config["layout"])
-    if args.attention != "csa2":
-        raise ValueError(f"{ref.path} is a model.attention={args.attention} baseline, not a CSA2 model that the "
-                         "reference code runs: nothing to export")
+    ref, config, args, layout = checkpoint_model(checkpoint_path)
     source = source or (config.get("train") or {}).get("init_from")
     released = None
     if source and is_released(Path(source).expanduser().resolve()):
@@ -486,7 +479,7 @@ def export_deepseek(checkpoint_path: str, out_dir: Path, source: str | None = No
     elif source and source != (config.get("train") or {}).get("init_from"):
         raise ValueError(f"--source {source} is not a released directory (config.json and safetensors of DeepSeek's "
                          "format)")
-    files, report = write_released(checkpoint.read_weights(ref), out_dir, released, max_shard_bytes)
+    files, report = write_released(checkpoint_weights(ref), out_dir, released, max_shard_bytes)
     write_json(out_dir / CONFIG, deepseek_config(args, layout, released.source_config if released else None))
     write_json(out_dir / REPORT, report)
     files += [CONFIG, REPORT]

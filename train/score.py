@@ -4,9 +4,9 @@
 The weights are read as ``train.generate`` reads them (a checkpoint of ours or an export), or DeepSeek's released
 directory (``train/released_format.py``: its config.json gives the model, its FP8 / FP4 tensors are dequantised;
 its ``tokenizer.json`` tokenizes and gives Engram its normalised ids; without one the byte-level tokenizer
-tokenizes and Engram hashes the ids unnormalised). ``--text``: every non-empty line is a document, tokenized with BOS in front as
-training does; ``--tokens``: a JSON list of documents, each a list of token ids, scored as given. Each document
-runs through the model's forward alone (fp32, no KV cache); the per-document perplexity ``exp(mean -log p)`` over
+tokenizes and Engram hashes the ids unnormalised). ``--text``: every non-empty line is a document, tokenized with
+BOS in front as training does; ``--tokens``: a JSON list of documents, each a list of token ids, scored as given.
+Each document runs through the model's forward alone (fp32, no KV cache); the per-document perplexity ``exp(mean -log p)`` over
 its predicted tokens is printed, and ``--out`` (default ``score.safetensors``) receives ``doc<i>.tokens``,
 ``doc<i>.logprobs`` (the log-probability of every token after the first) and with ``--logits`` ``doc<i>.logits``.
 The quickest check that an import matches its source: score both and compare.
