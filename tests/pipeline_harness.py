@@ -22,6 +22,18 @@ def batches(vocab: int, seed: int = 0):
         yield (x, doc), torch.roll(x, -1, 1)
 
 
+def interleaved(vocab: int, replicas: int, skip_steps: int = 0):
+    """The ``replicas`` ranks' streams of ``batches`` in rank order, step after step (after ``skip_steps``): the
+    microbatches one process accumulates to equal a data-parallel step."""
+    streams = [batches(vocab, seed=r) for r in range(replicas)]
+    for _ in range(skip_steps):
+        for s in streams:
+            next(s)
+    while True:
+        for s in streams:
+            yield next(s)
+
+
 def recompute_overrides(recompute: str) -> list[str]:
     """``none``, ``layer`` or ``block:N`` (the first N layers of every stage) as config overrides."""
     mode, _, count = recompute.partition(":")

@@ -59,28 +59,17 @@ def _sharded(rank, out):
     torch.save(steps, f"{out}/rank{rank}.pt")
 
 
-def _interleaved(vocab: int, skip_steps: int = 0):
-    """Both ranks' microbatches in rank order, step after step: what one process accumulates."""
-    streams = [harness.batches(vocab, seed=r) for r in range(REPLICAS)]
-    for _ in range(skip_steps):
-        for s in streams:
-            next(s)
-    while True:
-        for s in streams:
-            yield next(s)
-
-
 def _whole(rank, out):
     """One process: the same steps from scratch, then a fresh engine resumed from the sharded run's checkpoint."""
     from train import checkpoint
 
     engine, vocab = _engine(REPLICAS)
-    data = _interleaved(vocab)
+    data = harness.interleaved(vocab, REPLICAS)
     steps = [_record(engine, engine.train_batch(data).item()) for _ in range(STEPS)]
     resumed, _ = _engine(REPLICAS)
     checkpoint.load(resumed, checkpoint.find("auto", Path(out) / "checkpoints"), 1)
     loaded = {n: p.detach().clone() for n, p in resumed.module.stage.model.named_parameters() if n in TABLES}
-    after = _record(resumed, resumed.train_batch(_interleaved(vocab, SAVE_AT)).item())
+    after = _record(resumed, resumed.train_batch(harness.interleaved(vocab, REPLICAS, SAVE_AT)).item())
     torch.save({"steps": steps, "loaded": loaded, "resumed": after}, f"{out}/whole.pt")
 
 

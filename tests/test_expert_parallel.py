@@ -100,25 +100,15 @@ def _spread(rank, out):
     torch.save(runs, f"{out}/rank{rank}.pt")
 
 
-def _interleaved(vocab: int, replicas: int, skip: int = 0):
-    streams = [harness.batches(vocab, seed=r) for r in range(replicas)]
-    for _ in range(skip):
-        for s in streams:
-            next(s)
-    while True:
-        for s in streams:
-            yield next(s)
-
-
 def _whole(rank, out):
     from train import checkpoint
 
     runs = {}
     resumed, vocab = _engine(1, 1, 1, microbatches=WORLD)
     checkpoint.load(resumed, checkpoint.find("auto", Path(out) / "checkpoints"), 1)
-    runs["E2_into_one"] = _train(resumed, _interleaved(vocab, WORLD, skip=1), 1)
+    runs["E2_into_one"] = _train(resumed, harness.interleaved(vocab, WORLD, skip_steps=1), 1)
     engine, vocab = _engine(1, 1, 1, microbatches=4)  # the 2 x 2 run's microbatches of a step
-    runs["two_replicas_in_one"] = _train(engine, _interleaved(vocab, 2), 2)
+    runs["two_replicas_in_one"] = _train(engine, harness.interleaved(vocab, 2), 2)
     saved = checkpoint.find("auto", Path(out) / "checkpoints").path
     runs["missing_expert_error"] = _missing_expert_error(engine, saved)
     torch.save(runs, f"{out}/whole.pt")

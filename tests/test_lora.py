@@ -204,13 +204,6 @@ def _spread(rank, out):
     torch.save(runs, f"{out}/rank{rank}.pt")
 
 
-def _interleaved(vocab, replicas):
-    streams = [harness.batches(vocab, seed=r) for r in range(replicas)]
-    while True:
-        for s in streams:
-            yield next(s)
-
-
 def _whole(rank, out):
     torch.set_num_threads(1)
     from train import checkpoint
@@ -219,7 +212,7 @@ def _whole(rank, out):
     engine, vocab = _engine([*LORA, "train.grad_accum_steps=2"])
     runs["P2"] = _train(engine, harness.batches(vocab), 2)
     engine, vocab = _engine([*LORA, "train.grad_accum_steps=2"])
-    runs["E2"] = _train(engine, _interleaved(vocab, 2), 2)
+    runs["E2"] = _train(engine, harness.interleaved(vocab, 2), 2)
     resumed, _ = _engine(LORA)
     checkpoint.load(resumed, checkpoint.find("auto", Path(out) / "checkpoints"), 1)
     runs["E2_loaded"] = _global_adapters(resumed)
