@@ -6,7 +6,8 @@ Rows of 128 tokens, two microbatches of 2 rows a step; row 0 holds documents of 
 odd tokens, crossing every chunk border of C = 2 and 4: straddling m = 2 groups), row 1 documents of 32 and 96
 (ending at the border of C = 4's first chunk). Cases: ``tiny`` at C = 2 and C = 4, ``v41_mini`` (hyper-connections,
 MoE with its routing-bias update, Engram with its row-sharded tables; the DSpark draft head off, which context
-parallelism refuses to train) at C = 2, and 2 pipeline stages x C = 2 on 4 processes.
+parallelism refuses to train) at C = 2, and 2 pipeline stages x C = 2 on 4 processes. The cases of a process count
+run one after the other in one spawn, each with its own engine (and so do the one-process references).
 
 fp32, so not bitwise: a chunk's GEMMs have other shapes than the row's, the gathered entries' gradients are summed
 over ranks and the stage's gradients averaged over C ranks of C-times-scaled shares (``tests/test_context_parallel.py``
@@ -51,11 +52,17 @@ def batches(vocab: int):
         yield (x, doc), labels
 
 
-def _worker(rank, out, overrides):
+def _worker(rank, out, jobs):
+    """Each job (name, overrides) in turn: its engine, two steps, this rank's results in ``<out>/<name>``."""
+    torch.set_num_threads(1)
+    for name, overrides in jobs:
+        _job(rank, os.path.join(out, name), overrides)
+
+
+def _job(rank, out, overrides):
     from model.cli import compose
     from train.engine import build_engine
 
-    torch.set_num_threads(1)
     cfg = compose([f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
                    f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1", "train.dspark_loss_coef=0",
                    *overrides])
@@ -73,28 +80,36 @@ def _worker(rank, out, overrides):
     losses = [engine.train_batch(data).item() for _ in range(STEPS)]
     named, tables = dict(model.named_parameters()), model.row_shards()  # a row-sharded Engram table: my rows
     shards = {n: (start, named[n].detach().clone(), first_grads.pop(n, None)) for n, (start, _) in tables.items()}
+    os.makedirs(out, exist_ok=True)
     torch.save({"losses": losses, "parts": {k: v.item() for k, v in engine.get_additional_losses().items()},
                 "state": {n: t.detach().clone() for n, t in model.state_dict().items() if n not in tables},
                 "shards": shards, "first_grads": first_grads, "last": engine.is_last_stage()},
                os.path.join(out, f"rank{rank}.pt"))
 
 
-def run(out, processes, overrides):
-    os.makedirs(out, exist_ok=True)
-    spawn(_worker, processes, out, tuple(overrides))
-    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(processes)]
+def run(out, processes, jobs: dict) -> dict:
+    """The jobs (name -> overrides) one after the other in one spawn of ``processes``; each job's per-rank results."""
+    spawn(_worker, processes, out, tuple((name, tuple(overrides)) for name, overrides in jobs.items()))
+    return {name: [torch.load(os.path.join(out, name, f"rank{r}.pt"), weights_only=True) for r in range(processes)]
+            for name in jobs}
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    return {model: run(str(tmp_path_factory.mktemp(f"ref_{model}")), 1, [f"model={model}"])[0]
-            for model in sorted({model for model, _, _ in CASES.values()})}
+    """Each model's one-process run, in one spawn."""
+    models = sorted({model for model, _, _ in CASES.values()})
+    runs = run(str(tmp_path_factory.mktemp("ref")), 1, {model: [f"model={model}"] for model in models})
+    return {model: ranks[0] for model, ranks in runs.items()}
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
-    model, processes, overrides = CASES[request.param]
-    return model, run(str(tmp_path_factory.mktemp("cp")), processes, [f"model={model}", *overrides])
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """Every case's per-rank results, the cases of a process count in one spawn (each builds its own engine)."""
+    out, runs = str(tmp_path_factory.mktemp("cp")), {}
+    for processes in sorted({processes for _, processes, _ in CASES.values()}):
+        runs |= run(out, processes, {name: [f"model={model}", *overrides]
+                                     for name, (model, p, overrides) in CASES.items() if p == processes})
+    return runs
 
 
 def _close(got, want, rel):
@@ -111,8 +126,9 @@ def _merged(ranks, key):
     return merged
 
 
-def test_steps_equal_one_process(references, case):
-    name, ranks = case
+@pytest.mark.parametrize("case", list(CASES))
+def test_steps_equal_one_process(references, cases, case):
+    name, ranks = CASES[case][0], cases[case]
     want = references[name]
     last = [r for r in ranks if r["last"]]
     for r in last:
