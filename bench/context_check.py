@@ -130,6 +130,14 @@ def _worker(rank: int, overrides: list[str], T: int, C: int, out: str) -> None:
         torch.save({"floor": floor, **result}, os.path.join(out, "distances.pt"))
 
 
+def _entry(rank: int, world: int, port: int, args: tuple) -> None:
+    """``parallel.local.spawn``'s environment, but every rank on device 0 (LOCAL_RANK would name a GPU)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    _worker(rank, *args)
+
+
 def verdict(d: dict) -> dict:
     """Each variant's worst quantities against twice the floor (a quantity with a zero floor: against 1e-6)."""
     report = {}
@@ -145,7 +153,8 @@ def verdict(d: dict) -> dict:
 
 
 def main() -> int:
-    from parallel.local import spawn
+    import torch.multiprocessing as mp
+    from parallel.local import free_port
     from result_meta import result_meta
 
     p = argparse.ArgumentParser()
@@ -157,7 +166,7 @@ def main() -> int:
     overrides = SMOKE if a.smoke else LAYOUT
     tmp = Path(a.out).with_suffix(".d")
     tmp.mkdir(parents=True, exist_ok=True)
-    spawn(_worker, a.chunks, overrides, a.seq_len, a.chunks, str(tmp))
+    mp.spawn(_entry, args=(a.chunks, free_port(), (overrides, a.seq_len, a.chunks, str(tmp))), nprocs=a.chunks)
     d = torch.load(tmp / "distances.pt")
     res = {**result_meta(), "command": " ".join(["python", *sys.argv]), "model": overrides, "seq_len": a.seq_len,
            "chunks": a.chunks, **verdict(d), "distances": d}

@@ -35,10 +35,11 @@ class PipelineStage(nn.Module):
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
                  recompute_layers: int = 0, keep_attention_layers: int = 0, token_map=None,
                  run_dspark: bool = False, engram_rows=None, experts=None, context=None,
-                 lora: LoRA | None = None):
+                 lora: LoRA | None = None, offload_inputs: bool = False):
         """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights.
         The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints; the first
-        ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention.
+        ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention;
+        ``offload_inputs``: the recomputed layers' inputs wait in host memory (``model/offload.py``).
         ``token_map`` feeds the Engram hashes, ``engram_rows`` shards their tables, ``run_dspark`` trains the draft
         head, ``experts`` is the expert-parallel dispatch (``model.transformer``), ``context`` this rank's chunk of
         every row (``parallel.context.ContextShard``; None: whole rows). ``lora``: the base is frozen (its
@@ -54,6 +55,7 @@ class PipelineStage(nn.Module):
         for i, block in enumerate(self.model.layers.values()):
             block.recompute = i < recompute_layers
             block.keep_attention = i < min(recompute_layers, keep_attention_layers)
+            block.offload_input = offload_inputs and block.recompute
         sources = shadow_sources(layout, layers) if index_k == "shadow" else []
         self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in sources})
         for s, shadow in self.shadows.items():

@@ -121,6 +121,12 @@ def check_parallel(parallel: DictConfig) -> None:
     if any(counts) and parallel.recompute == "none":
         raise ValueError(f"parallel.keep_attention_layers={keep} keeps the attention outputs of recomputed layers, "
                          "but parallel.recompute=none recomputes none")
+    offload = parallel.get("recompute_offload", False)
+    if not isinstance(offload, bool):
+        raise ValueError(f"parallel.recompute_offload={offload!r}: use true or false")
+    if offload and parallel.recompute == "none":
+        raise ValueError("parallel.recompute_offload=true keeps recomputed layers' inputs on the host, but "
+                         "parallel.recompute=none recomputes none: use parallel.recompute=layer (or block)")
 
 
 def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
@@ -130,6 +136,12 @@ def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
     1F1B a stage keeps the activations of up to P microbatches, so recomputing only part of each stage trades
     memory for time where the full recompute is more than needed."""
     return {"none": 0, "layer": n_layers, "block": parallel.get("recompute_layers")}[parallel.recompute]
+
+
+def offload_inputs(parallel: DictConfig) -> bool:
+    """Whether the recomputed layers' inputs wait in pinned host memory (``model/offload.py``): bit-identical, the
+    GPU memory of one fp32 stream per recomputed layer freed for the copies' PCIe traffic."""
+    return bool(parallel.get("recompute_offload", False))
 
 
 def kept_attention_layers_per_stage(parallel: DictConfig) -> tuple[int, ...]:
@@ -290,7 +302,7 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
                                     int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
                                     kept_attention_layers_per_stage(parallel), engram_token_map(cfg, args),
                                     run_dspark, int(parallel.expert_parallel), bool(parallel.expert_overlap),
-                                    context, lora_settings(cfg))
+                                    context, lora_settings(cfg), offload_inputs(parallel))
     loss.context = module.context
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.optimized_named_parameters().items()), float(cfg.train.weight_decay))
