@@ -214,7 +214,14 @@ class Transformer(nn.Module):
         return x, pre
 
     def logits(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
-        logits = self.head(self.norm(hyper.end(x, pre, self.args.kernel_backend)))
+        return self.head_logits(self.features(x, pre))
+
+    def features(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+        """What the LM head reads: the final norm of the (collapsed) stream [B,T,dim]."""
+        return self.norm(hyper.end(x, pre, self.args.kernel_backend))
+
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:
+        logits = self.head(features)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def draft(self, state: SharedState, logits: torch.Tensor,

@@ -924,6 +924,7 @@ ELSEWHERE = {  # settings whose test needs another job: one that reads them from
     "parallel.expert_overlap":
         "tests/test_expert_parallel.py::test_expert_parallel_equals_every_expert_on_every_replica",
     "parallel.context_parallel": "tests/test_context_engine.py::test_steps_equal_one_process",
+    "parallel.head_chunk": "tests/test_head_chunk.py::test_a_step_with_head_chunks_equals_one_without",
     "model.qat": "tests/test_qat.py::test_qat_rounds_exactly_the_served_tensors",
     "train.lora.rank": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
     "train.lora.alpha": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
