@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -299,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("error: stopped (SIGTERM)"))  # the files are removed then too
     directory = Path(tempfile.mkdtemp(prefix="import_slice_", dir=a.dir))
     flags = ["--device", a.device, "--layers", f"{a.layers.start}-{a.layers.stop - 1}", "--expert-parallel",
              str(a.expert_parallel), "--expert-rank", str(a.expert_rank), "--max-shard-size", str(a.max_shard_size),
