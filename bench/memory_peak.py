@@ -11,10 +11,16 @@ import torch
 OURS = ("/model/", "/kernels/", "/parallel/", "/train/")
 
 
+HELPERS = ("kernels/triton_common.py",)  # buffer helpers: the caller is the origin
+
+
 def origin(frames: list[dict]) -> str:
-    """The innermost frame of ours (``dir/file.py:line function``), else the innermost frame at all."""
+    """The innermost frame of ours (``dir/file.py:line function``) outside the buffer helpers, else the innermost
+    frame at all."""
     for frame in frames:
         name = frame["filename"]
+        if name.endswith(HELPERS):
+            continue
         for part in OURS:
             if part in name:
                 return f"{part.strip('/')}/{name.split(part, 1)[1]}:{frame['line']} {frame['name']}"
