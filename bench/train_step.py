@@ -142,8 +142,11 @@ def run_variant(a) -> dict:
                  "doc_ids": torch.zeros(B, T, dtype=torch.long, device=device)}]
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(a.warmup):
+    for i in range(a.warmup):
+        t = time.perf_counter()
         r = train_step(engine, batch())
+        sync()
+        print(f"warm-up step {i}: {time.perf_counter() - t:.1f} s", flush=True)
     probe = None if a.no_detail or not cuda else LayerProbe(model, Clock(cuda))
     sync()
     if cuda:
