@@ -387,6 +387,10 @@ def markdown(result: dict) -> str:
     """docs/projection_v41.md: what is projected, the assumptions, what fits, the tables, the calibration, its error."""
     a, c = result["assumptions"], result["calibration"]
     jobs = {j["name"]: j for j in result["jobs"]}
+
+    def spread(low: int, high: int) -> str:  # the all-to-all shares of the rows with E in [low, high]
+        shares = [r["all_to_all_share"] for r in result["rows"] if low <= r["expert_parallel"] <= high]
+        return f"{min(shares):.0%}-{max(shares):.0%}"
     lora = jobs["LoRA"]["lora"]
     source = (f"the V4.1-width slice `{c['slice']['file']}` (mean residual per layer forward "
               f"{c['slice']['fwd_s'] * 1e3:+.1f} ms, backward {c['slice']['bwd_s'] * 1e3:+.1f} ms over the derived "
@@ -457,15 +461,16 @@ def markdown(result: dict) -> str:
         "- **Context parallelism is what makes V4.1 fit at 64K.** Without it (C = 1) nothing fits: each stage keeps, "
         "per microbatch in flight, every layer's 4 fp32 copies of the stream (65,536 x 4 x 5,120 x 4 B = 5.4 GB a "
         "layer) and its boundary payloads, and the first stage holds P microbatches. C divides all of it by C (the "
-        "gathered latents and index keys stay whole rows, 16-64 MiB a Full layer) and spreads ZeRO-1's AdamW state "
-        "and the tables over C times more ranks.",
+        "gathered latents and index keys stay whole rows, 8-64 MiB each a Full layer) and spreads ZeRO-1's AdamW "
+        "state and the tables over C times more ranks.",
         "- **What is left is the state.** fp32 weights and gradients are never partitioned by ZeRO-1 (8 B a "
         "parameter: 552 B x 8 B = 4.4 TB over the stages), so full training needs the routed experts spread wide: "
         "large E (32-128) on few stages; 64 GPUs cannot hold it at any C. LoRA's frozen base is 2 B a matrix "
         "parameter with no gradient or AdamW state, which is why it fits from 64 GPUs.",
-        "- The all-to-all share is small while the expert group stays in a node (E = 8: ~5%) and 20-35% once it "
-        "spans nodes (E >= 16) at the assumed 35 GB/s; the context collectives are under ~2% (a Full layer's latent "
-        "is 32-64 MiB); more stages raise the bubble at a fixed batch, and a memory-aware split that gives the first "
+        f"- The all-to-all share is small while the expert group stays in a node (E = 8: {spread(8, 8)}) and "
+        f"{spread(16, 128)} once it spans nodes (E >= 16) at the assumed 35 GB/s; the context collectives take at "
+        f"most {max(r['context_share'] for r in result['rows']):.1%} of a step (a Full layer's latent is 64 MiB at "
+        "64K); more stages raise the bubble at a fixed batch, and a memory-aware split that gives the first "
         "stages one layer each leaves them idle (the bubble column).",
         "- Error: the per-layer times are derived, not measured at V4.1's width (unless the slice line above says "
         "otherwise): the hyper-connections' x 5 scaling and the fp32 gate are the largest unknowns (+-30% on the "
