@@ -464,8 +464,10 @@ def markdown(result: dict) -> str:
         "gathered latents and index keys stay whole rows, 8-64 MiB each a Full layer) and spreads ZeRO-1's AdamW "
         "state and the tables over C times more ranks.",
         "- **What is left is the state.** fp32 weights and gradients are never partitioned by ZeRO-1 (8 B a "
-        "parameter: 552 B x 8 B = 4.4 TB over the stages), so full training needs the routed experts spread wide: "
-        "large E (32-128) on few stages; 64 GPUs cannot hold it at any C. LoRA's frozen base is 2 B a matrix "
+        "parameter: 552 B x 8 B = 4.4 TB over the stages), so full training needs a rank's share of the routed "
+        "experts small, 1 / (E x P): E x P >= " + str(min(r["expert_parallel"] * r["stages"] for r in result["rows"]
+                                                           if r["fits"] and r["job"] == "pretraining"))
+        + " in every configuration that fits; 64 GPUs cannot hold it at any C. LoRA's frozen base is 2 B a matrix "
         "parameter with no gradient or AdamW state, which is why it fits from 64 GPUs.",
         f"- The all-to-all share is small while the expert group stays in a node (E = 8: {spread(8, 8)}) and "
         f"{spread(16, 128)} once it spans nodes (E >= 16) at the assumed 35 GB/s; the context collectives take at "
