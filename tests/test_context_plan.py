@@ -4,6 +4,7 @@ at 1/C), the compressed entries a Full layer gathers stay whole-row on every ran
 rows are partitioned over its C x D ranks; the frozen base of a LoRA run keeps its weights only (bf16 for the
 matrices autocast reads, fp32 for the rest) and the adapters r x (in + out) a matrix their full state."""
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,25 @@ def test_simulated_passes_are_the_slowest_chunk_plus_the_collectives():
     assert cluster.context_s(1e9, 16) == pytest.approx(1e9 / 50e9) and cluster.context_s(1e9, 8) == 1e9 / 300e9
     assert stage_work(layers, stages, 2, cluster, context_parallel=1)[0].fwd_s == pytest.approx(0.2)
 
+
+def test_long_row_projection_scales_each_part_and_fits_planted_factors():
+    """bench/context_projection.py: at 4 x the reference length the linear part grows 4 x and the indexer's growing
+    part 16 x; the slowest of C = 4 ranks computes 1/4 of the first and 7/16 of the second; two steps made with
+    factors 1.2 and 0.8 on those parts give the factors back."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import context_projection as cp
+
+    step = json.loads(cp.STEPS[0].read_text())
+    base = cp.small_base(step, json.loads(cp.INDEXER.read_text())["indexer_64k"])
+    assert sum(base.linear_fwd) + sum(base.linear_bwd) + sum(base.growing) == pytest.approx(step["step_s"]
+                                                                                             - cp.fixed_s(step))
+    long = base.at(4 * base.length, 4)
+    assert long.growing_fwd_s == pytest.approx([16 * g for g in base.growing])
+    assert long.fwd_s == pytest.approx([4 * f + 16 * g for f, g in zip(base.linear_fwd, base.growing)])
+    costs = cp.row_costs(long, 4)
+    assert costs["compute_s"] == pytest.approx(sum(base.linear_fwd) + sum(base.linear_bwd)
+                                               + 16 * sum(base.growing) * 7 / 16)
+    made = [{**step, "T": T, "overrides": [*step["overrides"], f"parallel.context_parallel={C}"],
+             "step_s": cp.row_costs(base.at(T, C, 1.2, 0.8), C)["step_s"]} for T, C in ((131072, 1), (262144, 2))]
+    assert cp.fit([(s, base) for s in made]) == pytest.approx((1.2, 0.8))
+    assert cp.fit([(step, base)]) == (1.0, 1.0)
