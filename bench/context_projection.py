@@ -25,11 +25,12 @@ Calibration: the named files, read on every run (add a file and rerun to update 
   GEMM rates at the chunk's tokens per expert, the V4.1-width slice ``--slice``), the routed experts over the C ranks
   of a stage (E = C, one data-parallel replica) and their all-to-alls in the passes.
 
-Memory per rank: ``small`` as one stage on C GPUs; ``v41_flash`` as the fewest pipeline stages P of 4, 8, 16, 32
-(P x C GPUs, the split the engine would choose, P microbatches: 1F1B holds P - s on stage s, more add no memory) whose
-every stage fits the GPU's 139.8 GiB. Not modelled: the LM head's fp32 logits beyond what the 64K step measured (a
-chunk of 64K tokens is the measured case), imbalance between documents of a packed row (one document assumed: the
-worst case for the growing part).
+Memory per rank and throughput: ``small`` as one stage on C GPUs, ``ROWS_PER_STEP`` rows a step; ``v41_flash`` on
+the fewest GPUs (P x C x D, up to ``--max-gpus``; P of 4-32, E of 8-128 over a stage's C x D ranks, the split the
+engine would choose, ``MICROBATCHES_PER_STAGE`` x P rows a replica: 1F1B holds P - s on stage s, more add no memory)
+on which every stage fits the GPU's 139.8 GiB, the fastest of them (else the one needing the least). Not modelled:
+the LM head's fp32 logits beyond what the 64K step measured (a chunk of 64K tokens is the measured case), imbalance
+between documents of a packed row (one document assumed: the worst case for the growing part).
 """
 import argparse
 import dataclasses
@@ -56,6 +57,7 @@ SLICE = ROOT / "bench/results/v41_slice/v41_slice.json"
 LENGTHS, CONTEXTS = (262144, 524288, 1048576), (2, 4, 8, 16)
 STAGES, REPLICAS, EXPERTS = (4, 8, 16, 32), (1, 2, 4, 8, 16, 32, 64), (8, 16, 32, 64, 128)  # v41_flash's search
 MICROBATCHES_PER_STAGE = 4  # v41_flash: 4 P microbatches a replica (memory holds P - s in flight whatever M)
+ROWS_PER_STEP = 8  # small: rows a step for its tokens/s (the gradients' reduction over the C ranks once a step)
 
 
 def relative(path: Path) -> str:
@@ -136,12 +138,13 @@ def cluster(ranks: int) -> Cluster:
     return Cluster(nodes=max(1, ranks // 8))
 
 
-def row_costs(layers: Layers, context: int, experts: int = 1) -> dict:
-    """One row on a context group as one stage: the slowest rank's compute, its collectives and all-to-alls
-    (``stage_work``'s passes), the step with the optimizer (``simulate``, one microbatch)."""
+def row_costs(layers: Layers, context: int, experts: int = 1, rows: int = 1) -> dict:
+    """A row on a context group as one stage: the slowest rank's compute, its collectives and all-to-alls
+    (``stage_work``'s passes), and the step of ``rows`` rows with the gradients' reduction over the C ranks and the
+    optimizer (``simulate``)."""
     n = len(layers.params)
     work = stage_work(layers, (range(n),), 1, cluster(context), expert_parallel=experts, context_parallel=context)[0]
-    step = simulate([work], 1).step_s
+    step = simulate([work], rows).step_s
     compute = sum(layers.chunk_fwd_s(i, context) + layers.bwd_s[i] / context for i in range(n))
     received = sum(layers.context_received(i, context) for i in range(n))
     return {"step_s": step, "compute_s": compute, "context_s": work.context_s, "all_to_all_s": work.all_to_all_s,
@@ -194,10 +197,10 @@ def small_rows(reference: Base, factors, lengths, contexts) -> list[dict]:
     for T in lengths:
         for C in contexts:
             length = chunk_length(C, T, args.window_size, layout.compress_ratios, layout.candidate_block_size)
-            costs = row_costs(reference.at(T, C, *factors), C)
+            costs = row_costs(reference.at(T, C, *factors), C, rows=ROWS_PER_STEP)
             peak = small_peak(T, C)
             rows.append({"model": "small", "seq_len": T, "context_parallel": C, "chunk": length, **costs,
-                         "gpus": C, "tokens_per_s_per_gpu": T / costs["step_s"] / C, "peak_gib": peak,
+                         "gpus": C, "tokens_per_s_per_gpu": ROWS_PER_STEP * T / costs["step_s"] / C, "peak_gib": peak,
                          "fits": peak * 2 ** 30 <= GPU_BYTES, "configuration": f"1 stage x C = {C}"})
     return rows
 
@@ -282,8 +285,11 @@ def markdown(result: dict) -> str:
         "projection, not a measurement: per row, the slowest rank's compute (its chunk's share of every layer's "
         "per-token work, and (2C - 1) / C^2 of the indexer's scoring over every visible entry, the part that grows "
         "with T^2), the context group's all-gathers and reduce-scatters over NVLink (between nodes at C = 16), and "
-        "the memory model's peak per rank. `small` is one stage on C GPUs; `v41_flash` the fewest pipeline stages "
-        "that fit, its experts over each stage's C ranks.", "",
+        "the memory model's peak per rank. `small` is one stage on C GPUs, its tokens/s per GPU of steps of "
+        f"{ROWS_PER_STEP} rows (the gradients reduced over the C ranks once a step); `v41_flash` the fewest GPUs (P x "
+        f"C x D, up to {result['max_gpus']:,}) on which every stage fits, the fastest of those, its experts over E of "
+        f"a stage's C x D ranks, {MICROBATCHES_PER_STAGE} P rows a replica and step; where none fits, the "
+        "configuration needing the least memory.", "",
         f"Calibration: {', '.join(f'`{s}`' for s in c['steps'])} for `small` ({fitted}); the indexer's selection at "
         f"64K from `{c['indexer']}` ({c['indexer_select_ms']:.1f} ms a Full layer at m = 1, "
         f"{c['indexer_select_blocks_ms']:.1f} ms with the candidate blocks); `v41_flash`'s layers from "
@@ -319,7 +325,7 @@ def main(argv=None) -> dict:
         correction = (found["fwd_s"], found["bwd_s"])
     rows = small_rows(reference, factors, lengths, contexts) + v41_rows(lengths, contexts, moe_step, moe_ffn,
                                                                         indexer, correction, opts.max_gpus)
-    result = {**result_meta(), "out": relative(opts.out),
+    result = {**result_meta(), "out": relative(opts.out), "max_gpus": opts.max_gpus,
               "calibration": {"steps": [relative(path) for path, _ in steps], "indexer": relative(INDEXER),
                               "indexer_select_ms": indexer["select_ms"],
                               "indexer_select_blocks_ms": indexer["select_blocks_ms"],
