@@ -271,6 +271,31 @@ DOCS_BEGIN = "<!-- context projection: written by bench/context_projection.py --
 DOCS_END = "<!-- context projection: end -->"
 
 
+def tokens(n: int) -> str:
+    return f"{n // 2 ** 20}M" if n % 2 ** 20 == 0 else f"{n // 1024}K"
+
+
+def reading(result: dict) -> list[str]:
+    """What the table says, per model: the least C that fits each length, and at the longest row what the indexer's
+    growing part and the collectives cost."""
+    lines = []
+    for name in dict.fromkeys(r["model"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["model"] == name]
+        fits = []
+        for T in sorted({r["seq_len"] for r in rows}):
+            least = min((r for r in rows if r["seq_len"] == T and r["fits"]), key=lambda r: r["context_parallel"],
+                        default=None)
+            fits.append(f"{tokens(T)} from C = {least['context_parallel']} ({least['gpus']:,} GPUs)" if least else
+                        f"{tokens(T)} at no C up to {max(r['context_parallel'] for r in rows)}"
+                        + (f" on up to {result['max_gpus']:,} GPUs" if name == v41.NAME else ""))
+        longest = max(rows, key=lambda r: (r["seq_len"], r["context_parallel"]))
+        lines.append(f"- `{name}` fits {', '.join(fits)}. At {tokens(longest['seq_len'])} over "
+                     f"{longest['context_parallel']} ranks the indexer's scoring over every visible entry is "
+                     f"{longest['growing_s'] / longest['compute_s']:.0%} of the slowest rank's compute, the context "
+                     f"collectives {longest['context_s'] / longest['compute_s']:.1%} of it.")
+    return lines
+
+
 def markdown(result: dict) -> str:
     """The marked block of docs/PERFORMANCE.md."""
     c = result["calibration"]
@@ -295,7 +320,7 @@ def markdown(result: dict) -> str:
         f"{c['indexer_select_blocks_ms']:.1f} ms with the candidate blocks); `v41_flash`'s layers from "
         "`bench/v41_projection.py`'s inputs ([projection_v41.md](projection_v41.md)). The calibration files against "
         "the model:", "", check_table(result["check"]), "",
-        table(result["rows"]), DOCS_END])
+        table(result["rows"]), "", *reading(result), DOCS_END])
 
 
 def main(argv=None) -> dict:
