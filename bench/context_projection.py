@@ -301,8 +301,8 @@ def markdown(result: dict) -> str:
     c = result["calibration"]
     fitted = ("one factor on the linear part and one on the growing part fitted to the files: "
               f"{c['linear_factor']:.3f}, {c['growing_factor']:.3f}" if len(c["steps"]) > 1 else
-              "the reference step alone (add measured steps at other lengths or C to fit the linear and growing "
-              "factors)")
+              "the reference step alone, whose layers give both parts; measured steps at other lengths or C added to "
+              "--steps fit a factor on each")
     out = relative(Path(result["out"]))
     return "\n".join([
         DOCS_BEGIN,
@@ -315,7 +315,7 @@ def markdown(result: dict) -> str:
         f"C x D, up to {result['max_gpus']:,}) on which every stage fits, the fastest of those, its experts over E of "
         f"a stage's C x D ranks, {MICROBATCHES_PER_STAGE} P rows a replica and step; where none fits, the "
         "configuration needing the least memory.", "",
-        f"Calibration: {', '.join(f'`{s}`' for s in c['steps'])} for `small` ({fitted}); the indexer's selection at "
+        f"Calibration: {', '.join(f'`{s}`' for s in c['steps'])} for `small`: {fitted}; the indexer's selection at "
         f"64K from `{c['indexer']}` ({c['indexer_select_ms']:.1f} ms a Full layer at m = 1, "
         f"{c['indexer_select_blocks_ms']:.1f} ms with the candidate blocks); `v41_flash`'s layers from "
         "`bench/v41_projection.py`'s inputs ([projection_v41.md](projection_v41.md)). The calibration files against "
