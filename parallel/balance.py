@@ -144,7 +144,9 @@ def split_stages(cfg, dtype: torch.dtype, microbatches: int, data_parallel: int,
     memory = estimate(args, layout, micro_batch, seq_len, dtype, recompute, data_parallel, par.zero_stage, cuda,
                       par.index_k, measured=times, expert_parallel=int(par.get("expert_parallel", 1)),
                       context_parallel=int(par.get("context_parallel", 1)),
-                      lora=LoRA.from_config(cfg.train.get("lora")) if "train" in cfg else None)
+                      lora=LoRA.from_config(cfg.train.get("lora")) if "train" in cfg else None,
+                      offload_inputs=bool(par.get("recompute_offload", False)),
+                      head_chunk=int(par.get("head_chunk", 0)))
 
     keep = kept_per_stage(par.get("keep_attention_layers", 0), stages)
 

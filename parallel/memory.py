@@ -45,6 +45,9 @@ from parallel.payload import Payload, boundary_fields, latent_dtype
 
 GIB = 2 ** 30
 KERNEL_WORKSPACE = 4 * GIB  # the sparse-attention backward's chunk buffer (docs/KERNELS.md), on CUDA
+# The LM head's logits work per token and vocabulary entry, at the loss's backward: the fp32 logits and the
+# cross-entropy's saved log-softmax (4 + 4), their gradients (4 + 4); the bf16 head output is gone by then.
+HEAD_BYTES = 16
 
 
 def _layer_of(name: str) -> int:
@@ -213,7 +216,8 @@ def kept_per_stage(keep, n_stages: int) -> tuple[int, ...]:
 def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype,
              recompute_layers: int, data_parallel: int = 1, zero_stage: int = 1, cuda: bool = True,
              index_k: str = "shadow", measured=None, expert_parallel: int = 1, routed_rows: float = 1.0,
-             context_parallel: int = 1, lora: LoRA | None = None) -> MemoryModel:
+             context_parallel: int = 1, lora: LoRA | None = None, offload_inputs: bool = False,
+             head_chunk: int = 0) -> MemoryModel:
     """The analytic model of a job's layers. ``recompute_layers`` counts from each stage's first layer; since the
     split is not known yet, layers are treated as recomputed when every layer is (``recompute=layer``) and as not
     recomputed otherwise (an upper bound for ``block``). ``measured``: a ``LayerTimes`` whose per-mode bytes
@@ -226,7 +230,11 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     experts. Its routed rows are on average its own tokens x top-k (``routed_rows`` times that on the busiest rank);
     with E > 1 the all-to-all's two receive buffers (the rows from the other ranks, their outputs back), in the
     compute dtype, live while a MoE layer's forward or backward runs (transient). ``lora``: the base is frozen and
-    only the adapters train (the module docstring)."""
+    only the adapters train (the module docstring). ``offload_inputs`` (``parallel.recompute_offload``): a
+    recomputed layer's input waits on the host, so it is not retained; the backward holds two (the layer's, back,
+    and the previous one's, on its way) in its transient. ``head_chunk``: tokens per chunk of the LM head and loss
+    (0: all of them), whose logits work (``HEAD_BYTES`` per token and vocabulary entry) is the last layer's
+    transient when it is larger."""
     counts = parameter_counts(args, layout)
     tables = counts["tables"]  # row-sharded over the stage's ranks
     ranks, E = data_parallel * context_parallel, expert_parallel
@@ -260,11 +268,15 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     if E > 1 and args.ffn == "moe":
         exchange = 2 * tokens * args.moe.n_activated_experts * routed_rows * args.dim * dtype.itemsize
     retained, transient = [], []
+    stream = 4 * tokens * args.dim * args.hc_mult + (4 * tokens * args.hc_mult if args.hc_mult > 1 else 0)
+    on_host = offload_inputs and all_recomputed
     for i in range(layout.n_layers):
         saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize, routed_rows)
-        stream = 4 * tokens * args.dim * args.hc_mult + (4 * tokens * args.hc_mult if args.hc_mult > 1 else 0)
-        retained.append(stream + produced[i] + (0 if all_recomputed else saved))
-        transient.append((saved if all_recomputed else 0) + entries[i] + exchange + (KERNEL_WORKSPACE if cuda else 0))
+        retained.append((0 if on_host else stream) + produced[i] + (0 if all_recomputed else saved))
+        transient.append((saved if all_recomputed else 0) + entries[i] + exchange + (KERNEL_WORKSPACE if cuda else 0)
+                         + (2 * stream if on_host else 0))
+    head = HEAD_BYTES * min(head_chunk or tokens, tokens) * args.vocab_size
+    transient[-1] = max(transient[-1], head)
     if measured is not None and context_parallel == 1:
         retained, transient = measured.memory(layout, retained, transient)
     boundary = [0.0] * layout.n_layers

@@ -189,3 +189,25 @@ def test_long_row_projection_scales_each_part_and_fits_planted_factors():
              "step_s": cp.row_costs(base.at(T, C, 1.2, 0.8), C)["step_s"]} for T, C in ((131072, 1), (262144, 2))]
     assert cp.fit([(s, base) for s in made]) == pytest.approx((1.2, 0.8))
     assert cp.fit([(step, base)]) == (1.0, 1.0)
+
+
+def test_offloaded_inputs_and_the_chunked_head_in_the_memory_model():
+    """``parallel.recompute_offload``: each recomputed layer's fp32 input (B x T x dim x 4 bytes; tiny: 1 x 128 x 128
+    x 4) leaves the retained bytes and two of them join the backward's transient. ``parallel.head_chunk``: the last
+    layer's transient is at least 16 bytes per token and vocabulary entry of the head's logits (vocab 100,000 here),
+    of a chunk when chunked (catches an offload that is not subtracted, a head counted per chunk of the wrong size)."""
+    import torch
+    from model import ModelArgs, layout_from_config
+    from model.cli import compose
+    from parallel.memory import HEAD_BYTES, estimate
+
+    cfg = compose(["model=tiny", "model.vocab_size=100000"])
+    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+    n = layout.n_layers
+    plain = estimate(args, layout, 1, 128, torch.float32, n, cuda=False)
+    offloaded = estimate(args, layout, 1, 128, torch.float32, n, cuda=False, offload_inputs=True)
+    chunked = estimate(args, layout, 1, 128, torch.float32, n, cuda=False, head_chunk=32)
+    stream = 128 * 128 * 4
+    assert [p - o for p, o in zip(plain.retained, offloaded.retained)] == [stream] * n
+    assert [o - p for p, o in zip(plain.transient[:-1], offloaded.transient[:-1])] == [2 * stream] * (n - 1)
+    assert plain.transient[-1] == HEAD_BYTES * 128 * 100000 and chunked.transient[-1] == HEAD_BYTES * 32 * 100000
