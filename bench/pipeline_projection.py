@@ -64,6 +64,9 @@ V6_STEP = ROOT / "bench/results/train/train_step_csa2_65536_v7.json"  # the step
 KERNEL_V5_MS, KERNEL_V6_MS = (26.4, 119.4), (29.37, 64.48)  # attention fwd, bwd at 64K (docs/PERFORMANCE.md)
 MATMUL_EFFICIENCY = 0.8
 GPU_BYTES = 139.8 * 2 ** 30
+# The LM head and loss run 4,096 tokens at a time (parallel.head_chunk=4096): whole logits of V4.1's 129,280-token
+# vocabulary would be 16 B x 65,536 x 129,280 = 135 GB of work on the last stage at 64K (parallel/memory.py).
+HEAD_CHUNK = 4096
 ISSUE_16 = {  # seen on two H200s, 2026-11-30, in issue 16's text: not in a committed result file
     "dp2_M4_tokens_per_s": 11600, "p2_M8_tokens_per_s": 10200, "p2_rank0_peak_gb": 78.7, "dp2_rank0_peak_gb": 85.4}
 
@@ -147,7 +150,8 @@ def project(name: str, layers: Layers, stages: int, data_parallel: int, microbat
     args, layout = model(name)
     C = context_parallel
     memory = estimate(args, layout, 1, seq_len, torch.bfloat16, layout.n_layers, data_parallel, 1, True,
-                      measured=measured, expert_parallel=expert_parallel, context_parallel=C, lora=lora)
+                      measured=measured, expert_parallel=expert_parallel, context_parallel=C, lora=lora,
+                      head_chunk=HEAD_CHUNK)
     costs = [layers.chunk_fwd_s(i, C) + b / C for i, b in enumerate(layers.bwd_s)]
 
     def peak(stage, span):

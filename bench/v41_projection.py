@@ -19,7 +19,8 @@ the chunk's tokens per expert, its payloads per chunk, the latents' all-gathers 
 node); the state is partitioned over the C x D ranks of a stage.
 
 Model: ``model=v41_flash layout=v41`` (40 layers, 384 experts top-6 + 1 shared, dim 5,120, hc 4, Engram before
-layers 1 and 14 with its tables trained and row-sharded over each stage's D replicas), ``parallel.recompute=layer``,
+layers 1 and 14 with its tables trained and row-sharded over each stage's D replicas), ``parallel.recompute=layer``
+and ``parallel.head_chunk=4096`` (the LM head's logits 4,096 tokens at a time),
 one row of 65,536 tokens a microbatch, bf16 autocast over fp32 masters, ZeRO-1. The draft head (3 DSpark blocks) is
 held (its weights, gradients and state, its experts split by E) but not trained: at 64K its activations do not fit
 (docs/V41.md), so ``train.dspark_loss_coef=0`` and it costs no time.
@@ -492,7 +493,8 @@ PLANS_END = "<!-- plans: end -->"
 def plan_command(r: dict, lora: dict | None) -> str:
     """The ``python -m parallel.plan`` command that prints row ``r``'s plan (the engine's own split, on FLOPs)."""
     memory = f"{GPU_BYTES / 2 ** 30:.1f}GiB"
-    words = [f"python -m parallel.plan --world-size {r['gpus']} --memory {memory} train.device=cuda",
+    words = [f"python -m parallel.plan --world-size {r['gpus']} --memory {memory} train.device=cuda "
+             "parallel.head_chunk=4096",
              "model=v41_flash layout=v41 data.seq_len=65536 data.micro_batch_size=1 parallel.recompute=layer",
              f"parallel.pipeline_stages={r['stages']} parallel.expert_parallel={r['expert_parallel']} "
              f"parallel.context_parallel={r['context_parallel']} "
@@ -584,7 +586,7 @@ def main(argv=None) -> dict:
             Job("LoRA", opts.finetune_rows, lora)]
     rows = projection(gpus, jobs, step, moe_ffn, indexer, correction, calibration["lora_time_scale"])
     chosen = best(rows)
-    result = {**result_meta(), "model": f"model={NAME} layout=v41 parallel.recompute=layer data.seq_len={T}",
+    result = {**result_meta(), "model": f"model={NAME} layout=v41 parallel.recompute=layer parallel.head_chunk=4096 data.seq_len={T}",
               "jobs": [{"name": j.name, "rows": j.rows, "lora": dataclasses.asdict(j.lora) if j.lora else None}
                        for j in jobs],
               "global_rows": opts.global_rows, "calibration": calibration,
