@@ -50,13 +50,16 @@ class HostCopy:
         if self.restored is not None:
             return
         if not self.on_gpu:
-            self.restored = self.host.clone()
+            self.restored, self.host = self.host.clone(), None
             return
         stream = copy_stream(self.device)
         with torch.cuda.stream(stream):
             self.restored = self.host.to(self.device, non_blocking=True)
             self.arrived = torch.cuda.Event()
             self.arrived.record(stream)
+        # The pinned block goes back to torch's host allocator now, which reuses it only once the copy has read it:
+        # the backward holds two layers' inputs on the host side at most, not the whole step's until the next one.
+        self.host = None
 
     def output_grad(self, grad: torch.Tensor) -> None:
         """The backward has reached the layer: its input back on the device for the compute stream, the previous

@@ -66,3 +66,19 @@ def test_the_forward_keeps_no_reference_to_an_offloaded_input():
         alive[offload] = ref() is not None
         out.sum().backward()
     assert alive == {False: True, True: False}
+
+
+def test_host_copies_are_let_go_once_brought_back():
+    """After the backward every layer's host copy is released (on a GPU the pinned blocks return to the allocator
+    for the next step; kept, a second step at 192K needed twice the host memory and was killed)."""
+    model = build("tiny", offload=True)
+    ids = torch.randint(0, 256, (1, 64))
+    state = model.new_state(torch.zeros_like(ids), ids)
+    x, pre = model.run_layers(*model.embed_tokens(ids), state)
+    held, chain = state.host_stash.last, []
+    while held is not None:
+        chain.append(held)
+        held = held.previous
+    assert len(chain) == len(model.layers) and all(h.host is not None for h in chain)
+    model.logits(x, pre).sum().backward()
+    assert all(h.host is None and h.restored is None for h in chain)
