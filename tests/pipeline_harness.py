@@ -44,6 +44,7 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, override
     from model.cli import compose
     from train.engine import build_engine
 
+    torch.set_num_threads(1)  # up to 4 processes share CI's 2 cores: more threads each only contend
     cfg = compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
                    f"parallel.index_k={index_k}", f"parallel.p2p={p2p}", *recompute_overrides(recompute),
                    f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",

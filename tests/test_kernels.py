@@ -46,9 +46,10 @@ def random_topk(vis_lo, vis_hi, K):
     return draw_topk(vis_lo, vis_hi, K, empty_frac=0.2, duplicate=True)
 
 
-# (doc lengths per row, m, heads, head dim, window, top-k); T = 37 is not a multiple of m = 2, early tokens see
-# fewer entries than K, and row 0 packs three documents.
-ATTN_CASES = [([[5, 14, 18], [37]], 2, 4, 32, 8, 12), ([[20, 17], [3, 34]], 1, 16, 16, 16, 16)]
+# (doc lengths per row, m, heads, head dim, window, top-k); T = 25 is not a multiple of m = 2, early tokens see
+# fewer entries than K, row 0 packs three documents (starting at odd tokens: inside compression groups), and windows
+# reach across document starts.
+ATTN_CASES = [([[5, 10, 10], [25]], 2, 4, 32, 8, 12), ([[12, 13], [3, 22]], 1, 16, 16, 16, 16)]
 
 
 @pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
@@ -66,7 +67,7 @@ def test_sparse_attention_kernel_variants(seed, monkeypatch):
                 triton_attention._bwd_dq_kernel: dict(BLOCK_N=8)}
     for kernel, kwargs in variants.items():
         monkeypatch.setattr(kernel, "configs", [triton.Config(kwargs, num_warps=4, num_stages=1)])
-    check_sparse_attention(seed, monkeypatch, [[5, 14, 18], [37]], 2, 4, 16, 8, 24, True, rope_dim=4)
+    check_sparse_attention(seed, monkeypatch, [[5, 10, 10], [25]], 2, 4, 16, 8, 24, True, rope_dim=4)
 
 
 @pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
@@ -203,7 +204,7 @@ def test_selective_checkpoint_saves_the_selection(seed, monkeypatch, keep_attent
     runs once (a plain checkpoint runs it again in the backward), the candidate blocks come back as ``None`` or
     as picked, and the gradients through the picks (index logits, attention) are bitwise those without
     checkpointing. Catches a policy that leaves the selection op out, or an op wrapper that loses an output."""
-    win_lo, vis_lo, vis_hi = packed_geometry([[9, 8]], 1, 4)
+    win_lo, vis_lo, vis_hi = packed_geometry([[7, 4]], 1, 4)
     B, T = vis_lo.shape
     NH, DI, H, D, W, K = 2, 16, 4, 16, 4, 6
     q_index, w, k = torch.randn(B, T, NH, DI), torch.randn(B, T, NH), torch.randn(B, T, DI)
@@ -365,13 +366,14 @@ def test_indexer_select(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep):
 
 # Exact ties: integer-valued inputs make every score an exact small integer in any summation order, so the kernels'
 # scores equal the reference's and picks must be identical, order included (best first, ties to the lower entry).
-# Many scores tie (ReLU of dots in {-8..8}, weights in {-2..2}: zeros are +0.0 and -0.0); top-k 9 of up to 40
-# entries with group 2 walks a three-level pyramid, with group 4 two levels.
+# Many scores tie (ReLU of dots in {-8..8}, weights in {-2..2}: zeros are +0.0 and -0.0). A pyramid's top is the
+# first level at most group * K_P wide (K_P: top-k padded to a power of two): top-k 5 of up to 40 entries with group 2
+# walks one, two and three levels (rows up to 16, 32 and 40 wide), top-k 3 of up to 20 with group 4 one and two.
 # The kernels read fp16 inputs as the GPU reads bf16 ones (the interpreter computes bf16 wrongly); integers are exact
 # in both, so the fp16 case must pick exactly what the fp32 reference picks.
-TIE_CASES = [([[7, 41, 32], [80]], 1, 3, 16, 9, 2, 5, torch.float32),
-             ([[30, 50], [3, 77]], 2, 2, 16, 6, 4, 3, torch.float32),
-             ([[7, 41, 32], [80]], 1, 3, 16, 9, 2, 5, torch.float16)]
+TIE_CASES = [([[7, 21, 12], [40]], 1, 3, 16, 5, 2, 5, torch.float32),
+             ([[14, 30], [3, 41]], 2, 2, 16, 3, 4, 3, torch.float32),
+             ([[7, 21, 12], [40]], 1, 3, 16, 5, 2, 5, torch.float16)]
 
 
 def integer_inputs(B, T, S, NH, DI):
@@ -387,7 +389,9 @@ def integer_inputs(B, T, S, NH, DI):
 @pytest.mark.parametrize("doc_lens, m, NH, DI, topk, bs, keep, dtype", TIE_CASES)
 def test_indexer_select_ties_exact(seed, monkeypatch, doc_lens, m, NH, DI, topk, bs, keep, dtype):
     """Picks equal the reference exactly on tied scores, for every entry and block (full and candidate scoring),
-    and a token's picks do not depend on the tokens after it (a prefix of the sequence selects the same)."""
+    and a token's picks do not depend on the other tokens of the call: the 9 tokens from T - 17 alone, in chunks of
+    which none is one of the whole sequence's, select the same. (A prefix of the sequence would add no more: its
+    chunks are the whole sequence's but for the last, which is such a run.)"""
     _, vis_lo, vis_hi = packed_geometry(doc_lens, m, 1)
     B, T = vis_lo.shape
     q, w, k = integer_inputs(B, T, T // m, NH, DI)
@@ -398,19 +402,18 @@ def test_indexer_select_ties_exact(seed, monkeypatch, doc_lens, m, NH, DI, topk,
     assert (ref_picks < 0).any() and (ref_blocks < 0).any(), "the case should have -1 slots"
     cand = with_candidates(ref_blocks)
     ref_cand_picks, ref_cand_blocks = reference.indexer_select(q, w, k, vis_lo, vis_hi, topk, cand, bs, keep)
-    prefix = T - 23  # inside the last document of each row
     q, w, k = (x.to(dtype) for x in (q, w, k))  # the kernels' inputs; the reference scored them in fp32
-    for t in (T, prefix):
-        picks, blocks = triton_ops.indexer_select(q[:, :t], w[:, :t], k, vis_lo[:, :t], vis_hi[:, :t], topk,
+    for run in (slice(0, T), slice(T - 17, T - 8)):
+        picks, blocks = triton_ops.indexer_select(q[:, run], w[:, run], k, vis_lo[:, run], vis_hi[:, run], topk,
                                                   block_size=bs, keep_blocks=keep)
-        assert torch.equal(picks, ref_picks[:, :t]), (t, seed)
-        assert torch.equal(blocks, ref_blocks[:, :t]), (t, seed)
+        assert torch.equal(picks, ref_picks[:, run]), (run, seed)
+        assert torch.equal(blocks, ref_blocks[:, run]), (run, seed)
         for dense in (0.0, 1e9):  # candidate blocks gathered, or scored densely and masked
             monkeypatch.setattr(triton_indexer, "DENSE_CANDIDATES", dense)
-            picks, blocks = triton_ops.indexer_select(q[:, :t], w[:, :t], k, vis_lo[:, :t], vis_hi[:, :t], topk,
-                                                      cand[:, :t], bs, keep)
-            assert torch.equal(picks, ref_cand_picks[:, :t]), (t, dense, seed)
-            assert torch.equal(blocks, ref_cand_blocks[:, :t]), (t, dense, seed)
+            picks, blocks = triton_ops.indexer_select(q[:, run], w[:, run], k, vis_lo[:, run], vis_hi[:, run], topk,
+                                                      cand[:, run], bs, keep)
+            assert torch.equal(picks, ref_cand_picks[:, run]), (run, dense, seed)
+            assert torch.equal(blocks, ref_cand_blocks[:, run]), (run, dense, seed)
 
 
 def hard_score_rows(n, width):
@@ -621,8 +624,10 @@ def test_dispatch_forces_triton():
 
 
 def test_tiny_model_triton_equals_reference(seed, monkeypatch):
-    """The whole tiny model (V4.1-shaped 10-layer layout: every mode, candidates, packed documents) with its ops
-    dispatched to Triton equals the PyTorch reference path: logits, indexer losses and every parameter gradient.
+    """The whole tiny model (the V4.1 layout cut to 7 layers, each mode once or more: a window layer, an m = 2
+    encoder group, the m = 1 decoder's Full candidate source, Reuse and Reindex layers; packed documents; rows
+    longer than the window and than the candidates) with its ops dispatched to Triton equals the PyTorch reference
+    path: logits, indexer losses and every parameter gradient.
     This is the wiring the GPU runs (RoPE, attention and index logits through ``kernels.ops``). The selection
     is the reference's in both runs: with 4 index heads many scores nearly tie, and the kernels' fp32 summation
     order differs from the reference's in the last bits, which can flip a pick at the top-k boundary (measured
@@ -635,11 +640,12 @@ def test_tiny_model_triton_equals_reference(seed, monkeypatch):
     from model.transformer import Transformer
     from train.loss import compute_loss
 
-    cfg = compose(["model=tiny", "layout=v41_scaled"])
+    cfg = compose(["model=tiny", "layout=v41_scaled", "layout.window_layers=1", "layout.encoder.layers=2",
+                   "model.window_size=16", "layout.candidate_topk_blocks=6"])  # 24 candidate entries of 32
     layout = layout_from_config(cfg.layout)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 48))
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 32))
     doc_ids = torch.zeros_like(ids)
-    doc_ids[0, 29:] = 1  # a document boundary inside a compression group and a candidate block
+    doc_ids[0, 21:] = 1  # a document boundary inside a compression group and a candidate block
     labels = torch.roll(ids, -1, 1)
     results = {}
     for backend in ("torch", "triton"):
