@@ -64,6 +64,9 @@ V6_STEP = ROOT / "bench/results/train/train_step_csa2_65536_v7.json"  # the step
 KERNEL_V5_MS, KERNEL_V6_MS = (26.4, 119.4), (29.37, 64.48)  # attention fwd, bwd at 64K (docs/PERFORMANCE.md)
 MATMUL_EFFICIENCY = 0.8
 GPU_BYTES = 139.8 * 2 ** 30
+# The LM head and loss run 4,096 tokens at a time (parallel.head_chunk=4096): whole logits of V4.1's 129,280-token
+# vocabulary would be 16 B x 65,536 x 129,280 = 135 GB of work on the last stage at 64K (parallel/memory.py).
+HEAD_CHUNK = 4096
 ISSUE_16 = {  # seen on two H200s, 2026-11-30, in issue 16's text: not in a committed result file
     "dp2_M4_tokens_per_s": 11600, "p2_M8_tokens_per_s": 10200, "p2_rank0_peak_gb": 78.7, "dp2_rank0_peak_gb": 85.4}
 
@@ -120,13 +123,14 @@ def head_s(args: ModelArgs, base: ModelArgs, rate: float) -> float:
     return flops / rate + 4 * 4 * T * (args.vocab_size - base.vocab_size) / 4e12
 
 
-def boundary_bytes(name: str) -> tuple[list[float], list[float]]:
-    """Per layer of model ``name``: the payload bytes sent after it per microbatch (bf16, one row of T, index keys
-    by shadow; 0 after the last) and those of their gradient back."""
+def boundary_bytes(name: str, context: int = 1, seq_len: int = T) -> tuple[list[float], list[float]]:
+    """Per layer of model ``name``: the payload bytes a rank sends after it per microbatch (bf16, one row of
+    ``seq_len``, or its chunk of ``context``; index keys by shadow; 0 after the last) and those of their gradient
+    back."""
     args, layout = model(name)
     boundary, gradient = [], []
     for i in range(layout.n_layers - 1):
-        payload = Payload(boundary_fields(args, layout, i, 1, T, torch.bfloat16, "shadow"))
+        payload = Payload(boundary_fields(args, layout, i, 1, seq_len, torch.bfloat16, "shadow", context=context))
         floats, raw = payload.wire_sizes()
         gradient.append(floats * payload.float_dtype.itemsize)
         boundary.append(gradient[-1] + raw)
@@ -135,29 +139,35 @@ def boundary_bytes(name: str) -> tuple[list[float], list[float]]:
 
 def project(name: str, layers: Layers, stages: int, data_parallel: int, microbatches: int, cluster: Cluster,
             p2p: str = "overlap", cuts: list[int] | None = None, measured: LayerTimes | None = None,
-            expert_parallel: int = 1, overlap: bool = False) -> dict:
+            expert_parallel: int = 1, overlap: bool = False, context_parallel: int = 1, lora=None,
+            seq_len: int = T) -> dict:
     """One simulated configuration: at ``cuts``, or the split the engine would choose on these times;
     ``measured``: a layer-times file of this model whose per-mode bytes replace the analytic memory figures;
-    ``expert_parallel``, ``overlap``: ``parallel.simulate.stage_work``'s (the all-to-alls' share of the step is the
-    largest stage's exposed all-to-all time over the step)."""
+    ``expert_parallel``, ``overlap``, ``context_parallel``: ``parallel.simulate.stage_work``'s (the all-to-alls' and
+    the context collectives' shares of the step are the largest stage's exposed time of them over the step);
+    ``lora``: a ``model.lora.LoRA`` (the memory of a frozen base and its adapters). ``data_parallel`` is D: the
+    configuration runs on P x C x D GPUs, rows of ``seq_len`` tokens (``layers`` are given at that length)."""
     args, layout = model(name)
-    memory = estimate(args, layout, 1, T, torch.bfloat16, layout.n_layers, data_parallel, 1, True,
-                      measured=measured, expert_parallel=expert_parallel)
-    costs = [f + b for f, b in zip(layers.fwd_s, layers.bwd_s)]
+    C = context_parallel
+    memory = estimate(args, layout, 1, seq_len, torch.bfloat16, layout.n_layers, data_parallel, 1, True,
+                      measured=measured, expert_parallel=expert_parallel, context_parallel=C, lora=lora,
+                      head_chunk=HEAD_CHUNK)
+    costs = [layers.chunk_fwd_s(i, C) + b / C for i, b in enumerate(layers.bwd_s)]
 
     def peak(stage, span):
         return memory.stage_peak(stage, span, stages, microbatches)
     cuts = list(cuts) if cuts is not None else balanced_cuts(costs, stages, peak, GPU_BYTES, TIME_SLACK)
     bounds = [0, *cuts, layout.n_layers]
     split = tuple(range(a, b) for a, b in zip(bounds, bounds[1:]))
-    work = stage_work(layers, split, data_parallel, cluster, expert_parallel, overlap)
+    work = stage_work(layers, split, data_parallel, cluster, expert_parallel, overlap, C)
     timeline = simulate(work, microbatches, p2p)
     peaks = memory.peaks(split, microbatches)
-    gpus = stages * data_parallel
+    gpus = stages * C * data_parallel
     return {"model": name, "nodes": cluster.nodes, "gpus": gpus, "stages": stages, "data_parallel": data_parallel,
+            "context_parallel": C, "context_share": microbatches * max(w.context_s for w in work) / timeline.step_s,
             "microbatches": microbatches, "cuts": cuts, "pipeline_across_nodes": cluster.pipeline_across_nodes,
-            "step_s": timeline.step_s, "tokens_per_s": microbatches * T * data_parallel / timeline.step_s,
-            "tokens_per_s_per_gpu": microbatches * T * data_parallel / timeline.step_s / gpus,
+            "step_s": timeline.step_s, "tokens_per_s": microbatches * seq_len * data_parallel / timeline.step_s,
+            "tokens_per_s_per_gpu": microbatches * seq_len * data_parallel / timeline.step_s / gpus,
             "bubble": list(timeline.bubble), "bubble_ideal": ideal_bubble(stages, microbatches),
             "of_balanced_1f1b": (microbatches + stages - 1) / stages * sum(costs) / timeline.pipeline_s,
             "transfer_share": microbatches * sum(w.send_s + w.grad_s for w in work) / timeline.step_s,
@@ -360,9 +370,6 @@ DOCS_END = "<!-- projection: end -->"
 
 def write_docs(path: Path, result: dict) -> None:
     """Replace the marked block of ``path`` with the calibration and projection tables of ``result``."""
-    text = path.read_text()
-    if text.count(DOCS_BEGIN) != 1 or text.count(DOCS_END) != 1:
-        raise SystemExit(f"{path}: needs one '{DOCS_BEGIN}' line and one '{DOCS_END}' line around the tables")
     meta = f"`{result['command']}`, {result['date']}; inputs: {result['times']}"
     parts = [DOCS_BEGIN, f"Written from `bench/results/multigpu/projection.json` ({meta}).", ""]
     if result.get("measured_check"):
@@ -375,8 +382,16 @@ def write_docs(path: Path, result: dict) -> None:
                   ""]
     parts += ["Projection (8 GPUs per node, M microbatches per pipeline, the split the engine would choose):", "",
               markdown(result["rows"]), DOCS_END]
-    start, end = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
-    path.write_text(text[:start] + "\n".join(parts) + text[end:])
+    replace_block(path, DOCS_BEGIN, DOCS_END, "\n".join(parts))
+
+
+def replace_block(path: Path, begin: str, end: str, block: str) -> None:
+    """Replace the lines from ``begin`` to ``end`` of ``path`` (both marks, once each) with ``block``."""
+    text = path.read_text()
+    if text.count(begin) != 1 or text.count(end) != 1:
+        raise SystemExit(f"{path}: needs one '{begin}' line and one '{end}' line around the tables")
+    start, stop = text.index(begin), text.index(end) + len(end)
+    path.write_text(text[:start] + block + text[stop:])
 
 
 def main(argv=None) -> None:

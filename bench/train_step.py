@@ -35,6 +35,8 @@ step (``tokens_per_expert``: per layer min/max and idle experts; the mean is T x
   optimizer and everything else); the parts and the rest add up to the step;
 - ``reuse_launches``: CUDA kernel launches in one Reuse layer's forward (torch profiler, prefill: no_grad), on the
   inputs kept in the probed step;
+- ``memory_peak`` (``--memory-peak``, before ``parts``): one more step under the allocator's history, what is alive
+  at its peak grouped by the source line that allocated it (``memory_peak.py``);
 - ``kernel_table`` (``--kernel-table``): device time by kernel and by host op over one more step (torch profiler).
 
 FLOPs are model FLOPs of one step, computed work only (``model/flops.py``, which the training metrics use too).
@@ -68,6 +70,8 @@ def parse():
     p.add_argument("--no-detail", action="store_true", help="skip the per-layer timing step and the profile")
     p.add_argument("--kernel-table", action="store_true",
                    help="profile one more step: device time by kernel over the whole step (where a step goes)")
+    p.add_argument("--memory-peak", action="store_true",
+                   help="one more step under the allocator's history: what is alive at the peak, by source line")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/train_step_<variant>.json if $OUT)")
     p.add_argument("--all", action="store_true", help="run csa2, dense and reference, each in a subprocess")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "."))
@@ -138,8 +142,11 @@ def run_variant(a) -> dict:
                  "doc_ids": torch.zeros(B, T, dtype=torch.long, device=device)}]
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    for _ in range(a.warmup):
+    for i in range(a.warmup):
+        t = time.perf_counter()
         r = train_step(engine, batch())
+        sync()
+        print(f"warm-up step {i}: {time.perf_counter() - t:.1f} s", flush=True)
     probe = None if a.no_detail or not cuda else LayerProbe(model, Clock(cuda))
     sync()
     if cuda:
@@ -323,6 +330,11 @@ def details(a, res, engine, batch, sync, cuda, device, precision, probe, step_s)
         print(f"probed step {times['step_ms']:.1f} ms (unprobed {times['unprobed_step_ms']:.1f}), anomalies "
               f"{times['anomalies']}", flush=True)
 
+    def memory():
+        from memory_peak import peak_breakdown
+        res["memory_peak"] = peak_breakdown(lambda: train_step(engine, batch()), device)
+        print(json.dumps(res["memory_peak"], indent=0), flush=True)
+
     def kernels():
         res["kernel_table"] = kernel_table(lambda: train_step(engine, batch()), sync)
 
@@ -363,6 +375,8 @@ def details(a, res, engine, batch, sync, cuda, device, precision, probe, step_s)
 
     if probe is not None:
         yield "per_mode", per_mode
+    if a.memory_peak and cuda:
+        yield "memory_peak", memory
     yield "parts", parts
     if capture.get("cap") and "args" in capture["cap"]:
         yield "reuse_launches", reuse_launches

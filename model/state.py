@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from model.geometry import Geometry
 from model.layout import LayerPlan, Layout, Mode
+from model.offload import HostStash
 
 FIELDS = ("kv", "index_k", "topk", "candidates", "index_logits", "index_target")
 
@@ -31,6 +32,7 @@ class SharedState:
         self.indexer_losses: dict[int, torch.Tensor] = {}  # index source -> KL, once its last reader ran
         self.index_recall: dict[int, torch.Tensor] = {}  # reading layer -> recall (evaluation diagnostic)
         self.on_store = None  # optional callback(field, layer, tensor) for every tensor stored (a ledger)
+        self.host_stash = HostStash()  # recomputed layers' inputs waiting on the host (``Block.offload_input``)
         # Around the attention (SPEC §5): the row's token ids (Engram hashes, the draft head's inputs and targets),
         # the hash ids per Engram layer, and the draft head's features (detached) per target layer.
         self.input_ids: torch.Tensor | None = None

@@ -36,6 +36,7 @@ from model.layout import Layout, LayerPlan
 from model.lora import adapted
 from model.moe import ROUTED_WEIGHTS, MoE, update_bias
 from model.norm import RMSNorm
+from model.offload import HostCopy
 from model.state import SharedState
 from model.weights import matmul_weights
 
@@ -74,6 +75,7 @@ class Block(nn.Module):
         self.args = args
         self.recompute = False  # set by the parallel config (activation checkpointing of this layer)
         self.keep_attention = False  # with recompute: keep the sparse attention's outputs instead of re-running it
+        self.offload_input = False  # with recompute: the input waits on the host for the recomputation
         self.feeds_dspark = args.dspark.blocks > 0 and plan.layer_id in args.dspark.target_layers
         if engram is not None:
             self.engram = engram
@@ -91,16 +93,24 @@ class Block(nn.Module):
         sees the same tensors even after the state has dropped them. The checkpoint is selective
         (``kernels.checkpoint_contexts``): the indexer's selection is saved, and with ``keep_attention`` the
         sparse-attention op's outputs too; the rest of the layer is recomputed, without the selected mass (only
-        the forward reads it)."""
+        the forward reads it). With ``offload_input`` the checkpoint holds the input as a ``HostCopy``
+        (``model/offload.py``), which the recomputation reads back."""
         plan = self.attn.plan
-        run = self._compute
+        run, first = self._compute, x
+        if self.recompute and self.offload_input:
+            run, first = self._compute_from_host, state.host_stash.keep(x)
         if self.recompute:
             contexts = partial(kernels.checkpoint_contexts, self.keep_attention)
-            run = partial(checkpoint, self._compute, use_reentrant=False, context_fn=contexts)
+            run = partial(checkpoint, run, use_reentrant=False, context_fn=contexts)
         engram_ids = state.engram_ids.get(plan.layer_id) if hasattr(self, "engram") else None
-        x, pre, produced = run(x, pre, state.geometry, state.reads(plan), engram_ids, state.collect_recall)
+        x, pre, produced = run(first, pre, state.geometry, state.reads(plan), engram_ids, state.collect_recall)
+        if isinstance(first, HostCopy):
+            first.release(x)
         state.write(plan, produced)
         return x, pre
+
+    def _compute_from_host(self, held: HostCopy, *rest):
+        return self._compute(held.tensor(), *rest)
 
     def _compute(self, x, pre, geometry, reads, engram_ids, collect_recall):
         produced = {}
@@ -204,7 +214,14 @@ class Transformer(nn.Module):
         return x, pre
 
     def logits(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
-        logits = self.head(self.norm(hyper.end(x, pre, self.args.kernel_backend)))
+        return self.head_logits(self.features(x, pre))
+
+    def features(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+        """What the LM head reads: the final norm of the (collapsed) stream [B,T,dim]."""
+        return self.norm(hyper.end(x, pre, self.args.kernel_backend))
+
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:
+        logits = self.head(features)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def draft(self, state: SharedState, logits: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 
 from model.config import ModelArgs
 from model.layout import Layout, LayerPlan, Mode
+from model.lora import LoRA
 from parallel.memory import MemoryModel, estimate, kept_per_stage
 from parallel.partition import StagePlan, layer_costs, partition
 
@@ -127,8 +128,9 @@ class Split:
 
 def split_stages(cfg, dtype: torch.dtype, microbatches: int, data_parallel: int, capacity: float | None = None,
                  cuda: bool = False) -> Split:
-    """The split of a composed job config (``model``, ``layout``, ``data``, ``parallel`` groups) running
-    ``microbatches`` per step on ``data_parallel`` replicas (``parallel/batch.py``), under ``capacity`` bytes."""
+    """The split of a composed job config (``model``, ``layout``, ``data``, ``parallel`` groups, and ``train`` for its
+    LoRA settings) running ``microbatches`` per step on ``data_parallel`` replicas of ``parallel.context_parallel``
+    ranks each (``parallel/batch.py``), under ``capacity`` bytes."""
     from model.layout import layout_from_config
 
     args, layout, par = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), cfg.parallel
@@ -140,7 +142,11 @@ def split_stages(cfg, dtype: torch.dtype, microbatches: int, data_parallel: int,
         times.check(args, layout, seq_len, micro_batch, par.recompute)
     costs = times.layer_costs(layout) if times else layer_costs(args, layout, seq_len)
     memory = estimate(args, layout, micro_batch, seq_len, dtype, recompute, data_parallel, par.zero_stage, cuda,
-                      par.index_k, measured=times, expert_parallel=int(par.get("expert_parallel", 1)))
+                      par.index_k, measured=times, expert_parallel=int(par.get("expert_parallel", 1)),
+                      context_parallel=int(par.get("context_parallel", 1)),
+                      lora=LoRA.from_config(cfg.train.get("lora")) if "train" in cfg else None,
+                      offload_inputs=bool(par.get("recompute_offload", False)),
+                      head_chunk=int(par.get("head_chunk", 0)))
 
     keep = kept_per_stage(par.get("keep_attention_layers", 0), stages)
 

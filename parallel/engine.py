@@ -56,14 +56,14 @@ class CSA2PipelineModule(PipelineModule):
                  micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int,
                  recompute_layers: int, keep_attention_layers: tuple[int, ...] | None = None, token_map=None,
                  run_dspark: bool = False, expert_parallel: int = 1, expert_overlap: bool = True,
-                 context_parallel: int = 1, lora=None):
+                 context_parallel: int = 1, lora=None, offload_inputs: bool = False, head_chunk: int = 0):
         """``keep_attention_layers``: per stage, how many of its leading recomputed layers keep their attention
         outputs (none when not given); ``token_map`` and ``run_dspark``: ``PipelineStage``'s; ``expert_parallel``:
         ranks of a stage's data-parallel group that split the routed experts (``parallel/experts.py``), with the
         shared expert overlapping the all-to-all when ``expert_overlap``; ``context_parallel``: ranks of a stage's
         data-parallel group that split each row (``parallel/context.py``: consecutive ranks, sharing the rows);
         ``lora``: ``PipelineStage``'s (only the adapters train: the frozen base is in no optimizer, reduction or
-        checkpoint)."""
+        checkpoint); ``offload_inputs``, ``head_chunk``: ``PipelineStage``'s."""
         os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule reads it; a plain `python -m train` has none
         keep = keep_attention_layers or (0,) * len(plan.stages)
         stages, replicas = len(plan.stages), dist.get_world_size() // len(plan.stages)
@@ -74,7 +74,7 @@ class CSA2PipelineModule(PipelineModule):
         self.context = context_shard(stages, replicas, context_parallel, seq_len)
         specs = [LayerSpec(PipelineStage, args, layout, plan, s, micro_batch, seq_len, dtype, index_k, seed,
                            recompute_layers, keep[s], token_map, run_dspark, tables, dispatch, self.context,
-                           lora)
+                           lora, offload_inputs, head_chunk)
                  for s in range(stages)]
         super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method="uniform")
         laid = set(tables[0].ranks if tables else ()) | set(

@@ -3,10 +3,13 @@
 A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
 - state, per parameter: fp32 weight and gradient (8 B) and AdamW's two fp32 moments (8 B, divided by the
   data-parallel size under ZeRO-1); under expert parallelism a rank holds 1/E of the routed experts, whose
-  moments ZeRO-1 divides by D / E (the ranks holding the same experts); an Engram table's rows are sharded over
-  the data-parallel ranks, with no dense gradient (it is sparse) and sparse Adam's two moments when it trains;
-- casts: under bf16 autocast the bf16 copy of every weight of the stage lives until its forward ends (2 B per
-  parameter); it is gone before a backward starts (a recomputed layer casts again, inside its transient);
+  moments ZeRO-1 divides by the ranks holding the same experts; an Engram table's rows are sharded over the
+  data-parallel ranks, with no dense gradient (it is sparse) and sparse Adam's two moments when it trains. Under
+  LoRA (``model/lora.py``) the base is frozen: its weights only (no gradient, no moments), in bf16 for the matrices
+  ``LOW_PRECISION`` names when the job computes in bf16, fp32 for the rest, and the adapters' state as above;
+- casts: under bf16 autocast the bf16 copy of every fp32 weight of the stage lives until its forward ends (2 B per
+  parameter; none of a frozen weight kept in bf16); it is gone before a backward starts (a recomputed layer casts
+  again, inside its transient);
 - retained activations, per microbatch in flight: under 1F1B stage s holds min(M, P - s) microbatches between their
   forward and backward, so the first stage holds the most. Per layer: its fp32 input (what a recomputed layer's
   checkpoint keeps; with hyper-connections its copies and pending pre-mix) plus, for a layer that is not
@@ -16,10 +19,17 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
 - kept attention: a recomputed layer that keeps its sparse-attention outputs (``parallel.keep_attention_layers``,
   the first k of a stage) holds them per microbatch in flight as well;
 - a transient: the working set of one layer's backward (its recomputed forward's saved tensors, the kernels'
-  workspace), the largest over the stage's layers.
+  workspace, the row's compressed entries rotated and their gradient), the largest over the stage's layers.
+
+Context parallelism (C ranks a row, ``parallel/context.py``): a rank computes one chunk of ``seq_len / C`` tokens, so
+every per-token figure above is the chunk's; the compressed entries a Full layer gathers (its latent, and the index
+keys computed from it) stay the whole row's on every rank, and so do the all-gather's buffers. The ZeRO-1 state, the
+tables' rows and the expert-data groups are partitioned over the C x D ranks of a stage (DeepSpeed's data-parallel
+axis). ``context_bytes`` gives what crosses the context group per layer.
 
 The analytic per-layer figures are estimates; a benchmark's measured figures (``LayerTimes.retained_bytes`` and
-``backward_bytes`` per layer mode, ``parallel/balance.py``) replace them where given.
+``backward_bytes`` per layer mode, ``parallel/balance.py``) replace them where given (on whole rows: not under
+context parallelism, whose chunks they were not measured on).
 """
 import functools
 from collections.abc import Sequence
@@ -28,12 +38,27 @@ from dataclasses import dataclass
 import torch
 
 from model.config import ModelArgs
-from model.layout import Layout
+from model.layout import Layout, Mode
+from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
 from model.transformer import Transformer
-from parallel.payload import Payload, boundary_fields
+from parallel.payload import Payload, boundary_fields, latent_dtype
 
 GIB = 2 ** 30
 KERNEL_WORKSPACE = 4 * GIB  # the sparse-attention backward's chunk buffer (docs/KERNELS.md), on CUDA
+# The LM head's logits work per token and vocabulary entry, at the loss's backward: the fp32 logits and the
+# cross-entropy's saved log-softmax (4 + 4), their gradients (4 + 4); the bf16 head output is gone by then.
+HEAD_BYTES = 16
+
+
+def _layer_of(name: str) -> int:
+    """The layer a parameter is counted in: its block's, the embedding's in layer 0, the rest (final norm, head,
+    draft head) in the last (-1)."""
+    return int(name.split(".")[1]) if name.startswith("layers.") else (0 if name.startswith("embed.") else -1)
+
+
+def _meta_model(args: ModelArgs, layout: Layout) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(args, layout, init=False)
 
 
 @functools.cache
@@ -41,13 +66,31 @@ def parameter_counts(args: ModelArgs, layout: Layout) -> dict[str, tuple[int, ..
     """Parameters of each layer by kind: ``tables`` (Engram tables), ``experts`` (routed experts, the stacked
     ``ffn.experts.w*`` of the layer's MoE and, in the last layer, of the draft head's), ``dense`` (the rest); the
     embedding counted in layer 0, the final norm, head and draft head in the last. Built once per model (meta)."""
-    with torch.device("meta"):
-        model = Transformer(args, layout, init=False)
     counts = {kind: [0] * layout.n_layers for kind in ("dense", "tables", "experts")}
-    for name, p in model.named_parameters():
+    for name, p in _meta_model(args, layout).named_parameters():
         kind = "tables" if ".engram.embed." in name else "experts" if ".ffn.experts." in name else "dense"
-        layer = int(name.split(".")[1]) if name.startswith("layers.") else (0 if name.startswith("embed.") else -1)
-        counts[kind][layer] += p.numel()
+        counts[kind][_layer_of(name)] += p.numel()
+    return {kind: tuple(c) for kind, c in counts.items()}
+
+
+@functools.cache
+def lora_counts(args: ModelArgs, layout: Layout, lora: LoRA) -> dict[str, tuple[int, ...]]:
+    """Per layer under ``lora`` (``model/lora.py``): ``low`` the frozen base parameters ``attach`` keeps in bf16
+    under bf16 autocast (``LOW_PRECISION``) outside the routed experts, ``low_experts`` the routed experts' of them;
+    ``adapters`` the adapters' parameters outside the routed experts, ``adapter_experts`` the routed experts' (split
+    over expert ranks with their experts). The adapters are ``Adapter``s of the shapes ``targeted_modules`` finds,
+    built on the meta device (no draws)."""
+    model = _meta_model(args, layout)
+    counts = {kind: [0] * layout.n_layers for kind in ("low", "low_experts", "adapters", "adapter_experts")}
+    for name, p in model.named_parameters():
+        if LOW_PRECISION.fullmatch(name):
+            counts["low_experts" if ".ffn.experts." in name else "low"][_layer_of(name)] += p.numel()
+    with torch.device("meta"):
+        for name, module in targeted_modules(model, lora.targets):
+            stacked = hasattr(module, "expert_ids")
+            shapes = [getattr(module, w).shape for w in FFN_MATRICES] if stacked else [module.weight.shape]
+            numel = sum(q.numel() for shape in shapes for q in Adapter(shape, lora.rank, lora.scale).parameters())
+            counts["adapter_experts" if stacked else "adapters"][_layer_of(name)] += numel
     return {kind: tuple(c) for kind, c in counts.items()}
 
 
@@ -87,21 +130,59 @@ def _saved_bytes(args: ModelArgs, layout: Layout, layer: int, tokens: int, items
     return tokens * (width * itemsize + fp32 * 4)
 
 
-def _produced_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype) -> list[float]:
-    """Shared tensors each layer produces (``model/state.py``), at their model dtypes: latents and index keys in
-    the compute dtype, selections and candidate blocks int64, indexer logits and targets fp32."""
-    B, T = micro_batch, seq_len
-    blocks = min(layout.candidate_topk_blocks, -(-T // layout.candidate_block_size))
+def _produced_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype,
+                    context: int = 1) -> list[float]:
+    """Shared tensors each layer produces (``model/state.py``), at their model dtypes: latents as
+    ``parallel.payload.latent_dtype`` says and index keys in the compute dtype, the whole row's under context
+    parallelism too (gathered); selections and candidate blocks int64, indexer logits and targets fp32, per query of
+    the ``context`` chunk."""
+    B, T = micro_batch, seq_len // context
+    blocks = min(layout.candidate_topk_blocks, -(-seq_len // layout.candidate_block_size))
     produced = [0.0] * layout.n_layers
     for name, source in layout.last_use:
-        entries = B * (T // layout.compress_ratios[source])
-        produced[source] += {"kv": entries * args.head_dim * dtype.itemsize,
+        ratio = layout.compress_ratios[source]
+        entries = B * (seq_len // ratio)
+        produced[source] += {"kv": entries * args.head_dim * latent_dtype(ratio, dtype).itemsize,
                              "index_k": entries * args.index_head_dim * dtype.itemsize,
                              "topk": B * T * args.index_topk * 8,
                              "candidates": B * T * blocks * 8,
                              "index_logits": B * T * args.index_topk * 4,
                              "index_target": B * T * args.index_topk * 4}[name]
     return produced
+
+
+def _entry_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype,
+                 context: int = 1) -> list[float]:
+    """The whole row's compressed entries in a layer's working set, C or not: a compressed layer rotates the latent
+    into the compute dtype for the kernels and gets its gradient back in it (2 copies); under context parallelism a
+    Full layer's all-gather also holds every chunk's part and their concatenation (2 copies in the latent's dtype)."""
+    working = [0.0] * layout.n_layers
+    for i, plan in enumerate(layout.plan):
+        if plan.mode is Mode.WINDOW:
+            continue
+        entries = micro_batch * (seq_len // plan.ratio) * args.head_dim
+        working[i] = 2 * entries * dtype.itemsize
+        if plan.mode is Mode.FULL and context > 1:
+            working[i] += 2 * entries * latent_dtype(plan.ratio, dtype).itemsize
+    return working
+
+
+def context_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int,
+                  dtype: torch.dtype) -> tuple[list[float], list[float]]:
+    """Per layer and microbatch, what a context group exchanges (``model/context.py``, ``parallel/context.py``):
+    ``gathered``, the row's compressed latent a Full layer all-gathers (every chunk's entries; its gradient comes back
+    by reduce-scatter), and ``halo``, the tail of one chunk that every rank all-gathers: the window's ``window - 1``
+    rows of window KV (compute dtype, every layer) and for a Full layer of ratio m > 1 the ``m - 1`` fp32 input rows of
+    a group that straddles the border. A rank receives (C - 1) / C of ``gathered`` and C - 1 tails. Index keys are
+    not sent: every rank computes them from the gathered latent."""
+    gathered, halo = [0.0] * layout.n_layers, [0.0] * layout.n_layers
+    for i, plan in enumerate(layout.plan):
+        halo[i] = micro_batch * (args.window_size - 1) * args.head_dim * dtype.itemsize
+        if plan.mode is Mode.FULL:
+            entries = micro_batch * (seq_len // plan.ratio)
+            gathered[i] = entries * args.head_dim * latent_dtype(plan.ratio, dtype).itemsize
+            halo[i] += micro_batch * (plan.ratio - 1) * args.dim * 4
+    return gathered, halo
 
 
 @dataclass(frozen=True)
@@ -134,45 +215,74 @@ def kept_per_stage(keep, n_stages: int) -> tuple[int, ...]:
 
 def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dtype: torch.dtype,
              recompute_layers: int, data_parallel: int = 1, zero_stage: int = 1, cuda: bool = True,
-             index_k: str = "shadow", measured=None, expert_parallel: int = 1, routed_rows: float = 1.0) -> MemoryModel:
+             index_k: str = "shadow", measured=None, expert_parallel: int = 1, routed_rows: float = 1.0,
+             context_parallel: int = 1, lora: LoRA | None = None, offload_inputs: bool = False,
+             head_chunk: int = 0) -> MemoryModel:
     """The analytic model of a job's layers. ``recompute_layers`` counts from each stage's first layer; since the
     split is not known yet, layers are treated as recomputed when every layer is (``recompute=layer``) and as not
     recomputed otherwise (an upper bound for ``block``). ``measured``: a ``LayerTimes`` whose per-mode bytes
-    replace the analytic retained and transient figures.
+    replace the analytic retained and transient figures (at ``context_parallel`` 1 only: they are whole rows').
 
-    ``expert_parallel`` (E, ``parallel/experts.py``): a rank holds the dense parameters and 1/E of every MoE's
-    routed experts; ZeRO-1 partitions the dense AdamW state over the D data-parallel ranks and the experts' over the
-    D / E ranks holding the same experts. Its routed rows are on average its own tokens x top-k (``routed_rows``
-    times that on the busiest rank); with E > 1 the all-to-all's two receive buffers (the rows from the other ranks,
-    their outputs back), in the compute dtype, live while a MoE layer's forward or backward runs (transient)."""
+    ``data_parallel`` is D, the replicas of a stage, and ``context_parallel`` C the ranks that split each row: a
+    stage has C x D ranks, over which ZeRO-1 partitions the dense AdamW state and the Engram tables' rows.
+    ``expert_parallel`` (E, ``parallel/experts.py``, over those C x D ranks): a rank holds the dense parameters and
+    1/E of every MoE's routed experts, whose AdamW state is partitioned over the C x D / E ranks holding the same
+    experts. Its routed rows are on average its own tokens x top-k (``routed_rows`` times that on the busiest rank);
+    with E > 1 the all-to-all's two receive buffers (the rows from the other ranks, their outputs back), in the
+    compute dtype, live while a MoE layer's forward or backward runs (transient). ``lora``: the base is frozen and
+    only the adapters train (the module docstring). ``offload_inputs`` (``parallel.recompute_offload``): a
+    recomputed layer's input waits on the host, so it is not retained; the backward holds two (the layer's, back,
+    and the previous one's, on its way) in its transient. ``head_chunk``: tokens per chunk of the LM head and loss
+    (0: all of them), whose logits work (``HEAD_BYTES`` per token and vocabulary entry) is the last layer's
+    transient when it is larger."""
     counts = parameter_counts(args, layout)
-    tables = counts["tables"]  # row-sharded over the stage's data-parallel ranks
-    if data_parallel % expert_parallel:
-        raise ValueError(f"parallel.expert_parallel={expert_parallel} does not divide the {data_parallel} "
-                         "data-parallel replicas of a stage")
-    held = [e / expert_parallel for e in counts["experts"]]
-    per_row = 4 + (8 if args.engram.train else 0)  # fp32 weight, sparse Adam's moments (no dense gradient)
-    dense_shards, expert_shards = (data_parallel, data_parallel // expert_parallel) if zero_stage == 1 else (1, 1)
-    state = [n * (8 + 8 / dense_shards) + e * (8 + 8 / expert_shards) + t * per_row / data_parallel
-             for n, e, t in zip(counts["dense"], held, tables)]
-    casts = [(n + e) * 2 if dtype == torch.bfloat16 else 0 for n, e in zip(counts["dense"], held)]
-    tokens = micro_batch * seq_len
-    produced = _produced_bytes(args, layout, micro_batch, seq_len, dtype)
+    tables = counts["tables"]  # row-sharded over the stage's ranks
+    ranks, E = data_parallel * context_parallel, expert_parallel
+    if ranks % E:
+        raise ValueError(f"parallel.expert_parallel={E} does not divide the {ranks} ranks of a stage "
+                         f"({data_parallel} data-parallel replica(s) x {context_parallel} context-parallel)")
+    dense_shards, expert_shards = (ranks, ranks // E) if zero_stage == 1 else (1, 1)
+
+    def trained(dense: float, experts: float) -> float:  # fp32 weight and gradient, AdamW's moments partitioned
+        return dense * (8 + 8 / dense_shards) + experts / E * (8 + 8 / expert_shards)
+
+    cast = 2 if dtype == torch.bfloat16 else 0  # bytes of the bf16 copy autocast makes of an fp32 weight
+    if lora is None:
+        per_row = 4 + (8 if args.engram.train else 0)  # fp32 weight, sparse Adam's moments (no dense gradient)
+        state = [trained(n, e) + t * per_row / ranks for n, e, t in zip(counts["dense"], counts["experts"], tables)]
+        casts = [(n + e / E) * cast for n, e in zip(counts["dense"], counts["experts"])]
+    else:  # frozen base: weights only, bf16 where attach keeps them so; tables fp32, frozen
+        low = lora_counts(args, layout, lora)
+        w = dtype.itemsize if dtype == torch.bfloat16 else 4
+        fp32 = [(n - ln, (e - le) / E) for n, e, ln, le in zip(counts["dense"], counts["experts"], low["low"],
+                                                                  low["low_experts"])]
+        state = [4 * (n + e) + w * (ln + le / E) + t * 4 / ranks + trained(an, ae)
+                 for (n, e), ln, le, t, an, ae in zip(fp32, low["low"], low["low_experts"], tables, low["adapters"],
+                                                      low["adapter_experts"])]
+        casts = [(n + e + an + ae / E) * cast for (n, e), an, ae in zip(fp32, low["adapters"], low["adapter_experts"])]
+    tokens = micro_batch * seq_len // context_parallel  # a rank's chunk of each row
+    produced = _produced_bytes(args, layout, micro_batch, seq_len, dtype, context_parallel)
+    entries = _entry_bytes(args, layout, micro_batch, seq_len, dtype, context_parallel)
     all_recomputed = recompute_layers >= layout.n_layers
     exchange = 0.0
-    if expert_parallel > 1 and args.ffn == "moe":
+    if E > 1 and args.ffn == "moe":
         exchange = 2 * tokens * args.moe.n_activated_experts * routed_rows * args.dim * dtype.itemsize
     retained, transient = [], []
+    stream = 4 * tokens * args.dim * args.hc_mult + (4 * tokens * args.hc_mult if args.hc_mult > 1 else 0)
+    on_host = offload_inputs and all_recomputed
     for i in range(layout.n_layers):
         saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize, routed_rows)
-        stream = 4 * tokens * args.dim * args.hc_mult + (4 * tokens * args.hc_mult if args.hc_mult > 1 else 0)
-        retained.append(stream + produced[i] + (0 if all_recomputed else saved))
-        transient.append((saved if all_recomputed else 0) + exchange + (KERNEL_WORKSPACE if cuda else 0))
-    if measured is not None:
+        retained.append((0 if on_host else stream) + produced[i] + (0 if all_recomputed else saved))
+        transient.append((saved if all_recomputed else 0) + entries[i] + exchange + (KERNEL_WORKSPACE if cuda else 0)
+                         + (2 * stream if on_host else 0))
+    head = HEAD_BYTES * min(head_chunk or tokens, tokens) * args.vocab_size
+    transient[-1] = max(transient[-1], head)
+    if measured is not None and context_parallel == 1:
         retained, transient = measured.memory(layout, retained, transient)
     boundary = [0.0] * layout.n_layers
     for i in range(layout.n_layers - 1):
-        payload = Payload(boundary_fields(args, layout, i, micro_batch, seq_len, dtype, index_k))
+        payload = Payload(boundary_fields(args, layout, i, micro_batch, seq_len, dtype, index_k,
+                                          context=context_parallel))
         floats, raw = payload.wire_sizes()
         boundary[i] = floats * payload.float_dtype.itemsize + raw
     # out in the compute dtype, LSE and selected mass in fp32, per head; under recompute=block the not-recomputed

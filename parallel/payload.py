@@ -50,6 +50,12 @@ class Field:
         return -(-self.nbytes // ALIGN) * ALIGN
 
 
+def latent_dtype(ratio: int, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a Full layer's compressed latent in a model computing in ``dtype``: fp32 for a ratio m > 1 (its
+    gated pooling runs in fp32), else the compute dtype."""
+    return torch.float32 if ratio > 1 else dtype
+
+
 def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batch: int, seq_len: int,
                     dtype: torch.dtype, index_k: str = "shadow", dspark: bool = False,
                     context: int = 1) -> list[Field]:
@@ -90,7 +96,7 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
         if source <= last_layer < last and not (name == "index_k" and index_k == "shadow"):
             shape, model_dtype, wire, diff = specs[name]
             if name == "kv":
-                model_dtype = torch.float32 if ratio[source] > 1 else dtype
+                model_dtype = latent_dtype(ratio[source], dtype)
             fields.append(Field(name, source, shape(source), model_dtype, wire or model_dtype, diff))
     for source in layout.index_source_layer_ids:
         if max(layout.readers(source)) <= last_layer:

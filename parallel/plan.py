@@ -9,7 +9,10 @@ would on a batch that does not fit, e.g.
 ``python -m parallel.plan model=v41_flash layout=v41 parallel.pipeline_stages=4 data.seq_len=65536``.
 The world size is ``--world-size``, else ``WORLD_SIZE``, else the stage count (one data-parallel replica).
 The device is the job's (``train.device``: ``auto`` is the GPU when this machine has one), and so is the
-precision (``train.precision=auto``: bf16 on a GPU, fp32 on CPU).
+precision (``train.precision=auto``: bf16 on a GPU, fp32 on CPU); ``train.init_from=<DeepSeek's released
+directory>`` sets the model from its config.json, as the job does. Under context parallelism
+(``parallel.context_parallel``) it prints the chunk and what the context groups exchange, under LoRA
+(``train.lora.rank``) what trains; every estimate is per rank.
 """
 import argparse
 import os
@@ -22,7 +25,9 @@ from model.config import ModelArgs
 from model.layout import Layout
 from parallel.balance import split_stages
 from parallel.batch import BatchPlan, batch_plan
+from parallel.context import chunk_length
 from parallel.experts import leaving, routed_bytes
+from parallel.memory import context_bytes, layer_parameters, lora_counts
 from parallel.partition import StagePlan, layer_costs
 from parallel.payload import boundary_fields
 from parallel.stage import shadow_sources
@@ -34,9 +39,10 @@ def _mib(n: float) -> str:
 
 def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int, seq_len: int,
              dtype: torch.dtype, index_k: str, batch: BatchPlan | None = None, costs: list[float] | None = None,
-             unit: str = "FLOPs", peaks: list[float] | None = None) -> str:
+             unit: str = "FLOPs", peaks: list[float] | None = None, context: int = 1) -> str:
     """The printout; ``dtype`` is the compute dtype (payload fields show their own wire dtype). ``costs``
-    (default: ``layer_costs``) in ``unit`` give each stage's share, ``peaks`` its estimated peak memory in bytes."""
+    (default: ``layer_costs``) in ``unit`` give each stage's share, ``peaks`` its estimated peak memory in bytes (per
+    rank). With ``context`` ranks a row the boundaries are a rank's: its chunk's tokens, the row's entries."""
     costs = layer_costs(args, layout, seq_len) if costs is None else costs
     total = sum(costs)
     compute = "bfloat16 autocast over float32 weights" if dtype == torch.bfloat16 else str(dtype).replace("torch.", "")
@@ -54,7 +60,7 @@ def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int,
             lines.append(f"    shadow indexers for Full layer(s) {shadows}")
         if layers.stop == layout.n_layers:
             continue
-        fields = boundary_fields(args, layout, layers.stop - 1, micro_batch, seq_len, dtype, index_k)
+        fields = boundary_fields(args, layout, layers.stop - 1, micro_batch, seq_len, dtype, index_k, context=context)
         lines.append(f"    boundary {s}->{s + 1}: {_mib(sum(f.nbytes for f in fields))} per microbatch")
         for f in fields:
             source = "" if f.source is None else f"[{f.source}]"
@@ -62,7 +68,7 @@ def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int,
             lines.append(f"      {f.name + source:<22} {str(tuple(f.shape)):<20} "
                          f"{str(f.wire_dtype).replace('torch.', ''):<8} {kind}  {_mib(f.nbytes)}")
         other = boundary_fields(args, layout, layers.stop - 1, micro_batch, seq_len, dtype,
-                                "payload" if index_k == "shadow" else "shadow")
+                                "payload" if index_k == "shadow" else "shadow", context=context)
         extra = sum(f.nbytes for f in fields) - sum(f.nbytes for f in other)
         if extra:
             lines.append(f"      index K by {'payload' if index_k == 'shadow' else 'shadow'} instead: "
@@ -78,17 +84,21 @@ def describe(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int,
 
 def describe_experts(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int, seq_len: int,
                      dtype: torch.dtype, expert_parallel: int, data_parallel: int, recomputed: bool,
-                     dspark: bool = False) -> str:
+                     dspark: bool = False, context: int = 1) -> str:
     """The expert-parallel lines of the plan (none for E = 1): E, the experts a rank holds of every MoE, and per
     stage the all-to-all bytes a rank sends per microbatch (``parallel.experts.routed_bytes`` x (E - 1) / E, four
-    exchanges a MoE forward and backward, six when recomputed; it receives as many)."""
+    exchanges a MoE forward and backward, six when recomputed; it receives as many). ``data_parallel``: the ranks of
+    a stage the groups are cut from (C x D under context parallelism, whose ranks route their chunk's tokens)."""
     E = expert_parallel
     if E <= 1:
         return ""
+    seq_len //= context
     moes = [f"{args.moe.n_routed_experts // E} of the {args.moe.n_routed_experts} routed experts of each MoE"]
     if args.dspark.blocks:
         moes.append(f"{args.dspark.n_routed_experts // E} of the draft head's {args.dspark.n_routed_experts}")
-    lines = [f"experts: parallel.expert_parallel={E} over each stage's {data_parallel} data-parallel replicas "
+    replicas = "data-parallel replicas" if context == 1 else f"ranks ({context} context-parallel x "\
+        f"{data_parallel // context} data-parallel)"
+    lines = [f"experts: parallel.expert_parallel={E} over each stage's {data_parallel} {replicas} "
              f"({data_parallel // E} group(s) of {E}); a rank holds {' and '.join(moes)}; their gradients and ZeRO-1 "
              f"state over the {data_parallel // E} replica(s) holding the same experts",
              f"  all-to-all per microbatch and rank: tokens x top-k x dim x {dtype.itemsize} B per exchange, "
@@ -104,6 +114,51 @@ def describe_experts(args: ModelArgs, layout: Layout, plan: StagePlan, micro_bat
         lines.append(f"  stage {s}: {moe_layers} MoE layer(s){draft}, {_mib(fwd + bwd)} sent per microbatch "
                      f"(forward {_mib(fwd)}, backward {_mib(bwd)})")
     return "\n".join(lines)
+
+
+def describe_context(args: ModelArgs, layout: Layout, plan: StagePlan, micro_batch: int, seq_len: int,
+                     dtype: torch.dtype, context: int, data_parallel: int, recomputed: bool) -> str:
+    """The context-parallel lines of the plan (none for C = 1): C, the chunk (``parallel.context.chunk_length``), and
+    what a rank receives per microbatch (``parallel.memory.context_bytes``): of every Full layer's latent all-gather
+    (C - 1) / C of the row's entries, of every layer's halo C - 1 tails of window KV (and m - 1 input rows for m > 1);
+    the backward sends as much back (reduce-scatter, the halos' gradients), and recomputation gathers again."""
+    if context <= 1:
+        return ""
+    length = chunk_length(context, seq_len, args.window_size, layout.compress_ratios, layout.candidate_block_size)
+    gathered, halo = context_bytes(args, layout, micro_batch, seq_len, dtype)
+    received = [g * (context - 1) / context + h * (context - 1) for g, h in zip(gathered, halo)]
+    lines = [f"context: parallel.context_parallel={context}: each row of {seq_len:,} tokens in {context} chunks of "
+             f"{length:,} tokens, one per rank of a context group ({data_parallel} group(s) of {context} consecutive "
+             f"ranks a stage); a rank computes its chunk's queries, per-token activations at 1/{context} of a row, "
+             "the row's compressed entries (gathered) whole",
+             f"  received per microbatch and rank, forward: a Full layer's latent, (C-1)/C = "
+             f"{(context - 1) / context:.0%} of the row's entries (index keys computed from it, not sent); every "
+             f"layer's halo, {context - 1} x {args.window_size - 1} rows of window KV; the backward returns as much "
+             "(reduce-scatter, halo gradients)" + (", the recomputation gathers again" if recomputed else "")]
+    for i, p in enumerate(layout.plan):
+        if gathered[i]:
+            share = gathered[i] * (context - 1) / context
+            lines.append(f"  layer {i} ({p.mode.value}, m={p.ratio}): all-gather {_mib(share)}"
+                         f" of its {micro_batch * seq_len // p.ratio:,} entries, halo {_mib(halo[i] * (context - 1))}")
+    passes = 3 if recomputed else 2
+    for s, layers in enumerate(plan.stages):
+        fwd = sum(received[i] for i in layers)
+        lines.append(f"  stage {s}: {_mib(fwd)} received per microbatch in the forward, {_mib(passes * fwd)} with "
+                     "the backward" + (" and the recomputation" if recomputed else ""))
+    return "\n".join(lines)
+
+
+def describe_lora(args: ModelArgs, layout: Layout, lora, dtype: torch.dtype) -> str:
+    """The LoRA line of the plan (none without): what trains and what the frozen base keeps
+    (``parallel.memory.lora_counts``)."""
+    if lora is None:
+        return ""
+    counts, total = lora_counts(args, layout, lora), sum(layer_parameters(args, layout))
+    adapters = sum(counts["adapters"]) + sum(counts["adapter_experts"])
+    low = "its attention, expert and head matrices in bf16, the rest fp32" if dtype == torch.bfloat16 else "fp32"
+    return (f"lora: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}: {adapters:,} adapter "
+            f"parameters train ({adapters / total:.2%} of the {total:,} outside the Engram tables); the base is frozen "
+            f"(no gradients or AdamW state; {low})")
 
 
 def compute_dtype(precision: str, cuda: bool) -> torch.dtype:
@@ -180,8 +235,9 @@ def verdict(split, batch: BatchPlan, memory: Memory) -> Verdict:
     if memory.on_gpu:
         stage = max(range(len(split.peaks)), key=lambda s: split.peaks[s])
         return Verdict(split.peaks[stage], stage, memory, state[stage])
-    world = batch.stages * batch.data_parallel
-    replicas = batch.data_parallel * min(memory.processes, world) / world  # this host's share of every stage
+    world = batch.stages * batch.context * batch.data_parallel
+    # this host's share of every stage's C x D ranks
+    replicas = batch.context * batch.data_parallel * min(memory.processes, world) / world
     return Verdict(replicas * sum(split.peaks), 0, memory, replicas * sum(state))
 
 
@@ -205,9 +261,11 @@ def _evaluate(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: Memory)
 
 def fitting_settings(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: Memory) -> list[str]:
     """Overrides that bring the job under ``memory``, with the need they leave: every layer recomputed, one row
-    per microbatch, the longest shorter row (``data.seq_len`` halved up to 3 times), the fewest more pipeline
-    stages (on GPUs, each stage on GPUs of its own; on a host the processes share its RAM, so stages do not help).
-    When no single one fits, every layer recomputed together with each of the others."""
+    per microbatch, on GPUs the fewest more context-parallel ranks and the fewest more expert-parallel ranks on the
+    same GPUs (each a doubling the world and the model admit), the longest shorter row (``data.seq_len`` halved up to
+    3 times), the fewest more pipeline stages (on GPUs, each stage on GPUs of its own; on a host the processes share
+    its RAM, so stages do not help). When no single one fits, every layer recomputed together with each of the
+    others."""
     from omegaconf import OmegaConf
 
     from model.layout import layout_from_config
@@ -222,6 +280,9 @@ def fitting_settings(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: 
         levers.append([({"parallel.recompute": "layer"}, world, "")])
     if int(cfg.data.micro_batch_size) > 1:
         levers.append([({"data.micro_batch_size": 1}, world, "")])
+    if on_gpu:
+        levers += [lever for lever in (_wider(cfg, world, "parallel.context_parallel"),
+                                       _wider(cfg, world, "parallel.expert_parallel")) if lever]
     levers.append([({"data.seq_len": seq_len >> k}, world, "") for k in (1, 2, 3) if seq_len >> k >= 64])
     if on_gpu and not OmegaConf.is_list(cfg.parallel.get("keep_attention_layers", 0)):  # a list is per stage
         cuts = {"parallel.cuts": None} if cfg.parallel.get("cuts") is not None else {}
@@ -253,6 +314,36 @@ def fitting_settings(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: 
         return settings
 
     return fitting({}) or (fitting({"parallel.recompute": "layer"}) if cfg.parallel.recompute != "layer" else [])
+
+
+def _wider(cfg, world: int, key: str) -> list[tuple[dict, int, str]]:
+    """The doublings of ``parallel.context_parallel`` or ``parallel.expert_parallel`` that the job's ``world`` ranks
+    and model admit (``chunk_length``, ``check_experts``), as ``fitting_settings`` alternatives."""
+    from omegaconf import OmegaConf
+
+    from model.layout import layout_from_config
+    from train.engine import check_experts
+
+    par = cfg.parallel
+    context, experts, stages = int(par.context_parallel), int(par.get("expert_parallel", 1)), int(par.pipeline_stages)
+    if key == "parallel.expert_parallel" and cfg.model.ffn != "moe":
+        return []
+    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+    found = []
+    for k in range(1, 8):
+        value, ranks = (context if key == "parallel.context_parallel" else experts) * 2 ** k, world // stages
+        variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]))
+        try:
+            if key == "parallel.context_parallel":
+                if ranks % value:
+                    break
+                chunk_length(value, int(cfg.data.seq_len), args.window_size, layout.compress_ratios,
+                             layout.candidate_block_size)
+            check_experts(variant, ranks)
+        except ValueError:
+            break
+        found.append(({key: value}, world, ""))
+    return found
 
 
 def check_memory(cfg, world: int, split, batch: BatchPlan, dtype: torch.dtype, on_gpu: bool,
@@ -318,7 +409,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     from model.cli import compose_checked, run_cli
     from model.layout import layout_from_config
-    from train.engine import check_experts, trains_dspark
+    from train.engine import check_context, check_experts, lora_settings, trains_dspark
+    from train.init_from import adopt_released_config
 
     options = parser().parse_intermixed_args(argv)
     world = options.world_size or (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)
@@ -327,23 +419,30 @@ def main(argv: list[str]) -> None:
 
     def report():
         cfg = compose_checked(options.overrides)
+        adopt_released_config(cfg)  # train.init_from=<DeepSeek's released directory> sets the model, as in a job
         args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
         par = cfg.parallel
         processes = world or par.pipeline_stages
         batch = batch_plan(cfg, processes)
-        check_experts(cfg, batch.data_parallel)
+        context = batch.context
+        check_context(cfg, args, layout, trains_dspark(cfg))
+        check_experts(cfg, batch.data_parallel * context)
         on_gpu = job_device(cfg.train.get("device", "auto")) == "cuda"
         dtype = compute_dtype(cfg.train.get("precision", "auto"), on_gpu)
         memory = device_memory(on_gpu, processes, options.memory)
         split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel,
                              memory.capacity if memory is not None and on_gpu else None, cuda=on_gpu)
         print(describe(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                       par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks), flush=True)
-        experts = describe_experts(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                                   int(par.get("expert_parallel", 1)), batch.data_parallel,
-                                   par.recompute == "layer", trains_dspark(cfg))
-        if experts:
-            print(experts, flush=True)
+                       par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks, context), flush=True)
+        recomputed = par.recompute == "layer"
+        for lines in (describe_lora(args, layout, lora_settings(cfg), dtype),
+                      describe_context(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
+                                       context, batch.data_parallel, recomputed),
+                      describe_experts(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
+                                       int(par.get("expert_parallel", 1)), batch.data_parallel * context,
+                                       recomputed, trains_dspark(cfg), context)):
+            if lines:
+                print(lines, flush=True)
         print(check_memory(cfg, processes, split, batch, dtype, on_gpu, memory))
         if options.plot:
             from parallel.plan_figure import draw

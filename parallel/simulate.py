@@ -19,6 +19,14 @@ forward (dispatch, combine), two backward (their gradients) and two more when th
 expert group spans nodes, over the inter-node links; optionally (``overlap``) hidden behind the shared expert's
 compute of the same pass, up to that compute's time.
 
+Under context parallelism (C ranks a row, ``parallel/context.py``) a rank's pass computes its chunk: the layers'
+row times divided by C, except the part that grows with a query's position (``Layers.growing_fwd_s``: the indexer
+scoring every visible entry), of which the last chunk, whose queries see the most, does (2C - 1) / C^2 and every rank
+waits for it at the layer's collectives; each layer's all-gathers (a Full layer's latent, every layer's halo) and, in
+the backward, their reduce-scatter (and the recomputation's all-gathers again) are a cost inside the passes, over
+NVLink while the group is in a node (a ring: each rank receives over its own link), else between nodes. The
+all-to-alls carry the chunk's rows, and the gradients are reduced over all C x D ranks of a stage.
+
 Assumptions (what the simulator does not model): a pass takes the same time whatever runs beside it (no slowdown
 from a transfer's kernels or from the host), every microbatch of a stage takes the same time, a link moves one
 transfer at a time at its full bandwidth, and the data-parallel all-reduce does not overlap the passes (DeepSpeed
@@ -40,6 +48,7 @@ class StageWork:
     reduce_s: float = 0.0  # data-parallel gradient all-reduce after the last pass
     optimizer_s: float = 0.0  # gradient norm, clipping and the optimizer step
     all_to_all_s: float = 0.0  # of fwd_s + bwd_s: the expert all-to-alls' exposed time, per microbatch
+    context_s: float = 0.0  # of fwd_s + bwd_s: the context group's all-gathers and reduce-scatters, per microbatch
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,15 @@ class Cluster:
     pipeline_across_nodes: bool = False  # stages spread over the nodes (else replicas are)
     alltoall_gbps: float = 350.0  # expert all-to-all within a node, effective, per GPU and direction (NVLink)
     alltoall_internode_gbps: float = 40.0  # its part between nodes, effective, per GPU and direction
+
+    def context_s(self, nbytes: float, context: int) -> float:
+        """A context group's collective in which a rank receives ``nbytes`` (a ring all-gather, or the reduce-scatter
+        of its gradient): C - 1 steps over the rank's link, NVLink while the C consecutive ranks are in one node,
+        else the inter-node link."""
+        if context <= 1 or not nbytes:
+            return 0.0
+        gbps = self.p2p_gbps if context <= self.gpus_per_node else self.internode_gbps
+        return (context - 1) * self.latency_s + nbytes / (gbps * 1e9)
 
     def node_of(self, stage: int, stages: int) -> int:
         return stage * self.nodes // stages if self.pipeline_across_nodes else 0
@@ -102,18 +120,40 @@ class Layers:
     shared_bwd_s: list[float] | None = None
     expert_params: list[int] | None = None
     recomputed: bool = False  # the backward runs each layer's forward again (and its all-to-alls)
+    # context parallelism: of fwd_s, the seconds that grow with a query's position (the indexer's scoring of every
+    # visible entry); per layer, a microbatch's row of compressed latent a Full layer all-gathers and one chunk's
+    # halo rows (``parallel.memory.context_bytes``). ``boundary_bytes`` are then a rank's (its chunk's payload).
+    growing_fwd_s: list[float] | None = None
+    gathered_bytes: list[float] | None = None
+    halo_bytes: list[float] | None = None
+
+    def chunk_fwd_s(self, layer: int, context: int) -> float:
+        """A layer's forward on the slowest rank of C: the row's time / C, but (2C - 1) / C^2 of its growing part
+        (the last chunk's share of sum_t t)."""
+        growing = self.growing_fwd_s[layer] if self.growing_fwd_s else 0.0
+        return (self.fwd_s[layer] - growing) / context + growing * (2 * context - 1) / context ** 2
+
+    def context_received(self, layer: int, context: int) -> float:
+        """Bytes a rank receives in a layer's forward collectives: (C - 1) / C of the gathered row, C - 1 halos."""
+        gathered = self.gathered_bytes[layer] if self.gathered_bytes else 0.0
+        halo = self.halo_bytes[layer] if self.halo_bytes else 0.0
+        return gathered * (context - 1) / context + halo * (context - 1)
 
 
 def stage_work(layers: Layers, stages: tuple[range, ...], data_parallel: int, cluster: Cluster,
-               expert_parallel: int = 1, overlap: bool = False) -> list[StageWork]:
+               expert_parallel: int = 1, overlap: bool = False, context_parallel: int = 1) -> list[StageWork]:
     """Each stage's work: its layers' times summed, its boundary's transfer over NVLink or between nodes, the
-    ring all-reduce of its fp32 gradients and ZeRO-1's broadcast of its updated weights over its replicas
-    (2 (D-1)/D and (D-1)/D times the bytes over the all-reduce bandwidth, or between nodes when the replicas
-    are on other nodes; the routed experts' over their D / E replicas), and its optimizer step over its 1/D of
-    the parameters (a rank steps 1/D of the dense ones and 1/(D/E) of its 1/E of the experts: 1/D of them too).
-    With ``expert_parallel`` E > 1 each layer's all-to-alls (``Cluster.all_to_all_s``) are added to its passes;
-    ``overlap``: less the shared expert's time of the same pass, down to zero."""
-    P, E, D = len(stages), expert_parallel, data_parallel
+    ring all-reduce of its fp32 gradients and ZeRO-1's broadcast of its updated weights over its ranks
+    (2 (R-1)/R and (R-1)/R times the bytes over the all-reduce bandwidth, or between nodes when the ranks
+    are on other nodes; the routed experts' over their R / E ranks), and its optimizer step over its 1/R of
+    the parameters (a rank steps 1/R of the dense ones and 1/(R/E) of its 1/E of the experts: 1/R of them too),
+    R = C x D ranks a stage. With ``expert_parallel`` E > 1 each layer's all-to-alls (``Cluster.all_to_all_s``,
+    of the rank's chunk) are added to its passes; ``overlap``: less the shared expert's time of the same pass, down
+    to zero. With ``context_parallel`` C > 1 the passes are the slowest chunk's (``Layers.chunk_fwd_s``; a
+    backward's time / C) plus each layer's context collectives (``Cluster.context_s``): once forward, and backward
+    the reduce-scatter (and the recomputation's all-gathers)."""
+    P, E, C = len(stages), expert_parallel, context_parallel
+    D = data_parallel * C  # the ranks of a stage: what gradients are reduced and ZeRO-1 partitions over
     n = len(layers.params)
     routed = layers.routed_bytes or [0.0] * n
     shared_fwd, shared_bwd = layers.shared_fwd_s or [0.0] * n, layers.shared_bwd_s or [0.0] * n
@@ -132,16 +172,19 @@ def stage_work(layers: Layers, stages: tuple[range, ...], data_parallel: int, cl
             grad = cluster.latency_s + layers.gradient_bytes[last] / (gbps * 1e9)
         else:
             send = grad = 0.0
-        exchange = [cluster.all_to_all_s(routed[i], E) for i in span]
-        a2a_fwd = sum(exposed(2 * t, shared_fwd[i]) for t, i in zip(exchange, span))
-        a2a_bwd = sum(exposed((4 if layers.recomputed else 2) * t, shared_bwd[i]) for t, i in zip(exchange, span))
+        exchange = [cluster.all_to_all_s(routed[i] / C, E) for i in span]
+        a2a_fwd = sum(exposed(2 * t, shared_fwd[i] / C) for t, i in zip(exchange, span))
+        a2a_bwd = sum(exposed((4 if layers.recomputed else 2) * t, shared_bwd[i] / C) for t, i in zip(exchange, span))
+        gathers = [cluster.context_s(layers.context_received(i, C), C) for i in span] if C > 1 else [0.0]
+        context_bwd = (2 if layers.recomputed else 1) * sum(gathers)
         params = sum(layers.params[i] for i in span)
         expert = sum(experts[i] for i in span) if E > 1 else 0
         gbps = cluster.allreduce_gbps if cluster.pipeline_across_nodes or cluster.nodes == 1 else cluster.internode_gbps
         reduce = ring_reduce_s(params - expert, D, gbps) + ring_reduce_s(expert / E, D // E, gbps)
-        work.append(StageWork(sum(layers.fwd_s[i] for i in span) + a2a_fwd,
-                              sum(layers.bwd_s[i] for i in span) + a2a_bwd, send, grad,
-                              reduce, layers.optimizer_s_per_param * params / D, a2a_fwd + a2a_bwd))
+        work.append(StageWork(sum(layers.chunk_fwd_s(i, C) for i in span) + a2a_fwd + sum(gathers),
+                              sum(layers.bwd_s[i] for i in span) / C + a2a_bwd + context_bwd, send, grad,
+                              reduce, layers.optimizer_s_per_param * params / D, a2a_fwd + a2a_bwd,
+                              sum(gathers) + context_bwd))
     return work
 
 
@@ -170,6 +213,7 @@ def simulate(work: list[StageWork], microbatches: int, p2p: str = "overlap") -> 
     clock, busy, waited = [0.0] * P, [0.0] * P, [0.0] * P
     passes: list[list[tuple[str, int, float, float]]] = [[] for _ in range(P)]
     position = [0] * P
+    counted = [{"fwd": 0, "bwd": 0} for _ in range(P)]  # passes of each kind so far, per stage
     # a channel is (boundary, direction); per channel: arrival times (overlap) or the posted sides (deepspeed)
     arrivals: dict[tuple[int, str], list[float]] = {}
     link_free: dict[tuple[int, str], float] = {}
@@ -191,7 +235,8 @@ def simulate(work: list[StageWork], microbatches: int, p2p: str = "overlap") -> 
         if isinstance(command, (schedule.ForwardPass, schedule.BackwardPass)):
             kind = "fwd" if isinstance(command, schedule.ForwardPass) else "bwd"
             took = work[s].fwd_s if kind == "fwd" else work[s].bwd_s
-            microbatch = sum(k == kind for k, *_ in passes[s])  # 1F1B keeps the microbatches' order in each kind
+            microbatch = counted[s][kind]  # 1F1B keeps the microbatches' order in each kind
+            counted[s][kind] += 1
             passes[s].append((kind, microbatch, clock[s], clock[s] + took))
             clock[s] += took
             busy[s] += took

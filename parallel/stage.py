@@ -35,10 +35,13 @@ class PipelineStage(nn.Module):
                  seq_len: int, dtype: torch.dtype = torch.float32, index_k: str = "shadow", seed: int = 0,
                  recompute_layers: int = 0, keep_attention_layers: int = 0, token_map=None,
                  run_dspark: bool = False, engram_rows=None, experts=None, context=None,
-                 lora: LoRA | None = None):
+                 lora: LoRA | None = None, offload_inputs: bool = False, head_chunk: int = 0):
         """``dtype`` is the compute dtype: bf16 runs the stage under autocast over fp32 master weights.
         The first ``recompute_layers`` layers of the stage run as non-reentrant activation checkpoints; the first
-        ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention.
+        ``keep_attention_layers`` of those keep their sparse-attention outputs instead of re-running attention;
+        ``offload_inputs``: the recomputed layers' inputs wait in host memory (``model/offload.py``).
+        ``head_chunk`` > 0: the last stage returns the head's input features instead of logits, and the loss runs
+        the head ``head_chunk`` tokens at a time (``train.loss.chunked_lm_loss``, through ``head``).
         ``token_map`` feeds the Engram hashes, ``engram_rows`` shards their tables, ``run_dspark`` trains the draft
         head, ``experts`` is the expert-parallel dispatch (``model.transformer``), ``context`` this rank's chunk of
         every row (``parallel.context.ContextShard``; None: whole rows). ``lora``: the base is frozen (its
@@ -49,11 +52,13 @@ class PipelineStage(nn.Module):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
         layers = plan.stages[stage_id]
         self.stage_id, self.layout, self.compute_dtype, self.context = stage_id, layout, dtype, context
+        self.head_chunk = head_chunk
         self.model = Transformer(args, layout, layers, seed, token_map=token_map, engram_rows=engram_rows,
                                  run_dspark=run_dspark, experts=experts)
         for i, block in enumerate(self.model.layers.values()):
             block.recompute = i < recompute_layers
             block.keep_attention = i < min(recompute_layers, keep_attention_layers)
+            block.offload_input = offload_inputs and block.recompute
         sources = shadow_sources(layout, layers) if index_k == "shadow" else []
         self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in sources})
         for s, shadow in self.shadows.items():
@@ -106,12 +111,18 @@ class PipelineStage(nn.Module):
         h, pre = self.model.run_layers(h, pre, state)
         if self.outgoing is not None:
             return self.outgoing.pack(h, pre, state)
-        logits = self.model.logits(h, pre)
+        features = self.model.features(h, pre)
+        logits = features if self.head_chunk else self.model.head_logits(features)
         losses = [state.indexer_losses[s] for s in sorted(state.indexer_losses)]
-        draft = self.model.draft(state, logits, getattr(self, "draft_embed", None))
+        draft = self.model.draft(state, logits, getattr(self, "draft_embed", None))  # never under head_chunk
         if draft is not None:
             losses += list(draft.losses.values())
         return logits, torch.stack(losses) if losses else h.new_zeros(0, dtype=torch.float32)
+
+    def head(self, features: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of ``features`` (``head_chunk``'s outputs) in the stage's compute dtype."""
+        with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.compute_dtype == torch.bfloat16):
+            return self.model.head_logits(features)
 
     def whole_model(self, input_ids: torch.Tensor, doc_ids: torch.Tensor, collect_recall: bool = False):
         """The full model's forward (``ModelOutput``) when this single stage holds every layer: evaluation."""

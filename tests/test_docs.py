@@ -269,7 +269,7 @@ def check_training(overrides: list[str], world: int | None, where: str) -> None:
         try:
             cfg = checked_config(job, first=job is jobs[0])
             batch = batch_plan(cfg, world or int(cfg.parallel.pipeline_stages))
-            check_experts(cfg, batch.data_parallel)
+            check_experts(cfg, batch.data_parallel * batch.context)  # over a stage's C x D ranks, as the engine
             if batch.stages > 1 or cfg.parallel.get("cuts") is not None:
                 split_stages(cfg, torch.bfloat16, batch.microbatches, batch.data_parallel)
         except ValueError as error:

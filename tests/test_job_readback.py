@@ -71,7 +71,7 @@ EVAL = {"every": 2, "batches": 2, "probe_examples": 2, "probe_lens": [192, 224],
 DATA = {"seq_len": SEQ_LEN, "micro_batch_size": MICRO_BATCH, "path": EMAIL, "shuffle_seed": 3, "heldout_fraction": 0.2,
         "pack_buffer": 8, "pack_carry": 2}
 LAYOUT = {"encoder.ratio": 4, "candidate_topk_blocks": 4, "candidate_block_size": 2}
-PARALLEL = {"recompute": "block", "recompute_layers": 2, "keep_attention_layers": 1}
+PARALLEL = {"recompute": "block", "recompute_layers": 2, "keep_attention_layers": 1, "recompute_offload": True}
 LOGGER = {"mode": "offline", "project": "readback", "name": "job-readback", "group": "readback-group",
           "tags": ["one", "two"]}
 # The layout built from the knobs above: window, window, then m = 4 Full/Reuse pairs, then the m = 1 decoder (Full,
@@ -250,10 +250,12 @@ def test_batch_geometry_loss_weights_and_devices(job):
 
 def test_recompute_and_kept_attention_per_layer(job):
     """``parallel.recompute=block``: the first ``recompute_layers`` layers of the stage run as checkpoints, and the
-    first ``keep_attention_layers`` of those keep their attention outputs."""
+    first ``keep_attention_layers`` of those keep their attention outputs; with ``recompute_offload`` the recomputed
+    ones (only they) keep their inputs on the host."""
     blocks = list(job["model"].layers.values())
     assert [b.recompute for b in blocks] == [i < 2 for i in range(10)]
     assert [b.keep_attention for b in blocks] == [i < 1 for i in range(10)]
+    assert [b.offload_input for b in blocks] == [i < 2 for i in range(10)]
 
 
 def _expert_ranges(rank, out):
@@ -883,7 +885,8 @@ HERE = {  # settings read back by a test of this file
         "train.grad_accum_steps", "data.micro_batch_size", "data.seq_len", "train.indexer_loss_coef",
         "train.dspark_loss_coef", "train.device", "train.precision", "train.checkpoint_dir"],
     "test_recompute_and_kept_attention_per_layer": [
-        "parallel.recompute", "parallel.recompute_layers", "parallel.keep_attention_layers"],
+        "parallel.recompute", "parallel.recompute_layers", "parallel.keep_attention_layers",
+        "parallel.recompute_offload"],
     "test_expert_parallel_splits_each_moes_experts": ["parallel.expert_parallel"],
     "test_loop_settings_from_what_the_run_wrote": [
         "train.stop_at", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.eval.every",
@@ -921,6 +924,7 @@ ELSEWHERE = {  # settings whose test needs another job: one that reads them from
     "parallel.expert_overlap":
         "tests/test_expert_parallel.py::test_expert_parallel_equals_every_expert_on_every_replica",
     "parallel.context_parallel": "tests/test_context_engine.py::test_steps_equal_one_process",
+    "parallel.head_chunk": "tests/test_head_chunk.py::test_a_step_with_head_chunks_equals_one_without",
     "model.qat": "tests/test_qat.py::test_qat_rounds_exactly_the_served_tensors",
     "train.lora.rank": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
     "train.lora.alpha": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",

@@ -25,7 +25,7 @@ from parallel.engine import P2P, CSA2PipelineEngine, CSA2PipelineModule, build_e
 from parallel.memory import kept_per_stage
 from parallel.plan import describe
 from train import distributed
-from train.loss import compute_loss
+from train.loss import chunked_lm_loss, compute_loss
 from train.quiet import prints_to_debug
 
 RECOMPUTE = ("none", "layer", "block")
@@ -121,6 +121,16 @@ def check_parallel(parallel: DictConfig) -> None:
     if any(counts) and parallel.recompute == "none":
         raise ValueError(f"parallel.keep_attention_layers={keep} keeps the attention outputs of recomputed layers, "
                          "but parallel.recompute=none recomputes none")
+    chunk = parallel.get("head_chunk", 0)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        raise ValueError(f"parallel.head_chunk={chunk!r}: use an integer >= 0 (tokens per chunk of the LM head and "
+                         "loss; 0: the whole logits at once)")
+    offload = parallel.get("recompute_offload", False)
+    if not isinstance(offload, bool):
+        raise ValueError(f"parallel.recompute_offload={offload!r}: use true or false")
+    if offload and parallel.recompute == "none":
+        raise ValueError("parallel.recompute_offload=true keeps recomputed layers' inputs on the host, but "
+                         "parallel.recompute=none recomputes none: use parallel.recompute=layer (or block)")
 
 
 def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
@@ -130,6 +140,12 @@ def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
     1F1B a stage keeps the activations of up to P microbatches, so recomputing only part of each stage trades
     memory for time where the full recompute is more than needed."""
     return {"none": 0, "layer": n_layers, "block": parallel.get("recompute_layers")}[parallel.recompute]
+
+
+def offload_inputs(parallel: DictConfig) -> bool:
+    """Whether the recomputed layers' inputs wait in pinned host memory (``model/offload.py``): bit-identical, the
+    GPU memory of one fp32 stream per recomputed layer freed for the copies' PCIe traffic."""
+    return bool(parallel.get("recompute_offload", False))
 
 
 def kept_attention_layers_per_stage(parallel: DictConfig) -> tuple[int, ...]:
@@ -159,12 +175,16 @@ class PipelineLoss:
     Under context parallelism (``context``: the rank's ``ContextShard``) the logits are its chunk's and the labels
     the whole rows': the LM loss is the chunk's cross-entropy over the rows' label count, the indexer KLs the
     chunk's shares already, and every part is multiplied by the C chunks, so that the data-parallel mean over the
-    C x D ranks of a stage is the mean over replicas of whole-row losses (and gradients)."""
+    C x D ranks of a stage is the mean over replicas of whole-row losses (and gradients).
+
+    With ``head_chunk`` (``parallel.head_chunk``) the stage's first output is the head's input features and the LM
+    loss runs the head a chunk of tokens at a time (``chunked_lm_loss``)."""
 
     def __init__(self, coef: float, sources: list[int], dspark_coef: float = 0.0,
-                 draft_parts: tuple[str, ...] = (), context=None):
+                 draft_parts: tuple[str, ...] = (), context=None, head_chunk: int = 0):
         self.coef, self.sources, self.dspark_coef, self.draft_parts = coef, sources, dspark_coef, draft_parts
-        self.context = context
+        self.context, self.head_chunk = context, head_chunk
+        self.head = None  # with head_chunk: the last stage's LM head (``PipelineStage.head``), set once it exists
         self.parts: OrderedDict | None = None
 
     def part_names(self) -> list[str]:
@@ -179,7 +199,8 @@ class PipelineLoss:
         if self.context is not None:
             count, chunks = int((labels != -100).sum()), self.context.size
             labels = labels[:, self.context.start:self.context.stop]
-        loss = compute_loss(output, labels, self.coef, self.dspark_coef, count)
+        lm = chunked_lm_loss(logits, self.head, labels, self.head_chunk, count) if self.head_chunk else None
+        loss = compute_loss(output, labels, self.coef, self.dspark_coef, count, lm)
         values = [loss.total, loss.lm, loss.indexer_total, *(loss.indexer[s] for s in self.sources)]
         if self.draft_parts:
             values += [loss.draft_total, *(loss.draft[p] for p in self.draft_parts)]
@@ -210,7 +231,8 @@ def check_experts(cfg: DictConfig, replicas: int) -> None:
 
 
 def check_context(cfg: DictConfig, args: ModelArgs, layout, run_dspark: bool) -> None:
-    """``parallel.context_parallel`` against the row and the model, before any process group (one line each)."""
+    """``parallel.context_parallel`` against the row and the model, and ``parallel.head_chunk`` against the draft
+    head, before any process group (one line each)."""
     context = cfg.parallel.context_parallel
     chunk_length(context, int(cfg.data.seq_len), args.window_size, layout.compress_ratios,
                  layout.candidate_block_size)
@@ -218,6 +240,9 @@ def check_context(cfg: DictConfig, args: ModelArgs, layout, run_dspark: bool) ->
         raise ValueError(f"parallel.context_parallel={context} cannot train the DSpark draft head (its blocks read the "
                          "tokens and logits after their anchor, in the next chunk): set train.dspark_loss_coef=0 or "
                          "parallel.context_parallel=1")
+    if run_dspark and cfg.parallel.get("head_chunk", 0):
+        raise ValueError("parallel.head_chunk cannot train the DSpark draft head (its loss reads the main logits at "
+                         "its anchors): set train.dspark_loss_coef=0 or parallel.head_chunk=0")
     if context > 1 and args.attention == "dense":
         raise ValueError(f"parallel.context_parallel={context} splits CSA2 attention only: model.attention=dense "
                          "needs parallel.context_parallel=1")
@@ -283,15 +308,16 @@ def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: S
     context = int(parallel.context_parallel)
     check_experts(cfg, batch.data_parallel * context)
     run_dspark = trains_dspark(cfg)
+    head_chunk = int(parallel.get("head_chunk", 0))
     loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids),
-                        float(cfg.train.dspark_loss_coef), DRAFT_PARTS if run_dspark else ())
+                        float(cfg.train.dspark_loss_coef), DRAFT_PARTS if run_dspark else (), head_chunk=head_chunk)
     with torch.device(device), prints_to_debug():  # DeepSpeed prints seeds, topology and stage split
         module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
                                     int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
                                     kept_attention_layers_per_stage(parallel), engram_token_map(cfg, args),
                                     run_dspark, int(parallel.expert_parallel), bool(parallel.expert_overlap),
-                                    context, lora_settings(cfg))
-    loss.context = module.context
+                                    context, lora_settings(cfg), offload_inputs(parallel), head_chunk)
+    loss.context, loss.head = module.context, module.stage.head if head_chunk else None
     schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
     groups = param_groups(list(module.optimized_named_parameters().items()), float(cfg.train.weight_decay))
     return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches, fused_adam=device.type == "cuda"),

@@ -154,8 +154,11 @@ class Evaluator:
                                             bcast_loss=False, num_micro_batches=1)
         if not self.engine.is_last_stage():
             return None
+        stage, logits = self.engine.module.stage, outputs[0]
+        if stage.head_chunk:  # the stage returned the head's features (a no-grad pass holds the logits once)
+            logits = stage.head(logits)
         context = self.engine.module.context  # context parallelism: each rank's logits are its chunk's
-        return (outputs[0] if context is None else context.gather(outputs[0]))[:, :length]
+        return (logits if context is None else context.gather(logits))[:, :length]
 
     @torch.no_grad()
     def heldout(self, model) -> dict[str, float]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 
@@ -52,11 +53,31 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, count: int | None = None
     return summed / max(count, 1), count
 
 
+def chunked_lm_loss(features: torch.Tensor, head, labels: torch.Tensor, chunk: int,
+                    count: int | None = None) -> tuple[torch.Tensor, int]:
+    """``lm_loss`` of ``head(features)`` without the whole logits: ``chunk`` tokens at a time go through the head and
+    the cross-entropy inside a non-reentrant checkpoint, so one chunk's logits exist at a time, in the forward and
+    again in its backward. At 64K tokens V4.1's 129,280-entry vocabulary makes 34 GB of fp32 logits, and as much
+    again for their softmax and gradient; a chunk of 4,096 tokens makes 2 GB."""
+    features, labels = features.flatten(0, -2), labels.flatten()
+    count = int((labels != IGNORE_INDEX).sum()) if count is None else count
+    summed = sum(checkpoint(_summed_cross_entropy, head, features[i:i + chunk], labels[i:i + chunk],
+                            use_reentrant=False) for i in range(0, labels.numel(), chunk))
+    return summed / max(count, 1), count
+
+
+def _summed_cross_entropy(head, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = head(features)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels,
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def compute_loss(output, labels: torch.Tensor, indexer_loss_coef: float, dspark_loss_coef: float = 0.0,
-                 label_count: int | None = None) -> Loss:
+                 label_count: int | None = None, lm: tuple[torch.Tensor, int] | None = None) -> Loss:
     """The objective of one forward (``model.ModelOutput``) against its ``labels`` (-100 = ignored);
-    ``label_count``: ``lm_loss``'s ``count``."""
-    lm, count = lm_loss(output.logits, labels, label_count)
+    ``label_count``: ``lm_loss``'s ``count``; ``lm``: the LM loss and its count when made already (a chunked head:
+    ``chunked_lm_loss``), the output's logits then unused."""
+    lm, count = lm or lm_loss(output.logits, labels, label_count)
     loss = Loss(lm, lm, dict(output.indexer_losses), count, dict(output.draft_losses))
     loss.total = lm + indexer_loss_coef * loss.indexer_total + dspark_loss_coef * loss.draft_total
     return loss
