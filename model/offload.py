@@ -23,7 +23,7 @@ class HostCopy:
     recomputation itself must not run any (``tensor()`` runs none)."""
 
     def __init__(self, x: torch.Tensor, previous: "HostCopy | None"):
-        self.shape, self.requires_grad, self.device = x.shape, x.requires_grad, x.device
+        self.requires_grad, self.device = x.requires_grad, x.device
         self.previous = previous
         self.original: torch.Tensor | None = x
         self.restored: torch.Tensor | None = None
