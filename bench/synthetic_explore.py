@@ -1,12 +1,14 @@
 """Recipe exploration for the synthetic tasks: several CPU training runs side by side, each a plain
 ``python -m train data=synthetic <row's overrides>``, and their evaluation curves in one JSON.
 
-    python bench/synthetic_explore.py --out FILE.json [--jobs 8] [--threads 2] [--budget 570] \
+    python bench/synthetic_explore.py --out FILE.json [--jobs 8] [--threads 2] [--budget 570] [--seeds 0,1,2] \
         --row "name: override override ..." [--row ...]
 
-Rows run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads`` and ``train.device=--device`` (cpu by default:
-a machine with more cores explores several recipes in the time one takes; accuracy per step does not depend on the
-machine; ``cuda`` runs the rows side by side on one GPU).
+``--seeds`` crosses every row with those training seeds (rows ``<name>_s<seed>`` with ``train.seed=<seed>``): a
+recipe has to hold for every seed, not for one. Rows run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads``
+and ``train.device=--device`` (cpu by default: a machine with more cores explores several recipes in the time one
+takes; ``cuda`` runs the rows side by side on one GPU). Accuracy per step depends on the CPU and the thread count
+through rounding (thread_determinism.json), so a recipe is checked at the threads and on the CPUs it is meant for.
 A row still running when ``--budget`` seconds are spent is stopped with SIGTERM and keeps the curve it has. The JSON
 (rewritten after every row) holds this script's command, machine and date (``result_meta``), and per row: its
 overrides, exit status, wall time, median training tokens/s, and the curve [step, MQAR accuracy beyond the window]
@@ -58,8 +60,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget", type=float, default=570.0, help="seconds for all rows")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--seeds", default=None, help="comma-separated training seeds to cross every row with")
     a = p.parse_args()
     rows = [parse_row(text) for text in a.row]
+    if a.seeds:
+        seeds = [int(seed) for seed in a.seeds.split(",")]
+        rows = [(f"{name}_s{seed}", [*overrides, f"train.seed={seed}"]) for name, overrides in rows for seed in seeds]
     scratch = Path(tempfile.mkdtemp(prefix="synthetic_explore_"))
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "WANDB_MODE": "offline",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
