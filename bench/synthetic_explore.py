@@ -4,8 +4,8 @@
     python bench/synthetic_explore.py --out FILE.json [--jobs 8] [--threads 2] [--budget 570] [--seeds 0,1,2] \
         --row "name: override override ..." [--row ...]
 
-``--seeds`` crosses every row with those training seeds (rows ``<name>_s<seed>`` with ``train.seed=<seed>``): a
-recipe has to hold for every seed, not for one. Rows run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads``
+``--seeds`` crosses every row with those training seeds (rows ``<name>_s<seed>`` with ``train.seed=<seed>``, seed by
+seed, so that a budget cut leaves every row as many seeds): a recipe has to hold for every seed, not for one. Rows run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads``
 and ``train.device=--device`` (cpu by default: a machine with more cores explores several recipes in the time one
 takes; ``cuda`` runs the rows side by side on one GPU). Accuracy per step depends on the CPU and the thread count
 through rounding (thread_determinism.json), so a recipe is checked at the threads and on the CPUs it is meant for.
@@ -65,7 +65,7 @@ def main() -> int:
     rows = [parse_row(text) for text in a.row]
     if a.seeds:
         seeds = [int(seed) for seed in a.seeds.split(",")]
-        rows = [(f"{name}_s{seed}", [*overrides, f"train.seed={seed}"]) for name, overrides in rows for seed in seeds]
+        rows = [(f"{name}_s{seed}", [*overrides, f"train.seed={seed}"]) for seed in seeds for name, overrides in rows]
     scratch = Path(tempfile.mkdtemp(prefix="synthetic_explore_"))
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "WANDB_MODE": "offline",
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
