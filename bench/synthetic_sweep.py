@@ -10,7 +10,8 @@ and writes into ``--out``: ``report.md``, ``report.json`` and ``report.png`` (th
 the CPU, its cores and the 1-minute load average before, during (sampled every 5 s) and after the sweep (the
 machine may be shared: a load above the core count means the sweep had less than the whole CPU), the git commit,
 each layout's synthetic accuracies, and the issue's acceptance checks (sweep within 10 minutes; MQAR beyond the
-window >= 0.8 for the sharing layout and within 0.05 of chance for window-only).
+window >= 0.8 for the sharing layout and within 0.05 of chance for window-only); it exits non-zero, its files
+written, when a check fails.
 """
 import argparse
 import datetime
@@ -31,13 +32,22 @@ FILES = ("report.md", "report.json", "report.png")
 
 
 def cpu_model() -> str:
+    """The CPU's name with its family and model numbers: one name ("Intel(R) Xeon(R) Processor") covers CPUs of
+    different generations, whose kernels and rounding may differ."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                      if ":" in line)
     except OSError:
-        pass
-    return platform.processor() or "unknown"
+        return platform.processor() or "unknown"
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    return (f"{fields.get('model name', 'unknown')} ({fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')}"
+            f" model {fields.get('model', '?')})")
+
+
+def torch_threads(env: dict) -> int:
+    """The intra-op thread count a job started with ``env`` gets (torch's default: the physical cores)."""
+    probe = [sys.executable, "-c", "import torch; print(torch.get_num_threads())"]
+    return int(subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout)
 
 
 def git_commit() -> str:
@@ -94,6 +104,7 @@ def main() -> None:
         "wall_s": round(wall_s, 1),
         "cpu": {"model": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),  # 1 on a shared box: 2 threads on a busy core stall
+                "torch_threads": torch_threads(env),  # what each job computes with: rounding depends on it
                 "load_1min_before": round(load_before[0], 2), "load_1min_after": round(load_after[0], 2),
                 "load_1min_during_mean": round(sum(load_during) / max(1, len(load_during)), 2),
                 "load_1min_during_max": round(max(load_during, default=load_before[0]), 2)},
@@ -104,6 +115,9 @@ def main() -> None:
     }
     (out / "sweep.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
+    failed = [name for name, passed in summary["checks"].items() if not passed]
+    if failed:
+        raise SystemExit(f"checks failed: {', '.join(failed)} (results kept in {out})")
 
 
 if __name__ == "__main__":

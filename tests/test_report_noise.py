@@ -67,13 +67,19 @@ def test_every_probe_at_chance_and_every_loss_tied_is_said(tmp_path):
 
 def test_several_seeds_give_means_and_spreads(tmp_path):
     losses = {"v41_scaled": [4.50, 4.56, 4.47], "window_only_scaled": [4.70, 4.90, 4.62]}
+    accuracies = {"v41_scaled": [0.9, 0.5, 0.7], "window_only_scaled": [0.1, 0.0, 0.2]}  # each probe's, per seed
     job = 0
     for layout, values in losses.items():
         for seed, loss in enumerate(values):
-            write_run(tmp_path / str(job), [f"layout={layout}"], loss, 0.01, seed=seed)
+            write_run(tmp_path / str(job), [f"layout={layout}"], loss, 0.01, probe=accuracies[layout][seed], seed=seed)
             job += 1
     table, _ = report(tmp_path)
     rows = table_rows(table, "| runs |")
+    columns = next(line for line in table.splitlines() if line.startswith("| runs |")).strip("|").split("|")
+    probe = [c.strip() for c in columns].index("passkey@256")
+    for row, layout in zip(rows, losses):  # the probe accuracy as spread over seeds, not the first seed's
+        values = accuracies[layout]
+        assert row[probe] == f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
     means = {k: statistics.fmean(v) for k, v in losses.items()}
     sds = {k: statistics.stdev(v) for k, v in losses.items()}
     gap = means["window_only_scaled"] - means["v41_scaled"]
