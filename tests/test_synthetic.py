@@ -63,11 +63,13 @@ def test_mqar_records_state_then_ask():
         assert (example.distances >= 10).all() and (example.distances <= 40).all() and example.alphabet == 16
 
 
-def test_mqar_question_order_does_not_give_the_answer_away():
+@pytest.mark.parametrize("pairs, ceiling", [([12, 16], 0.2), ([8, 16], 0.3)])  # [8, 16]: data=synthetic
+def test_mqar_question_order_does_not_give_the_answer_away(pairs, ceiling):
     """The asked key is drawn among those due, so a rule that picks the source by position alone scores near
     1 / (keys due), not near 1: here reading the value of the oldest (or the newest) record written at least
-    ``distance`` back, which is right every time when the keys are asked oldest first."""
-    tasks = make_tasks(seq_len=64, pairs=[12, 16], distance=[12, 64])
+    ``distance`` back, which is right every time when the keys are asked oldest first. The sweep's 0.8 beyond the
+    window lies far above this ceiling: only key matching reaches it."""
+    tasks = make_tasks(seq_len=64, pairs=pairs, distance=[12, 64])
     right = {"oldest": 0, "newest": 0}
     answers = 0
     for example in tasks.task_examples("mqar", 100):
@@ -78,7 +80,7 @@ def test_mqar_question_order_does_not_give_the_answer_away():
             right["oldest"] += min(due) == position - distance
             right["newest"] += max(due) == position - distance
             answers += 1
-    assert answers > 1000 and right["oldest"] / answers < 0.2 and right["newest"] / answers < 0.2
+    assert answers > 1000 and right["oldest"] / answers < ceiling and right["newest"] / answers < ceiling
 
 
 def test_mqar_records_align_to_compressed_entries():
