@@ -1,8 +1,8 @@
 """Recipe exploration for the synthetic tasks: several CPU training runs side by side, each a plain
 ``python -m train data=synthetic <row's overrides>``, and their evaluation curves in one JSON.
 
-    python bench/synthetic_explore.py --out FILE.json [--jobs 8] [--threads 2] [--budget 570] [--seeds 0,1,2] \
-        --row "name: override override ..." [--row ...]
+    python bench/synthetic_explore.py --out FILE.json [--jobs 8] [--threads 2] [--budget 570] \
+        [--seeds 0,1,2] --row "name: override override ..." [--row ...]
 
 ``--seeds`` crosses every row with those training seeds (rows ``<name>_s<seed>`` with ``train.seed=<seed>``, seed by
 seed, so that a budget cut leaves every row as many seeds): a recipe has to hold for every seed, not for one. Rows run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads``

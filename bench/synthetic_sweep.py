@@ -40,8 +40,8 @@ def cpu_model() -> str:
     except OSError:
         return platform.processor() or "unknown"
     fields = {key.strip(): value.strip() for key, value in fields.items()}
-    return (f"{fields.get('model name', 'unknown')} ({fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')}"
-            f" model {fields.get('model', '?')})")
+    vendor, family, model = (fields.get(key, "?") for key in ("vendor_id", "cpu family", "model"))
+    return f"{fields.get('model name', 'unknown')} ({vendor} family {family} model {model})"
 
 
 def torch_threads(env: dict) -> int:
