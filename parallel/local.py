@@ -1,8 +1,11 @@
 """Local multi-process runs on one machine (gloo on CPU): the tests' and the CPU benchmark's launcher.
 
 ``spawn(fn, n, *args)`` starts ``n`` processes with the environment a launcher would give them (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), initialises torch.distributed through DeepSpeed and calls
-``fn(rank, *args)`` in each. Real jobs use ``torchrun`` or ``deepspeed`` (see launch/)."""
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), initialises torch.distributed through DeepSpeed, calls
+``fn(rank, *args)`` in each and then destroys the process group, as a training job does (``train/distributed.py``):
+left to the interpreter's exit, gloo's threads can abort a process that has finished its work ("terminate called
+without an active exception", test_expert_dispatch's only_local case on an Intel Xeon, 2026-12-04). Real jobs use
+``torchrun`` or ``deepspeed`` (see launch/)."""
 import os
 import socket
 
@@ -22,6 +25,10 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     fn(rank, *args)
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def spawn(fn, nprocs: int, *args) -> None:
