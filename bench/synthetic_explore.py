@@ -5,9 +5,10 @@
         [--seeds 0,1,2] --row "name: override override ..." [--row ...]
 
 ``--seeds`` crosses every row with those training seeds (rows ``<name>_s<seed>`` with ``train.seed=<seed>``, seed by
-seed, so that a budget cut leaves every row as many seeds): a recipe has to hold for every seed, not for one. Rows run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads``
-and ``train.device=--device`` (cpu by default: a machine with more cores explores several recipes in the time one
-takes; ``cuda`` runs the rows side by side on one GPU). Accuracy per step depends on the CPU and the thread count
+seed, so that a budget cut leaves every row as many seeds): a recipe has to hold for every seed, not for one. Rows
+run ``--jobs`` at a time, each with ``OMP_NUM_THREADS=--threads`` and ``train.device=--device`` (cpu by default: a
+machine with more cores explores several recipes in the time one takes; ``cuda`` runs the rows side by side on one
+GPU). Accuracy per step depends on the CPU and the thread count
 through rounding (thread_determinism.json), so a recipe is checked at the threads and on the CPUs it is meant for.
 A row still running when ``--budget`` seconds are spent is stopped with SIGTERM and keeps the curve it has. The JSON
 (rewritten after every row) holds this script's command, machine and date (``result_meta``), and per row: its

@@ -35,11 +35,10 @@ def cpu_model() -> str:
     """The CPU's name with its family and model numbers: one name ("Intel(R) Xeon(R) Processor") covers CPUs of
     different generations, whose kernels and rounding may differ."""
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-                      if ":" in line)
+        first_cpu = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
     except OSError:
         return platform.processor() or "unknown"
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first_cpu)}
     vendor, family, model = (fields.get(key, "?") for key in ("vendor_id", "cpu family", "model"))
     return f"{fields.get('model name', 'unknown')} ({vendor} family {family} model {model})"
 

@@ -9,6 +9,7 @@ without an active exception", test_expert_dispatch's only_local case on an Intel
 import os
 import socket
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -25,8 +26,6 @@ def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     fn(rank, *args)
-    import torch.distributed as dist
-
     dist.barrier()
     dist.destroy_process_group()
 
