@@ -429,30 +429,36 @@ def check_swiglu():
     RESULTS["swiglu"] = {"rel_err": err, "pass": all(e < 1e-2 for e in err.values())}
 
 
-def hyper_problem(T, hc, dim):
-    """A hyper-connected stream x [1,T,hc,dim] fp32, a sublayer output y in bf16 and the mixes, all leaves."""
-    x = torch.randn(1, T, hc, dim, device=DEV, requires_grad=True)
-    y = leaf(torch.randn(1, T, dim, device=DEV), BF16)
-    pre, post = (torch.rand(1, T, hc, device=DEV, requires_grad=True) for _ in range(2))
-    comb = torch.rand(1, T, hc, hc, device=DEV, requires_grad=True)
-    return x, y, pre, post, comb
+def hyper_problem(T, hc, dim, dtype=BF16):
+    """A hyper-connected stream x [1,T,hc,dim] in the compute dtype (bf16 on the GPU), a pending pre-mix and a
+    block's mix parameters at their trained scale (fn std 0.02, scale 0.5-1.5), all leaves."""
+    mix = (2 + hc) * hc
+    x = leaf(torch.randn(1, T, hc, dim, device=DEV), dtype)
+    pre_in = torch.rand(1, T, hc, device=DEV, requires_grad=True)
+    fn = (torch.randn(mix, hc * dim, device=DEV) * 0.02).requires_grad_()
+    scale = (torch.rand(3, device=DEV) + 0.5).requires_grad_()
+    base = torch.randn(mix, device=DEV).requires_grad_()
+    return x, pre_in, fn, scale, base
 
 
-def hyper_step(ops, x, y, pre, post, comb):
-    """collapse and expand forward and backward once (as a block's sublayer uses them)."""
-    outs = (ops.hc_collapse(x, pre), ops.hc_expand(y, x, post, comb))
-    return outs, torch.autograd.grad(outs, (x, y, pre, post, comb), [torch.ones_like(o) for o in outs])
+def hyper_step(ops, x, pre_in, fn, scale, base):
+    """One sublayer's pass over the stream, forward and backward: hc_pre, an identity sublayer, hc_post."""
+    h, m = ops.hc_pre(x, pre_in, fn, scale, base, 20, 1e-20, 1e-6)
+    outs = (m.pre, ops.hc_post(h, x, m))
+    return outs, torch.autograd.grad(outs, (x, pre_in, fn, scale, base), [torch.ones_like(o) for o in outs])
 
 
 @section
 def check_hyper():
-    """The stream's collapse and expand (kernels/triton_hyper.py) at small_moe's width and hc 4: outputs and every
-    gradient against the reference on the same inputs (both fp32 but y, so equal to rounding)."""
+    """A sublayer's pass over the stream (kernels/triton_hyper.py: hc_pre's mixes, Sinkhorn and collapse, hc_post's
+    expand, the stream gradient linked between them) at small_moe's width, hc 4, a bf16 stream: outputs and every
+    gradient against the reference in fp32 on the same inputs."""
     problem = hyper_problem(n(4096, 37), 4, n(1024, 75))
-    got, want = hyper_step(triton_ops, *problem), hyper_step(reference, *problem)
-    names = ("collapse", "expand", "dx", "dy", "dpre", "dpost", "dcomb")
+    got = hyper_step(triton_ops, *problem)
+    want = hyper_step(reference, *(leaf(t, torch.float32) for t in problem))
+    names = ("pre", "post_out", "dx", "dpre_in", "dfn", "dscale", "dbase")
     err = {k: rel_err(g.float(), w.float()) for k, g, w in zip(names, [*got[0], *got[1]], [*want[0], *want[1]])}
-    RESULTS["hyper"] = {"rel_err": err, "pass": all(e < 1e-5 for e in err.values())}
+    RESULTS["hyper"] = {"rel_err": err, "pass": all(e < 1e-2 for e in err.values())}
 
 
 # ----------------------------------------------------------------------------------------------- bench
@@ -798,16 +804,19 @@ def bench_index_logits():
 
 @section
 def bench_hyper():
-    """collapse + expand forward + backward at 64K for hc 4 and dims 1,024 (small_moe) and 5,120 (V4.1-Flash,
-    at 16K: the same bytes per token x 5), Triton against the reference's per-token matmuls, and the bytes moved
-    over the time (the stream read and written: the ceiling is the HBM's ~4.8 TB/s)."""
+    """A sublayer's pass over the stream forward + backward at 64K, hc 4, dims 1,024 (small_moe) and 5,120 (V4.1-Flash,
+    at 16K: the same bytes per token x 5), a bf16 stream: Triton against the PyTorch reference (what the model ran
+    before: the mixes' fp32 projection and ~300 Sinkhorn launches, per-token matmuls), and the stream's bytes over
+    the time (the ceiling is HBM's ~4.8 TB/s). Bytes counted: forward X read twice (hc_pre, hc_post) and written
+    once, h and y; backward X read twice, the output gradient read once, dX written once and read and written once
+    more (the link), dh."""
     res = {}
     for name, T, dim in (("small_moe_64k", n(65536, 64), n(1024, 75)), ("v41_16k", n(16384, 64), n(5120, 75))):
         problem = hyper_problem(T, 4, dim)
         times = {impl: ms(lambda: hyper_step(ops, *problem)) for impl, ops in (("triton", triton_ops),
                                                                             ("torch", reference))}
-        # forward: x read twice, out written; backward: x twice, g once, dx twice written (fp32), y/dy bf16 twice
-        moved = T * dim * (4 * 4 * 8 + 2 * 4 + 2 * 4)
+        stream, row = T * 4 * dim * problem[0].element_size(), T * dim * problem[0].element_size()
+        moved = 3 * stream + 2 * row + 6 * stream + 2 * row
         res[name] = {"T": T, "dim": dim, "hc": 4, **{f"{k}_ms": v for k, v in times.items()},
                      "speedup": times["torch"] / times["triton"], "triton_tb_per_s": moved / times["triton"] / 1e9}
         del problem

@@ -231,8 +231,9 @@ class PartProbe:
     end, at its backward start and end, and around each layer's recomputation, attributed by ``exclusive_ms``.
 
     Parts: ``attention`` (attn_norm + the attention, indexer included), ``moe`` or ``ffn`` (ffn_norm + the MoE or the
-    dense FFN), ``mhc`` (every ``hyper.mixes``, ``hyper.collapse``, ``hyper.expand``: the Sinkhorn mixes, the
-    collapse into a sublayer's input, the expand of its output into the copies, the head's collapse too), ``engram``
+    dense FFN), ``mhc`` (every ``hyper.hc_pre``, ``hyper.hc_post``, ``hyper.collapse``: the mixes with their
+    Sinkhorn split and the collapse into a sublayer's input, the expand of its output into the copies, the head's
+    collapse), ``engram``
     (the Engram update, its table lookup included; the n-gram hashing is once per step, outside). Phases:
     - ``forward``: the part's first forward (the training forward), once per layer;
     - ``recompute``: its forward again inside the backward (``parallel.recompute=layer``; ``kernels.recomputing()``):
@@ -265,7 +266,7 @@ class PartProbe:
             self._module_span("moe" if isinstance(block.ffn, MoE) else "ffn", block.ffn_norm, block.ffn)
             if hasattr(block, "engram"):
                 self._module_span("engram", block.engram, block.engram)
-        for name in ("mixes", "collapse", "expand"):
+        for name in ("hc_pre", "hc_post", "collapse"):
             self._patch(hyper, name, self._function_span("mhc", getattr(hyper, name)))
         self._patch(kernels, "checkpoint_contexts", self._recompute_span(kernels.checkpoint_contexts))
 

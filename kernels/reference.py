@@ -4,6 +4,8 @@ Each op is written as the formula, materialising the gathered rows and the score
 used on CPU and the ground truth the Triton kernels are checked against; it is not meant for long contexts.
 Argument conventions are in docs/DESIGN.md ("Kernel ops").
 """
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,60 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: torch.
 def cast(groups: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
     """Each group's tensors in ``dtype``, stacked along dim 0 (differentiable)."""
     return [stack_rows([t.to(dtype) for t in group]) for group in groups]
+
+
+class StreamMix(NamedTuple):
+    """The coefficients one sublayer's ``hc_pre`` makes of the stream [..., hc, D]: ``pre`` [..., hc] (the next
+    sublayer's collapse), ``post`` [..., hc] and ``comb`` [..., hc, hc] (this sublayer's expand), fp32 (fp64 for an
+    fp64 stream). ``stream_grad``: where a fused implementation's ``hc_post`` backward leaves the stream's gradient
+    for its ``hc_pre`` backward to add in the same pass (None here: autograd adds the two)."""
+    pre: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    stream_grad: object = None
+
+
+def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int,
+             norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre, post, comb) of the stream x [..., hc, D] in (at least) fp32: ``m = flatten(x) fn^T *
+    rsqrt(mean(flatten(x)^2) + norm_eps)``, one statistic over all hc*D values of a token (not one per copy), the
+    division after the projection (the mHC paper's reordering; the same function), then ``hc_split_sinkhorn``."""
+    dtype = torch.promote_types(_compute_dtype(x), fn.dtype)
+    flat = x.flatten(-2).to(dtype)
+    m = F.linear(flat, fn.to(dtype)) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return hc_split_sinkhorn(m, scale.to(dtype), base.to(dtype), x.shape[-2], iters, hc_eps)
+
+
+def hc_split_sinkhorn(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                      hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The coefficients from their logits m [..., (2+hc)hc] (the reference's ``hc_split_sinkhorn``, SPEC §5.2):
+    ``pre = sigmoid(.) + hc_eps``, ``post = 2 sigmoid(.)``, ``comb = softmax_k(.) + hc_eps`` as [j, k], divided by
+    its column sums (over j) + hc_eps, then ``iters - 1`` rounds of row then column normalisation, each dividing by
+    (sum + hc_eps). The last step is a column normalisation, so columns sum to 1 (up to hc_eps) and rows to within
+    Sinkhorn's convergence. The details were checked against public ports of the reference's kernel (comb is
+    [j, k] with the softmax over k; hc_eps after the softmax and in every denominator; columns first)."""
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)).softmax(-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_pre(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           iters: int, norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, StreamMix]:
+    """What a sublayer takes of the stream x [..., hc, D]: its input ``hc_collapse(x, pre_in)`` in x's dtype, and
+    the stream's mixes (``StreamMix``: this sublayer's post and comb, the next one's pre). Both read x: the fused
+    implementation reads it once."""
+    return hc_collapse(x, pre_in).to(x.dtype), StreamMix(*hc_mixes(x, fn, scale, base, iters, norm_eps, hc_eps))
+
+
+def hc_post(y: torch.Tensor, x: torch.Tensor, mix: StreamMix) -> torch.Tensor:
+    """The stream after a sublayer with output y [..., D]: ``hc_expand(y, x, mix.post, mix.comb)`` computed in (at
+    least) fp32 and rounded to the stream's dtype (bf16 under bf16 autocast, as the reference's ``hc_post``)."""
+    return hc_expand(y, x, mix.post, mix.comb).to(x.dtype)
 
 
 def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

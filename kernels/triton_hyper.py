@@ -1,22 +1,238 @@
-"""The hyper-connected stream's collapse and expand (``model/hyper.py``, SPEC §5.2), one pass over the stream each way.
+"""The hyper-connected stream's mixing (``model/hyper.py``, SPEC §5.2): a sublayer's ``hc_pre`` and ``hc_post`` and the
+head's ``hc_collapse``, forward and backward, in a few passes over the stream.
 
-Both are tiny per-token mixes of the ``hc`` fp32 copies, ``collapse: sum_c pre_c X_c`` and ``expand: out_k = post_k
-y + sum_j comb[j,k] X_j``, so they are bound by the bytes of the stream ([T, hc, D] fp32: 1 GiB at 64K x 4 x 1,024).
-PyTorch runs them as batched matmuls of one token each ([65536, 4, 4] x [65536, 4, 1024]), which cuBLAS tiles as
-32 x 64 fp32 FFMA GEMMs, and their backward as more of them plus outer products: on an H200 at 64K those took ~1.4
-s of small_moe's 8.8 s step (``kernel_table`` of ``bench/results/train/train_step_small_moe_65536.json``: the
-[65536,4,4]x[65536,4,1024] bmm 763 ms, the [65536,4,1]x[65536,1,1024] outer product 301 ms, ...). Here the
-forward reads the stream once and writes its result; the backward reads the stream and the output gradient once and
-writes the input gradients, the coefficients' gradients (sums over D) accumulated in registers over the row. All in
-fp32; y and dy in y's dtype.
+A sublayer reads the stream X [N, hc, D] (bf16 under bf16 autocast, as the reference keeps it) three ways: the mixes'
+projection ``X fn^T`` with one RMS statistic, the collapse ``sum_c pre_c X_c`` into its input, and the expand ``out_k =
+post_k y + sum_j comb[j,k] X_j`` of its output. Everything here is bound by the stream's bytes; the arithmetic (a
+[N, hc D] x [hc D, (2+hc) hc] projection, the Sinkhorn iterations on hc x hc per token) is small. So:
+- forward, ``_pre_fwd``: one read of X makes the projection (tensor cores, tf32x3: fp32 accuracy), the statistic and
+  the collapse, then ``_sinkhorn_fwd`` turns the projection into pre, post and comb: all ``iters`` Sinkhorn rounds of
+  a token in registers, one launch (PyTorch runs them as ~300 launches of [N, hc, hc] elementwise ops per sublayer);
+  ``_expand_fwd`` reads X and y once and writes the new stream.
+- backward: ``_expand_bwd`` reads X and the output gradient once (dX, dy, and dpost, dcomb summed in registers);
+  ``_sinkhorn_bwd`` runs the Sinkhorn rounds again, keeping each round's matrix in a scratch buffer, and goes back
+  through them; ``_pre_bwd`` reads X once more and writes dX = the collapse's, the projection's and the statistic's
+  gradients **plus the expand's**, which ``hc_post``'s backward left in the ``StreamMix``'s ``stream_grad`` instead
+  of returning it: the stream's gradient is accumulated in that pass, not by autograd's separate add over the stream.
+  Sums over tokens (dfn, dscale, dbase, dpre) are per-program partials added once after: no atomics, bitwise
+  repeatable.
+Each kernel computes in fp32 and rounds once to its output's dtype.
 """
 import torch
 import triton
 import triton.language as tl
 
+from kernels.reference import StreamMix
 from kernels.triton_common import INTERPRET, new_output
 
-BLOCK_D = 32 if INTERPRET else 256  # columns of a row per step: [hc, hc, BLOCK_D] products live in registers
+BLOCK_D = 32 if INTERPRET else 128  # columns of a copy per step
+BLOCK_N = 16 if INTERPRET else 64  # tokens per program of the projection and its gradient
+SINKHORN_ROWS = 16 if INTERPRET else 128  # tokens per program of the Sinkhorn kernels
+BACKWARD_PROGRAMS = 512  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
+
+
+@triton.jit
+def _pre_fwd(X, PRE_IN, FN, H, MRAW, RSTD, n_rows, norm_eps, D: tl.constexpr, HC: tl.constexpr,
+             MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """For the program's tokens: H = sum_c PRE_IN[c] X_c, MRAW = X_flat FN^T (unscaled), RSTD = rsqrt(mean(X_flat^2)
+    + norm_eps). Column block outer, copy inner, so that H's block is complete before it is stored."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    mixes = tl.arange(0, MIX_P)
+    m = tl.zeros((BLOCK_N, MIX_P), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        inside = live[:, None] & (cols[None, :] < D)
+        h = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+        for c in tl.static_range(HC):
+            x = tl.load(X + rows64[:, None] * (HC * D) + c * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+            h += tl.load(PRE_IN + rows64 * HC + c, mask=live, other=0.0)[:, None] * x
+            squares += tl.sum(x * x, axis=1)
+            fn_t = tl.load(FN + mixes[None, :] * (HC * D) + c * D + cols[:, None],
+                           mask=(mixes[None, :] < MIX) & (cols[:, None] < D), other=0.0)  # [BLOCK_D, MIX_P]
+            m = tl.dot(x, fn_t, m, input_precision="tf32x3")
+        tl.store(H + rows64[:, None] * D + cols[None, :], h.to(H.dtype.element_ty), mask=inside)
+    tl.store(MRAW + rows64[:, None] * MIX + mixes[None, :], m, mask=live[:, None] & (mixes[None, :] < MIX))
+    tl.store(RSTD + rows64, 1.0 / tl.sqrt(squares / (HC * D) + norm_eps), mask=live)
+
+
+@triton.jit
+def _mix_parts(MRAW, RSTD, rows64, live, HC: tl.constexpr, HC_P: tl.constexpr, MIX: tl.constexpr):
+    """A token's projection MRAW split into its pre [R, HC_P], post [R, HC_P] and comb [R, HC_P (j), HC_P (k)]
+    parts (0 in the padding), its RSTD [R], and the valid masks of the [R, HC_P] and [R, HC_P, HC_P] parts."""
+    copies = tl.arange(0, HC_P)
+    j, k = copies[None, :, None], copies[None, None, :]
+    valid = live[:, None] & (copies[None, :] < HC)
+    comb_valid = live[:, None, None] & (j < HC) & (k < HC)
+    row = rows64 * MIX
+    raw_pre = tl.load(MRAW + row[:, None] + copies[None, :], mask=valid, other=0.0)
+    raw_post = tl.load(MRAW + row[:, None] + HC + copies[None, :], mask=valid, other=0.0)
+    raw_comb = tl.load(MRAW + row[:, None, None] + 2 * HC + j * HC + k, mask=comb_valid, other=0.0)
+    return raw_pre, raw_post, raw_comb, tl.load(RSTD + rows64, mask=live, other=0.0), valid, comb_valid
+
+
+@triton.jit
+def _logits(raw_pre, raw_post, raw_comb, rstd, SCALE, BASE, HC: tl.constexpr, HC_P: tl.constexpr):
+    """The coefficients' logits ``m * scale + base`` of each part, m = MRAW * RSTD (padding: 0 * scale + 0)."""
+    copies = tl.arange(0, HC_P)
+    j, k = copies[None, :, None], copies[None, None, :]
+    inner = copies < HC
+    logit_pre = raw_pre * rstd[:, None] * tl.load(SCALE) + tl.load(BASE + copies, mask=inner, other=0.0)[None, :]
+    logit_post = raw_post * rstd[:, None] * tl.load(SCALE + 1) + tl.load(BASE + HC + copies, mask=inner,
+                                                                          other=0.0)[None, :]
+    logit_comb = raw_comb * rstd[:, None, None] * tl.load(SCALE + 2) + tl.load(
+        BASE + 2 * HC + j * HC + k, mask=(j < HC) & (k < HC), other=0.0)
+    return logit_pre, logit_post, logit_comb
+
+
+@triton.jit
+def _softmax_k(logit, comb_valid, HC: tl.constexpr, HC_P: tl.constexpr):
+    """softmax over k of [R, j, k] logits, 0 on padding (padded k read as -inf, padded j as a harmless 0 row)."""
+    k = tl.arange(0, HC_P)[None, None, :]
+    logit = tl.where(k < HC, logit, float("-inf"))
+    e = tl.exp(logit - tl.max(logit, axis=2)[:, :, None])
+    return tl.where(comb_valid, e / tl.sum(e, axis=2)[:, :, None], 0.0)
+
+
+@triton.jit
+def _step_sums(c, step):
+    """The denominators of Sinkhorn step ``step`` (without hc_eps) broadcast over [R, j, k]: column sums (over j)
+    on even steps, row sums (over k) on odd ones."""
+    return tl.where(step % 2 == 1, tl.sum(c, axis=2)[:, :, None], tl.sum(c, axis=1)[:, None, :])
+
+
+@triton.jit
+def _sinkhorn_fwd(MRAW, RSTD, SCALE, BASE, PRE, POST, COMB, n_rows, hc_eps, HC: tl.constexpr, HC_P: tl.constexpr,
+                  MIX: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr):
+    """PRE = sigmoid + hc_eps, POST = 2 sigmoid, COMB = softmax_k + hc_eps then STEPS normalisations (columns,
+    then rows and columns in turn), each dividing by (sum + hc_eps)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    raw_pre, raw_post, raw_comb, rstd, valid, comb_valid = _mix_parts(MRAW, RSTD, rows64, live, HC, HC_P, MIX)
+    logit_pre, logit_post, logit_comb = _logits(raw_pre, raw_post, raw_comb, rstd, SCALE, BASE, HC, HC_P)
+    copies = tl.arange(0, HC_P)
+    tl.store(PRE + (rows64 * HC)[:, None] + copies[None, :], tl.sigmoid(logit_pre) + hc_eps, mask=valid)
+    tl.store(POST + (rows64 * HC)[:, None] + copies[None, :], 2 * tl.sigmoid(logit_post), mask=valid)
+    c = tl.where(comb_valid, _softmax_k(logit_comb, comb_valid, HC, HC_P) + hc_eps, 0.0)
+    for step in range(STEPS):
+        c = c / (_step_sums(c, step) + hc_eps)
+    j, k = copies[None, :, None], copies[None, None, :]
+    tl.store(COMB + (rows64 * HC * HC)[:, None, None] + j * HC + k, c, mask=comb_valid)
+
+
+@triton.jit
+def _sinkhorn_bwd(MRAW, RSTD, SCALE, BASE, DPRE, DPOST, DCOMB, SCRATCH, DMRAW, COEF, PARTS, n_rows, hc_eps,
+                  D: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr, MIX: tl.constexpr, STEPS: tl.constexpr,
+                  ROWS: tl.constexpr):
+    """From the coefficients' gradients: DMRAW = dL/dMRAW (= dL/dm * rstd), COEF = dL/drstd * drstd/dX / X per
+    token (dX gets COEF * X), and this program's partial sums of dL/dbase [MIX] and dL/dscale [3] in PARTS[program].
+    The forward's Sinkhorn steps run again, each step's input kept in SCRATCH [N, STEPS, HC_P, HC_P], and the
+    gradient goes back through them: step t divides by s = sum + eps along its axis, so dc = (dout - sum_axis(dout *
+    out)) / s."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    raw_pre, raw_post, raw_comb, rstd, valid, comb_valid = _mix_parts(MRAW, RSTD, rows64, live, HC, HC_P, MIX)
+    logit_pre, logit_post, logit_comb = _logits(raw_pre, raw_post, raw_comb, rstd, SCALE, BASE, HC, HC_P)
+    copies = tl.arange(0, HC_P)
+    j, k = copies[None, :, None], copies[None, None, :]
+    probs = _softmax_k(logit_comb, comb_valid, HC, HC_P)
+    c = tl.where(comb_valid, probs + hc_eps, 0.0)
+    scratch = SCRATCH + (rows64 * STEPS * HC_P * HC_P)[:, None, None] + j * HC_P + k
+    for step in range(STEPS):
+        tl.store(scratch + step * HC_P * HC_P, c, mask=live[:, None, None])
+        c = c / (_step_sums(c, step) + hc_eps)
+    g = tl.load(DCOMB + (rows64 * HC * HC)[:, None, None] + j * HC + k, mask=comb_valid, other=0.0)
+    for back in range(STEPS):
+        step = STEPS - 1 - back
+        c = tl.load(scratch + step * HC_P * HC_P, mask=live[:, None, None], other=0.0)
+        s = _step_sums(c, step) + hc_eps
+        g = tl.where(comb_valid, (g - _step_sums(g * (c / s), step)) / s, 0.0)
+    d_comb = tl.where(comb_valid, probs * (g - tl.sum(g * probs, axis=2)[:, :, None]), 0.0)  # softmax_k's backward
+    sig_pre, sig_post = tl.sigmoid(logit_pre), tl.sigmoid(logit_post)
+    d_pre = tl.load(DPRE + (rows64 * HC)[:, None] + copies[None, :], mask=valid, other=0.0) * sig_pre * (1 - sig_pre)
+    d_post = tl.load(DPOST + (rows64 * HC)[:, None] + copies[None, :], mask=valid, other=0.0) * 2 * sig_post * (
+        1 - sig_post)
+    # d_* are the logits' gradients; the mixes' are d_* * scale, so dL/dMRAW = d_* * scale * rstd and
+    # dL/drstd = sum over the mixes of d_* * scale * MRAW
+    dm_pre, dm_post, dm_comb = d_pre * tl.load(SCALE), d_post * tl.load(SCALE + 1), d_comb * tl.load(SCALE + 2)
+    out = DMRAW + (rows64 * MIX)[:, None]
+    tl.store(out + copies[None, :], dm_pre * rstd[:, None], mask=valid)
+    tl.store(out + HC + copies[None, :], dm_post * rstd[:, None], mask=valid)
+    tl.store(DMRAW + (rows64 * MIX)[:, None, None] + 2 * HC + j * HC + k, dm_comb * rstd[:, None, None],
+             mask=comb_valid)
+    d_rstd = (tl.sum(dm_pre * raw_pre, axis=1) + tl.sum(dm_post * raw_post, axis=1)
+              + tl.sum(tl.sum(dm_comb * raw_comb, axis=2), axis=1))
+    tl.store(COEF + rows64, -d_rstd * rstd * rstd * rstd / (HC * D), mask=live)
+    parts = PARTS + pid * (MIX + 3)
+    inner = copies < HC
+    tl.store(parts + copies, tl.sum(d_pre, axis=0), mask=inner)
+    tl.store(parts + HC + copies, tl.sum(d_post, axis=0), mask=inner)
+    tl.store(parts + 2 * HC + copies[:, None] * HC + copies[None, :], tl.sum(d_comb, axis=0),
+             mask=inner[:, None] & inner[None, :])
+    tl.store(parts + MIX, tl.sum(tl.sum(d_pre * raw_pre, axis=1) * rstd, axis=0))
+    tl.store(parts + MIX + 1, tl.sum(tl.sum(d_post * raw_post, axis=1) * rstd, axis=0))
+    tl.store(parts + MIX + 2, tl.sum(tl.sum(tl.sum(d_comb * raw_comb, axis=2), axis=1) * rstd, axis=0))
+
+
+@triton.jit
+def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, block, c, cols, col_in, mixes, mix_in,
+                  n_rows, D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr):
+    """``_pre_bwd`` on the tokens of one tile: writes their DX and DPRE, returns dfn with their DMRAW^T X added."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    inside = live[:, None] & col_in[None, :]
+    stream = rows64[:, None] * (HC * D) + c * D + cols[None, :]
+    x = tl.load(X + stream, mask=inside, other=0.0).to(tl.float32)
+    dh = tl.load(DH + rows64[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    dm = tl.load(DMRAW + rows64[:, None] * MIX + mixes[None, :], mask=live[:, None] & mix_in[None, :], other=0.0)
+    dx = tl.load(PRE_IN + rows64 * HC + c, mask=live, other=0.0)[:, None] * dh
+    dx += tl.dot(dm, fn, input_precision="tf32")
+    dx += tl.load(COEF + rows64, mask=live, other=0.0)[:, None] * x
+    if HAS_STASH:
+        dx += tl.load(STASH + stream, mask=inside, other=0.0).to(tl.float32)
+    tl.store(DX + stream, dx.to(DX.dtype.element_ty), mask=inside)
+    tl.store(DPRE + ((block % tl.cdiv(D, BLOCK_D)) * n_rows + rows64) * HC + c, tl.sum(dh * x, axis=1), mask=live)
+    return tl.dot(tl.trans(dm), x, dfn, input_precision="tf32")
+
+
+@triton.jit
+def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, DX, DFN, DPRE, n_rows, tiles_per_split, D: tl.constexpr,
+             HC: tl.constexpr, MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr, WHILE_LOOP: tl.constexpr):
+    """One column block of one copy, over one split of the tokens (``tiles_per_split`` tiles of BLOCK_N): DX =
+    PRE_IN[c] DH + DMRAW FN + COEF X (+ STASH, the expand's gradient, read and overwritten in place), and the
+    partials DFN[split] = DMRAW^T X and DPRE[column block, token, c] = <DH, X_c> over the block's columns.
+    WHILE_LOOP (the interpreter, whose ``range`` takes no runtime bound) walks the tiles with a while loop; compiled,
+    a for loop, which Triton pipelines."""
+    block, split = tl.program_id(0), tl.program_id(1)
+    c = block // tl.cdiv(D, BLOCK_D)
+    cols = (block % tl.cdiv(D, BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_in = cols < D
+    mixes = tl.arange(0, MIX_P)
+    mix_in = mixes < MIX
+    fn = tl.load(FN + mixes[:, None] * (HC * D) + c * D + cols[None, :], mask=mix_in[:, None] & col_in[None, :],
+                 other=0.0)  # [MIX_P, BLOCK_D]
+    dfn = tl.zeros((MIX_P, BLOCK_D), dtype=tl.float32)
+    first = split * tiles_per_split
+    if WHILE_LOOP:
+        tile = first
+        while tile < first + tiles_per_split:
+            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, block, c, cols, col_in,
+                                mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
+            tile += 1
+    else:
+        for tile in range(first, first + tiles_per_split):
+            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, block, c, cols, col_in,
+                                mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
+    tl.store(DFN + split * MIX * HC * D + mixes[:, None] * (HC * D) + c * D + cols[None, :], dfn,
+             mask=mix_in[:, None] & col_in[None, :])
 
 
 @triton.jit
@@ -43,10 +259,10 @@ def _expand_fwd(X, Y, POST, COMB, OUT, D: tl.constexpr, HC: tl.constexpr, HC_P: 
     copies, cols = tl.arange(0, HC_P), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offsets, inside = _rows(row * HC * D, copies, cols, HC, D)
     post, comb = _coefficients(POST, COMB, row, copies, HC)
-    x = tl.load(X + offsets, mask=inside, other=0.0)
+    x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
     y = tl.load(Y + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
     out = tl.sum(comb[:, :, None] * x[:, None, :], axis=0) + post[:, None] * y[None, :]
-    tl.store(OUT + offsets, out, mask=inside)
+    tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -61,10 +277,10 @@ def _expand_bwd(X, Y, POST, COMB, G, DX, DY, DPOST, DCOMB, D: tl.constexpr, HC: 
     for start in range(0, D, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         offsets, inside = _rows(row * HC * D, copies, cols, HC, D)
-        x = tl.load(X + offsets, mask=inside, other=0.0)
-        g = tl.load(G + offsets, mask=inside, other=0.0)
+        x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(G + offsets, mask=inside, other=0.0).to(tl.float32)
         y = tl.load(Y + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
-        tl.store(DX + offsets, tl.sum(comb[:, :, None] * g[None, :, :], axis=1), mask=inside)
+        tl.store(DX + offsets, tl.sum(comb[:, :, None] * g[None, :, :], axis=1).to(DX.dtype.element_ty), mask=inside)
         tl.store(DY + row * D + cols, tl.sum(post[:, None] * g, axis=0).to(DY.dtype.element_ty), mask=cols < D)
         dcomb += tl.sum(x[:, None, :] * g[None, :, :], axis=2)
         dpost += tl.sum(g * y[None, :], axis=1)
@@ -81,8 +297,8 @@ def _collapse_fwd(X, PRE, OUT, D: tl.constexpr, HC: tl.constexpr, HC_P: tl.const
     copies, cols = tl.arange(0, HC_P), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offsets, inside = _rows(row * HC * D, copies, cols, HC, D)
     pre = tl.load(PRE + row * HC + copies, mask=copies < HC, other=0.0)
-    x = tl.load(X + offsets, mask=inside, other=0.0)
-    tl.store(OUT + row * D + cols, tl.sum(pre[:, None] * x, axis=0), mask=cols < D)
+    x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
+    tl.store(OUT + row * D + cols, tl.sum(pre[:, None] * x, axis=0).to(OUT.dtype.element_ty), mask=cols < D)
 
 
 @triton.jit
@@ -95,38 +311,104 @@ def _collapse_bwd(X, PRE, G, DX, DPRE, D: tl.constexpr, HC: tl.constexpr, HC_P: 
     for start in range(0, D, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         offsets, inside = _rows(row * HC * D, copies, cols, HC, D)
-        x = tl.load(X + offsets, mask=inside, other=0.0)
-        g = tl.load(G + row * D + cols, mask=cols < D, other=0.0)
-        tl.store(DX + offsets, pre[:, None] * g[None, :], mask=inside)
+        x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(G + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(DX + offsets, (pre[:, None] * g[None, :]).to(DX.dtype.element_ty), mask=inside)
         dpre += tl.sum(g[None, :] * x, axis=1)
     tl.store(DPRE + row * HC + copies, dpre, mask=copies < HC)
 
 
 def _launch(x: torch.Tensor) -> tuple[int, dict]:
-    """The tokens of a stream x [..., hc, D] and the kernels' constexprs."""
+    """The tokens of a stream x [..., hc, D] and the per-token kernels' constexprs."""
     hc, dim = x.shape[-2:]
     return x.numel() // (hc * dim), dict(D=dim, HC=hc, HC_P=triton.next_power_of_2(hc),
                                          BLOCK_D=min(BLOCK_D, triton.next_power_of_2(dim)))
 
 
-class _Expand(torch.autograd.Function):
+class StreamGrad:
+    """Where ``hc_post``'s backward leaves the stream's gradient for the ``hc_pre`` backward of the same stream."""
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad = None
+
+
+class _Pre(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, x, post, comb):
+    def forward(ctx, x, pre_in, fn, scale, base, iters: int, norm_eps: float, hc_eps: float, link: StreamGrad):
+        x, pre_in, fn = x.contiguous(), pre_in.contiguous(), fn.contiguous()
+        rows, consts = _launch(x)
+        hc, dim, mix = consts["HC"], consts["D"], fn.shape[0]
+        h = new_output((*x.shape[:-2], dim), x.dtype, x.device)
+        mraw = new_output((rows, mix), torch.float32, x.device)
+        rstd = new_output((rows,), torch.float32, x.device)
+        _pre_fwd[(triton.cdiv(rows, BLOCK_N),)](x, pre_in, fn, h, mraw, rstd, rows, norm_eps, D=dim, HC=hc, MIX=mix,
+                                                MIX_P=max(16, triton.next_power_of_2(mix)), BLOCK_N=BLOCK_N,
+                                                BLOCK_D=consts["BLOCK_D"])
+        pre, post = (new_output(x.shape[:-1], torch.float32, x.device) for _ in range(2))
+        comb = new_output((*x.shape[:-1], hc), torch.float32, x.device)
+        _sinkhorn_fwd[(triton.cdiv(rows, SINKHORN_ROWS),)](mraw, rstd, scale, base, pre, post, comb, rows, hc_eps,
+                                                           HC=hc, HC_P=consts["HC_P"], MIX=mix, STEPS=2 * iters - 1,
+                                                           ROWS=SINKHORN_ROWS)
+        ctx.save_for_backward(x, pre_in, fn, scale, base, mraw, rstd)
+        ctx.iters, ctx.hc_eps, ctx.link = iters, hc_eps, link
+        return h, pre, post, comb
+
+    @staticmethod
+    def backward(ctx, dh, dpre, dpost, dcomb):
+        x, pre_in, fn, scale, base, mraw, rstd = ctx.saved_tensors
+        rows, consts = _launch(x)
+        hc, hc_p, dim, mix = consts["HC"], consts["HC_P"], consts["D"], fn.shape[0]
+        steps = 2 * ctx.iters - 1
+        programs = triton.cdiv(rows, SINKHORN_ROWS)
+        scratch = torch.empty((rows, steps, hc_p, hc_p), dtype=torch.float32, device=x.device)
+        dmraw = new_output((rows, mix), torch.float32, x.device)
+        coef = new_output((rows,), torch.float32, x.device)
+        parts = new_output((programs, mix + 3), torch.float32, x.device)
+        _sinkhorn_bwd[(programs,)](mraw, rstd, scale, base, dpre.float().contiguous(), dpost.float().contiguous(),
+                                   dcomb.float().contiguous(), scratch, dmraw, coef, parts, rows, ctx.hc_eps, D=dim,
+                                   HC=hc, HC_P=hc_p, MIX=mix, STEPS=steps, ROWS=SINKHORN_ROWS)
+        del scratch
+        parts = parts.sum(0)
+        stash = ctx.link.grad if ctx.link is not None else None
+        if ctx.link is not None:
+            ctx.link.grad = None
+        dx = stash if stash is not None else new_output(x.shape, x.dtype, x.device)
+        blocks = hc * triton.cdiv(dim, consts["BLOCK_D"])
+        splits = max(1, min(triton.cdiv(rows, BLOCK_N), BACKWARD_PROGRAMS // blocks))
+        tiles_per_split = triton.cdiv(triton.cdiv(rows, BLOCK_N), splits)
+        splits = triton.cdiv(triton.cdiv(rows, BLOCK_N), tiles_per_split)
+        dfn = new_output((splits, mix, hc * dim), torch.float32, x.device)
+        dpre_in = new_output((blocks // hc, rows, hc), torch.float32, x.device)
+        _pre_bwd[(blocks, splits)](x, pre_in, fn, dh.contiguous(), dmraw, coef, dx, dx, dfn, dpre_in, rows,
+                                   tiles_per_split, D=dim, HC=hc, MIX=mix, MIX_P=max(16, triton.next_power_of_2(mix)),
+                                   BLOCK_N=BLOCK_N, BLOCK_D=consts["BLOCK_D"], HAS_STASH=stash is not None,
+                                   WHILE_LOOP=INTERPRET)
+        return (dx, dpre_in.sum(0).view(pre_in.shape), dfn.sum(0), parts[mix:], parts[:mix],
+                None, None, None, None)
+
+
+class _Post(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, x, post, comb, link: StreamGrad | None):
         y, x, post, comb = (t.contiguous() for t in (y, x, post, comb))
         rows, consts = _launch(x)
-        out = new_output(x.shape, torch.float32, x.device)
+        out = new_output(x.shape, x.dtype, x.device)
         _expand_fwd[(rows, triton.cdiv(consts["D"], consts["BLOCK_D"]))](x, y, post, comb, out, **consts)
         ctx.save_for_backward(y, x, post, comb)
+        ctx.link = link
         return out
 
     @staticmethod
     def backward(ctx, grad):
         y, x, post, comb = ctx.saved_tensors
         rows, consts = _launch(x)
-        dx, dy = new_output(x.shape, torch.float32, x.device), new_output(y.shape, y.dtype, y.device)
+        dx, dy = new_output(x.shape, x.dtype, x.device), new_output(y.shape, y.dtype, y.device)
         dpost, dcomb = new_output(post.shape, torch.float32, x.device), new_output(comb.shape, torch.float32, x.device)
-        _expand_bwd[(rows,)](x, y, post, comb, grad.float().contiguous(), dx, dy, dpost, dcomb, **consts)
-        return dy, dx, dpost, dcomb
+        _expand_bwd[(rows,)](x, y, post, comb, grad.contiguous(), dx, dy, dpost, dcomb, **consts)
+        if ctx.link is not None and ctx.needs_input_grad[1]:
+            ctx.link.grad, dx = dx, None  # hc_pre's backward adds it into its own dX
+        return dy, dx, dpost, dcomb, None
 
 
 class _Collapse(torch.autograd.Function):
@@ -134,7 +416,7 @@ class _Collapse(torch.autograd.Function):
     def forward(ctx, x, pre):
         x, pre = x.contiguous(), pre.contiguous()
         rows, consts = _launch(x)
-        out = new_output((*x.shape[:-2], x.shape[-1]), torch.float32, x.device)
+        out = new_output((*x.shape[:-2], x.shape[-1]), x.dtype, x.device)
         _collapse_fwd[(rows, triton.cdiv(consts["D"], consts["BLOCK_D"]))](x, pre, out, **consts)
         ctx.save_for_backward(x, pre)
         return out
@@ -143,25 +425,36 @@ class _Collapse(torch.autograd.Function):
     def backward(ctx, grad):
         x, pre = ctx.saved_tensors
         rows, consts = _launch(x)
-        dx, dpre = new_output(x.shape, torch.float32, x.device), new_output(pre.shape, torch.float32, x.device)
-        _collapse_bwd[(rows,)](x, pre, grad.float().contiguous(), dx, dpre, **consts)
+        dx, dpre = new_output(x.shape, x.dtype, x.device), new_output(pre.shape, torch.float32, x.device)
+        _collapse_bwd[(rows,)](x, pre, grad.contiguous(), dx, dpre, **consts)
         return dx, dpre
 
 
 def _check(x: torch.Tensor, *coefficients: torch.Tensor) -> None:
-    if x.dtype != torch.float32 or any(c.dtype != torch.float32 for c in coefficients):
-        raise ValueError(f"Triton hc_collapse/hc_expand take the fp32 stream and fp32 mixes; got "
-                         f"{x.dtype} and {[c.dtype for c in coefficients]} (use kernel_backend=torch)")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or any(
+            c.dtype != torch.float32 for c in coefficients):
+        raise ValueError(f"the Triton stream kernels take an fp32/bf16/fp16 stream and fp32 mixes; got {x.dtype} and "
+                         f"{[c.dtype for c in coefficients]} (use kernel_backend=torch)")
 
 
-def hc_expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """``kernels.reference.hc_expand``: y [..., D] (fp32/bf16/fp16), x [..., hc, D], post [..., hc], comb [..., hc,
-    hc] fp32 -> [..., hc, D] fp32."""
-    _check(x, post, comb)
-    return _Expand.apply(y, x, post, comb)
+def hc_pre(x: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+           iters: int, norm_eps: float, hc_eps: float) -> tuple[torch.Tensor, StreamMix]:
+    """``kernels.reference.hc_pre``: x [..., hc, D], pre_in [..., hc], fn [(2+hc)hc, hc D], scale [3], base
+    [(2+hc)hc] fp32 -> (collapsed [..., D] in x's dtype, ``StreamMix`` whose ``stream_grad`` links this pass's
+    backward to ``hc_post``'s)."""
+    _check(x, pre_in, fn, scale, base)
+    link = StreamGrad()
+    h, pre, post, comb = _Pre.apply(x, pre_in, fn, scale, base, iters, norm_eps, hc_eps, link)
+    return h, StreamMix(pre, post, comb, link)
+
+
+def hc_post(y: torch.Tensor, x: torch.Tensor, mix: StreamMix) -> torch.Tensor:
+    """``kernels.reference.hc_post``: y [..., D], x [..., hc, D] -> [..., hc, D] in x's dtype."""
+    _check(x, mix.post, mix.comb)
+    return _Post.apply(y, x, mix.post, mix.comb, mix.stream_grad)
 
 
 def hc_collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """``kernels.reference.hc_collapse``: x [..., hc, D], pre [..., hc] fp32 -> [..., D] fp32."""
+    """``kernels.reference.hc_collapse``: x [..., hc, D], pre [..., hc] fp32 -> [..., D] in x's dtype."""
     _check(x, pre)
     return _Collapse.apply(x, pre)

@@ -1,26 +1,23 @@
 """Staggered manifold-constrained hyper-connections (mHC, SPEC §5.2): a residual stream of ``hc`` copies.
 
-The stream ``X [B,T,hc,D]`` (fp32 in training) enters a sublayer through ``collapse`` (a weighted sum of the copies)
-and takes its output back through ``expand``: each copy receives ``post_k`` times the output plus a doubly
-stochastic mix of the old copies, ``out_k = post_k y + sum_j comb[j,k] X_j``. The three coefficient sets come from
-the stream itself (``mixes``): one projection of the flattened copies, divided by one RMS statistic over all
-``hc * D`` values, then squashed (``split_sinkhorn``). Staggered: the ``pre`` a sublayer computes collapses the
-input of the *next* sublayer (``staggered_block``), so a block's attention reads the previous block's FFN mix.
+The stream ``X [B,T,hc,D]`` enters a sublayer through ``hc_pre``, which collapses the copies into the sublayer's
+input (a weighted sum) and makes the stream's mixes, and takes the sublayer's output back through ``hc_post``: each
+copy receives ``post_k`` times the output plus a doubly stochastic mix of the old copies, ``out_k = post_k y +
+sum_j comb[j,k] X_j``. The mixes come from the stream itself: one projection of the flattened copies, divided by
+one RMS statistic over all ``hc * D`` values, then squashed by a Sinkhorn-normalised split
+(``kernels.reference.hc_mixes``, the formulas; the Triton ops read the stream once per pass). Staggered: the ``pre``
+a sublayer's mixes hold collapses the input of the *next* sublayer (``staggered_block``), so a block's attention
+reads the previous block's FFN mix.
 
-``split_sinkhorn`` is the reference's ``hc_split_sinkhorn`` kernel written out. The reference inference code only
-calls it; its details were checked against public ports of it (NVIDIA TensorRT-LLM's fused
-``auto_deploy::hc_split_sinkhorn`` Triton kernel and several PyTorch re-implementations of V4's
-``kernel.py``): comb is ``[j, k]`` with the softmax over the last index k (a "row" is a fixed j), ``hc_eps`` is
-added after the softmax and to every denominator, the first normalisation after the softmax is the column one
-(over j), then ``iters - 1`` rounds of (row, column).
+The stream keeps the embedding's dtype (fp32 in training); every mix is computed in (at least) fp32.
 """
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.reference import StreamMix
 
 # The mHC paper's init of the gating factors alpha (here ``hc_*_scale``): 0.01 (arXiv 2512.24880, Appendix A.1,
 # Table 5, "mHC/HC Gating Factor Init"). With ``fn`` drawn at init_std 0.006 the dynamic logits are
@@ -69,62 +66,32 @@ def _exact(t: torch.Tensor):
     return torch.autocast(t.device.type, enabled=False)
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
-def mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, norm_eps: float,
-          hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre [B,T,hc], post [B,T,hc], comb [B,T,hc,hc]) of the stream x [B,T,hc,D], fp32 (fp64 for fp64 inputs).
-
-    ``m = flatten(x) fn^T * rsqrt(mean(flatten(x)^2) + norm_eps)``: one statistic over all hc*D values of a token
-    (not one per copy), the division after the projection (the paper's reordering; the same function)."""
-    hc = x.shape[-2]
-    dtype = _compute_dtype(x, fn)
+def hc_pre(module: nn.Module, part: str, x: torch.Tensor, pre_in: torch.Tensor, iters: int, norm_eps: float,
+           hc_eps: float, backend: str = "auto") -> tuple[torch.Tensor, StreamMix]:
+    """A sublayer's view of the stream x [B,T,hc,D]: its input ``sum_c pre_in_c X_c`` [B,T,D] (in x's dtype) and the
+    mixes ``part`` ("attn" or "ffn") of ``module``'s parameters make of x (``StreamMix``: this sublayer's post and
+    comb, the next sublayer's pre), from one RMS statistic over the hc*D values of a token and a Sinkhorn-normalised
+    comb (``kernels.reference.hc_mixes``). One op of ``kernels``, which reads the stream once."""
+    fn, scale, base = (getattr(module, f"hc_{part}_{name}") for name in ("fn", "scale", "base"))
     with _exact(x):
-        flat = x.flatten(-2).to(dtype)
-        m = F.linear(flat, fn.to(dtype)) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return split_sinkhorn(m, scale.to(dtype), base.to(dtype), hc, iters, hc_eps)
+        return kernels.ops(backend, x.device).hc_pre(x, pre_in, fn, scale, base, iters, norm_eps, hc_eps)
 
 
-def split_sinkhorn(m: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-                   hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The coefficients of ``mixes`` from its logits m [..., (2+hc)hc]: ``pre = sigmoid(.) + hc_eps``, ``post =
-    2 sigmoid(.)``, ``comb = softmax_k(.) + hc_eps`` as [j, k], divided by its column sums (over j) + hc_eps, then
-    ``iters - 1`` rounds of row then column normalisation, each dividing by (sum + hc_eps). The last step is a
-    column normalisation, so columns sum to 1 (up to hc_eps) and rows to within Sinkhorn's convergence."""
-    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * torch.sigmoid(m[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (m[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc)).softmax(-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+def hc_post(y: torch.Tensor, x: torch.Tensor, mix: StreamMix, backend: str = "auto") -> torch.Tensor:
+    """The stream after a sublayer with output y [B,T,D]: ``out_k = post_k y + sum_j comb[j,k] X_j``, in x's dtype."""
+    with _exact(x):
+        return kernels.ops(backend, x.device).hc_post(y, x, mix)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """``sum_c pre_c X_c`` [B,T,D] of x [B,T,hc,D], summed in fp32 and returned in x's dtype (``kernels``'
-    ``hc_collapse`` of ``backend``)."""
+    """``sum_c pre_c X_c`` [B,T,D] of x [B,T,hc,D], summed in fp32 and returned in x's dtype (what the head reads)."""
     with _exact(x):
         return kernels.ops(backend, x.device).hc_collapse(x, pre).to(x.dtype)
 
 
-def expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-           backend: str = "auto") -> torch.Tensor:
-    """The stream after a sublayer: ``out_k = post_k y + sum_j comb[j,k] X_j`` [B,T,hc,D] for its output y [B,T,D],
-    in fp32 (fp64 for fp64 inputs) whatever y's dtype: the residual stream is kept in fp32 (``kernels``'
-    ``hc_expand`` of ``backend``)."""
-    with _exact(x):
-        return kernels.ops(backend, x.device).hc_expand(y, x, post, comb)
-
-
 def first_pre_mix(x: torch.Tensor) -> torch.Tensor:
     """The pre-mix of the first block's attention [B,T,hc] for the stream x [B,T,hc,D]: one-hot on copy 0."""
-    pre = x.new_zeros(x.shape[:-1], dtype=_compute_dtype(x))
+    pre = x.new_zeros(x.shape[:-1], dtype=torch.promote_types(x.dtype, torch.float32))
     pre[..., 0] = 1.0
     return pre
 
@@ -140,13 +107,11 @@ def staggered_block(module: nn.Module, x: torch.Tensor, pre_in: torch.Tensor, at
     branches are callables [B,T,D] -> [B,T,D] (norm + sublayer). Returns (x'', the pending pre-mix of the next
     block's attention). The attention collapses with ``pre_in`` (the previous block's FFN pre, or
     ``first_pre_mix``), the FFN with the attention's pre: each sublayer's pre serves the sublayer after it."""
-    attn_pre, attn_post, attn_comb = mixes(x, module.hc_attn_fn, module.hc_attn_scale, module.hc_attn_base, iters,
-                                           norm_eps, hc_eps)
-    x = expand(attn_branch(collapse(x, pre_in, backend)), x, attn_post, attn_comb, backend)
-    ffn_pre, ffn_post, ffn_comb = mixes(x, module.hc_ffn_fn, module.hc_ffn_scale, module.hc_ffn_base, iters,
-                                        norm_eps, hc_eps)
-    x = expand(ffn_branch(collapse(x, attn_pre, backend)), x, ffn_post, ffn_comb, backend)
-    return x, ffn_pre
+    h, attn = hc_pre(module, "attn", x, pre_in, iters, norm_eps, hc_eps, backend)
+    x = hc_post(attn_branch(h), x, attn, backend)
+    h, ffn = hc_pre(module, "ffn", x, attn.pre, iters, norm_eps, hc_eps, backend)
+    x = hc_post(ffn_branch(h), x, ffn, backend)
+    return x, ffn.pre
 
 
 def residual_block(module: nn.Module, x: torch.Tensor, pre: torch.Tensor | None, attn_branch, ffn_branch,

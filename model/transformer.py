@@ -127,7 +127,7 @@ class Block(nn.Module):
             x = self.engram(x if pre is not None else x.unsqueeze(2), engram_ids)
             x = x if pre is not None else x.squeeze(2)
         if self.feeds_dspark:
-            produced["dspark_feature"] = (x if pre is None else x.mean(2)).detach()
+            produced["dspark_feature"] = (x if pre is None else x.mean(2, dtype=pre.dtype)).detach()
         args = self.args
         x, pre = hyper.residual_block(self, x, pre, attention, ffn, args.hc_sinkhorn_iters, args.norm_eps,
                                       args.hc_eps, args.kernel_backend)

@@ -1,4 +1,5 @@
-"""Staggered mHC (``model/hyper.py``) against an fp64 reference written here from SPEC §5.2, token by token.
+"""Staggered mHC (``model/hyper.py``, its formulas in ``kernels/reference.py``) against an fp64 reference written
+here from SPEC §5.2, token by token.
 
 The reference works on Python floats and per-token loops, so it shares no tensor code with the module. Each test
 names the planted bug it caught when tried once (the module broken that way, the test run, the module restored).
@@ -9,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from model.hyper import (add_mix_parameters, collapse, copies, expand, first_pre_mix, mix_width, mixes,
-                         split_sinkhorn, staggered_block)
+from kernels.reference import hc_expand as expand, hc_mixes as mixes, hc_split_sinkhorn as split_sinkhorn
+from model.hyper import add_mix_parameters, collapse, copies, first_pre_mix, hc_post, hc_pre, mix_width, \
+    staggered_block
 
 f64 = torch.float64
 
@@ -180,14 +182,6 @@ def test_collapse_and_expand_match_the_formula():
     assert not torch.allclose(expand(y, x, post, comb.transpose(-1, -2)), ref_expand(y, x, post, comb))
 
 
-def test_expand_keeps_the_stream_in_fp32_and_collapse_returns_its_dtype():
-    x, y = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 4, dtype=torch.bfloat16)
-    post, comb = torch.rand(1, 2, 2), torch.rand(1, 2, 2, 2)
-    assert expand(y, x, post, comb).dtype == torch.float32
-    assert expand(y, x.bfloat16(), post, comb).dtype == torch.float32
-    assert collapse(x.bfloat16(), post).dtype == torch.bfloat16
-
-
 def test_staggered_block_order():
     """The block of SPEC §5.2 with two different nonlinear branches and a random pending pre-mix. Caught: the FFN
     collapsing with its own mixes' pre (fP) instead of the attention's; the attention collapsing with its own
@@ -267,19 +261,19 @@ def test_a_fresh_stack_is_the_plain_residual_stream():
     torch.testing.assert_close(collapse(x, pre), plain, rtol=0, atol=2e-3)
 
 
-def test_mixes_collapse_expand_ignore_autocast():
-    """Under bf16 autocast (CPU) the coefficients and the stream's mixing stay fp32, equal to the run without it.
-    Caught: the projection of ``mixes`` or the matmuls of collapse/expand left to autocast (bf16 GEMMs)."""
+def test_hc_pre_and_post_ignore_autocast():
+    """Under bf16 autocast (CPU) the coefficients and the stream's mixing of an fp32 stream stay fp32, equal to the
+    run without it. Caught: the projection of the mixes or the matmuls of collapse/expand left to autocast (bf16
+    GEMMs)."""
     hc, D = 4, 64
     module = mix_module(hc, D, seed=10, fn_std=0.05).float()
     x, y = random_stream(2, 8, hc, D, seed=11).float(), torch.randn(2, 8, D)
-    args = (module.hc_attn_fn, module.hc_attn_scale, module.hc_attn_base, 20, 1e-20, 1e-6)
-    plain = mixes(x, *args)
+    pre_in = torch.rand(2, 8, hc)
+    plain_h, plain = hc_pre(module, "attn", x, pre_in, 20, 1e-20, 1e-6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        cast = mixes(x, *args)
-        stream = expand(y, x, cast[1], cast[2]), collapse(x, cast[0])
-    for a, b in zip(cast, plain):
+        h, cast = hc_pre(module, "attn", x, pre_in, 20, 1e-20, 1e-6)
+        stream = hc_post(y, x, cast)
+    for a, b in zip((h, *cast[:3]), (plain_h, *plain[:3])):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(stream[0], expand(y, x, plain[1], plain[2]), rtol=1e-6, atol=1e-5)
-    torch.testing.assert_close(stream[1], collapse(x, plain[0]), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(stream, hc_post(y, x, plain), rtol=1e-6, atol=1e-5)

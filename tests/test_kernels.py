@@ -573,34 +573,46 @@ def test_swiglu(seed):
         triton_ops.swiglu(torch.randn(4, 7))
 
 
-@pytest.mark.parametrize("hc, dim, y_dtype", [(4, 75, torch.float32), (3, 40, torch.float16)])
-def test_hc_collapse_and_expand(seed, hc, dim, y_dtype):
-    """The hyper-connected stream's collapse and expand with every gradient, against the formulas written out in
-    fp64 here (not the reference's matmuls): rows of several column blocks with a partial last one (the interpreter's
-    block is 32 columns), hc = 3 padded to 4 copies, y in fp16 with its gradient in fp16. Catches comb read as
-    [k, j] instead of [j, k], a copy or column block not written, the padding copy leaking into a sum, a
-    coefficient gradient summed over one block only."""
-    x = torch.randn(2, 5, hc, dim, requires_grad=True)
-    y = torch.randn(2, 5, dim).to(y_dtype).requires_grad_()
-    pre, post = torch.rand(2, 5, hc, requires_grad=True), torch.rand(2, 5, hc, requires_grad=True)
-    comb = torch.rand(2, 5, hc, hc, requires_grad=True)
-    inputs = (x, y, pre, post, comb)
-    x64, y64, pre64, post64, comb64 = (t.detach().double().requires_grad_() for t in inputs)
-    collapsed = triton_ops.hc_collapse(x, pre)
-    expanded = triton_ops.hc_expand(y, x, post, comb)
-    want_collapsed = (pre64.unsqueeze(-1) * x64).sum(-2)
-    want_expanded = post64.unsqueeze(-1) * y64.unsqueeze(-2) + (comb64.unsqueeze(-1) * x64.unsqueeze(-2)).sum(-3)
-    assert collapsed.dtype == expanded.dtype == torch.float32
-    assert rel_err(collapsed, want_collapsed) < TOL and rel_err(expanded, want_expanded) < TOL, seed
-    g_collapsed, g_expanded = torch.randn(collapsed.shape), torch.randn(expanded.shape)
-    got = torch.autograd.grad((collapsed, expanded), inputs, (g_collapsed, g_expanded))
-    want = torch.autograd.grad((want_collapsed, want_expanded), (x64, y64, pre64, post64, comb64),
-                               (g_collapsed.double(), g_expanded.double()))
-    assert got[1].dtype == y_dtype
-    for name, g, w in zip(("dx", "dy", "dpre", "dpost", "dcomb"), got, want):
-        assert rel_err(g, w) < (1e-3 if name == "dy" and y_dtype == torch.float16 else TOL), (name, seed)
-    with pytest.raises(ValueError, match="fp32 stream"):
-        triton_ops.hc_collapse(x.double(), pre.double())
+@pytest.mark.parametrize("hc, dim, stream_dtype", [(4, 75, torch.float32), (3, 40, torch.float16)])
+def test_hc_pre_post_and_collapse(seed, hc, dim, stream_dtype):
+    """A sublayer's pass over the hyper-connected stream (``hc_pre``: mixes with their Sinkhorn split and the
+    collapse; ``hc_post``: the expand) and the head's collapse, outputs and every gradient, against the PyTorch
+    reference on the same inputs in fp64. 37 tokens (a partial last tile of the interpreter's 16), rows of several
+    column blocks with a partial last one (blocks of 32 columns), hc = 3 padded to 4, a stream in fp16 with its
+    gradient in fp16. The expand's stream gradient reaches dX only through ``hc_pre``'s backward (the StreamMix
+    link): dx compares the sum. Caught: the link's gradient not added (dx off by the expand's share); comb read as
+    [k, j]; the softmax over j; a Sinkhorn step normalising the wrong axis or skipped in the backward; the padding
+    copy leaking into a sum; dfn summed over one split or column block only; the statistic's gradient left out."""
+    mix = (2 + hc) * hc
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, 37, hc, dim, generator=g) * 2).to(stream_dtype).requires_grad_()
+    pre_in = torch.rand(1, 37, hc, generator=g).requires_grad_()
+    fn = (torch.randn(mix, hc * dim, generator=g) * 0.05).requires_grad_()
+    scale = (torch.rand(3, generator=g) + 0.5).requires_grad_()
+    base = torch.randn(mix, generator=g).requires_grad_()
+    w = torch.randn(dim, generator=g)
+    inputs = (x, pre_in, fn, scale, base)
+
+    def sublayer(ops, x, pre_in, fn, scale, base):
+        h, m = ops.hc_pre(x, pre_in, fn, scale, base, 5, 1e-6, 1e-3)
+        return h, m.pre, m.post, m.comb, ops.hc_post(torch.tanh(h.float() * w).to(x.dtype), x, m), \
+            ops.hc_collapse(x, m.pre)
+
+    got = sublayer(triton_ops, *inputs)
+    want_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    want = sublayer(reference, *want_inputs)
+    assert [t.dtype for t in got] == [stream_dtype] + [torch.float32] * 3 + [stream_dtype] * 2
+    out_tol = 1e-3 if stream_dtype == torch.float16 else TOL
+    for name, a, b in zip(("h", "pre", "post", "comb", "post_out", "collapse"), got, want):
+        assert rel_err(a, b) < (TOL if name in ("pre", "post", "comb") else out_tol), (name, seed)
+    grads = [torch.randn(t.shape, generator=g) for t in want]
+    got_grads = torch.autograd.grad(got, inputs, [gr.to(t.dtype) for gr, t in zip(grads, got)])
+    want_grads = torch.autograd.grad(want, want_inputs, [gr.double() for gr in grads])
+    assert got_grads[0].dtype == stream_dtype
+    for name, a, b in zip(("dx", "dpre_in", "dfn", "dscale", "dbase"), got_grads, want_grads):
+        assert rel_err(a, b) < (1e-3 if stream_dtype == torch.float16 else TOL), (name, seed)
+    with pytest.raises(ValueError, match="stream kernels"):
+        triton_ops.hc_collapse(x.detach().double(), pre_in.detach().double())
 
 
 def test_cast(seed):

@@ -159,7 +159,7 @@ def test_exclusive_ms_gives_each_interval_to_the_innermost_open_span():
 
 def test_part_probe_on_every_v41_part_with_recompute():
     """v41_mini (MoE, 4 hyper-connected copies, Engram on layers 1 and 5), every layer recomputed: each part is
-    timed once per layer in each phase (mhc: 6 calls a block, plus the head's collapse, which is not recomputed),
+    timed once per layer in each phase (mhc: 4 calls a block, plus the head's collapse, which is not recomputed),
     every span closes, the parts and the rest add up to the step, and the probe leaves model.hyper as it was."""
     from layer_probe import PartProbe
     from model import build_model, hyper
@@ -169,7 +169,7 @@ def test_part_probe_on_every_v41_part_with_recompute():
     model = build_model(cfg.model, cfg.layout)
     for block in model.layers.values():
         block.recompute = True
-    originals = hyper.mixes, hyper.collapse, hyper.expand
+    originals = hyper.hc_pre, hyper.hc_post, hyper.collapse
     probe = PartProbe(model, Clock(cuda=False))
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
     probe.begin()
@@ -177,12 +177,12 @@ def test_part_probe_on_every_v41_part_with_recompute():
     (out.logits.logsumexp(-1).mean() + sum(out.indexer_losses.values())).backward()
     probe.end()
     probe.remove()
-    assert (hyper.mixes, hyper.collapse, hyper.expand) == originals
+    assert (hyper.hc_pre, hyper.hc_post, hyper.collapse) == originals
     result = probe.result()
     assert result["anomalies"] == 0
     parts = result["parts"]
     n = len(model.layers)
-    expected = {"attention": (n, n), "moe": (n, n), "engram": (2, 2), "mhc": (6 * n + 1, 6 * n)}
+    expected = {"attention": (n, n), "moe": (n, n), "engram": (2, 2), "mhc": (4 * n + 1, 4 * n)}
     for part, (forward, recomputed) in expected.items():
         assert (parts[part]["forward_spans"], parts[part]["recompute_spans"], parts[part]["backward_spans"]) == \
             (forward, recomputed, forward), part
