@@ -58,15 +58,13 @@ class EntryGeometry:
         done = completes.long().cumsum(dim=1)  # groups completed so far in the row
         vis_lo = (done - completes.long()).gather(1, tokens.doc_start)
         S = T // m
-        b, t = completes.nonzero(as_tuple=True)
-        slot = done[b, t] - 1
-        first_token = torch.zeros(B, S, dtype=torch.long, device=t.device)
-        first_token[b, slot] = t - m + 1
-        pos = torch.zeros_like(first_token)
-        pos[b, slot] = tokens.pos[b, t] - m + 1
-        valid = torch.zeros(B, S, dtype=torch.bool, device=t.device)
-        valid[b, slot] = True
-        return cls(m, vis_lo, done, first_token, pos, valid)
+        # each completing token writes its group's slot; the others write a spare slot S, dropped (no host sync)
+        slot = torch.where(completes, done - 1, S)
+        t = torch.arange(T, device=slot.device).expand(B, T)
+        first_token = slot.new_zeros(B, S + 1).scatter_(1, slot, t - m + 1)[:, :S]
+        pos = slot.new_zeros(B, S + 1).scatter_(1, slot, tokens.pos - m + 1)[:, :S]
+        valid = slot.new_zeros(B, S + 1, dtype=torch.bool).scatter_(1, slot, completes)[:, :S]
+        return cls(m, vis_lo, done, first_token.contiguous(), pos.contiguous(), valid.contiguous())
 
     def chunk(self, start: int, stop: int, chunks: int) -> "EntryGeometry":
         """This row geometry seen from chunk ``[start, stop)`` of ``chunks`` equal ones. A chunk owns the groups
