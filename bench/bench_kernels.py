@@ -27,7 +27,7 @@ if SMOKE:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from kernels import reference, triton_attention, triton_indexer, triton_ops, triton_select  # noqa: E402
+from kernels import reference, triton_attention, triton_hyper, triton_indexer, triton_ops, triton_select  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 from kernels.triton_testing import packed_geometry, random_topk  # noqa: E402
 
@@ -819,8 +819,21 @@ def bench_hyper():
         moved = 3 * stream + 2 * row + 6 * stream + 2 * row
         res[name] = {"T": T, "dim": dim, "hc": 4, **{f"{k}_ms": v for k, v in times.items()},
                      "speedup": times["torch"] / times["triton"], "triton_tb_per_s": moved / times["triton"] / 1e9}
+        res[name]["triton_ms_by_block"] = hyper_blocks(problem)
         del problem
     RESULTS["hyper"] = res
+
+
+def hyper_blocks(problem) -> dict:
+    """The Triton pass's time with other tile shapes of the projection kernels (BLOCK_N tokens x BLOCK_D columns,
+    warps): the data for choosing the defaults."""
+    times = {}
+    for block_n, block_d, warps in n([(32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 256, 8)],
+                                      [(16, 32, 4)]):
+        with overridden(triton_hyper, "BLOCK_N", block_n), overridden(triton_hyper, "BLOCK_D", block_d), \
+                overridden(triton_hyper, "WARPS", warps):
+            times[f"{block_n}x{block_d}_w{warps}"] = ms(lambda: hyper_step(triton_ops, *problem))
+    return times
 
 
 def table() -> str:

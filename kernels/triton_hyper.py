@@ -29,6 +29,7 @@ BLOCK_D = 32 if INTERPRET else 128  # columns of a copy per step
 BLOCK_N = 16 if INTERPRET else 64  # tokens per program of the projection and its gradient
 SINKHORN_ROWS = 16 if INTERPRET else 128  # tokens per program of the Sinkhorn kernels
 BACKWARD_PROGRAMS = 512  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
+WARPS = 4  # of _pre_fwd and _pre_bwd
 
 
 @triton.jit
@@ -344,7 +345,7 @@ class _Pre(torch.autograd.Function):
         rstd = new_output((rows,), torch.float32, x.device)
         _pre_fwd[(triton.cdiv(rows, BLOCK_N),)](x, pre_in, fn, h, mraw, rstd, rows, norm_eps, D=dim, HC=hc, MIX=mix,
                                                 MIX_P=max(16, triton.next_power_of_2(mix)), BLOCK_N=BLOCK_N,
-                                                BLOCK_D=consts["BLOCK_D"])
+                                                BLOCK_D=consts["BLOCK_D"], num_warps=WARPS)
         pre, post = (new_output(x.shape[:-1], torch.float32, x.device) for _ in range(2))
         comb = new_output((*x.shape[:-1], hc), torch.float32, x.device)
         _sinkhorn_fwd[(triton.cdiv(rows, SINKHORN_ROWS),)](mraw, rstd, scale, base, pre, post, comb, rows, hc_eps,
@@ -383,7 +384,7 @@ class _Pre(torch.autograd.Function):
         _pre_bwd[(blocks, splits)](x, pre_in, fn, dh.contiguous(), dmraw, coef, dx, dx, dfn, dpre_in, rows,
                                    tiles_per_split, D=dim, HC=hc, MIX=mix, MIX_P=max(16, triton.next_power_of_2(mix)),
                                    BLOCK_N=BLOCK_N, BLOCK_D=consts["BLOCK_D"], HAS_STASH=stash is not None,
-                                   WHILE_LOOP=INTERPRET)
+                                   WHILE_LOOP=INTERPRET, num_warps=WARPS)
         return (dx, dpre_in.sum(0).view(pre_in.shape), dfn.sum(0), parts[mix:], parts[:mix],
                 None, None, None, None)
 
