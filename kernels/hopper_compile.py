@@ -28,6 +28,7 @@ from kernels import triton_attention as attn
 from kernels import triton_cast as cast
 from kernels import triton_dkv as dkv
 from kernels import triton_indexer as idx
+from kernels import triton_moe as moe
 from kernels import triton_norm as nrm
 from kernels import triton_rope as rope
 from kernels import triton_select as sel
@@ -134,9 +135,16 @@ def specs() -> list[KernelSpec]:
         KernelSpec(idx._logits_fwd_kernel, dict(OUT=f32, **logits), dict(DI=128, NH_P=32, K=512)),
         KernelSpec(idx._logits_bwd_kernel, dict(DOUT=f32, DQ=bf, DW=bf, DKEY=f32, **logits),
                    dict(DI=128, NH_P=32, K=512)),
-        KernelSpec(untuned(cast._cast_kernel, num_warps=4), dict(SRC=(f32, f32, f32), OUT=bf),
-                   dict(STARTS=(0, 4096, 12288), ENDS=(4096, 12288, 20480), BLOCK=cast.BLOCK)),
     ]
+    # a layer's weights: w1 with w3 stacked (one leading index), w2 alone; then the routed experts' w1/w3 stacks
+    # stacked expert by expert (24 x 448 rows each, dim 1024) and w2; each forward and backward
+    for shapes in (((4096, 1024), (4096, 1024)), ((1024, 4096),)), (((24, 448, 1024), (24, 448, 1024)),
+                                                                      ((24, 1024, 448),)):
+        layout, _ = cast._layout([[torch.Size(shape) for shape in group] for group in shapes])
+        for split in (False, True):
+            out.append(KernelSpec(untuned(cast._cast_kernel, num_warps=4), dict(SRC=(f32,) * len(layout["CHUNK"]),
+                                                                               OUT=bf),
+                                  dict(**layout, BLOCK=cast.BLOCK, SPLIT=split)))
     # the recomputation's forward (no selected mass) at the small model's shapes
     out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types | forward_q_descriptor(512),
                           dict(K_P=attn._padded_k(512), MASS_PASS=False, SKIP=0, **shape)))
@@ -163,9 +171,22 @@ def specs() -> list[KernelSpec]:
                               norm_shape))
         out.append(KernelSpec(untuned(nrm._rms_norm_bwd, num_warps=warps),
                               dict(DOUT=bf, RSTD=f32, DX=bf, DW_PART=f32, **norm), norm_shape))
-    swiglu_shape = dict(I=4096, BLOCK=swiglu.BLOCK)  # the small model's inter_dim
-    out.append(KernelSpec(untuned(swiglu._swiglu_fwd_kernel, num_warps=4), dict(H=bf, OUT=bf), swiglu_shape))
-    out.append(KernelSpec(untuned(swiglu._swiglu_bwd_kernel, num_warps=4), dict(H=bf, DOUT=bf, DH=bf), swiglu_shape))
+    for I, limit, weighted in ((4096, 0.0, False), (448, 10.0, True), (2304, 10.0, False)):  # dense, routed, shared
+        shape = dict(I=I, LIMIT=limit, WEIGHTED=weighted, ROWS=swiglu.TILE // swiglu.BLOCK, BLOCK=swiglu.BLOCK)
+        w = dict(W=f32) if weighted else {}
+        out.append(KernelSpec(untuned(swiglu._swiglu_fwd_kernel, num_warps=4), dict(H=bf, OUT=bf, n_rows=i32, **w),
+                              shape))
+        out.append(KernelSpec(untuned(swiglu._swiglu_bwd_kernel, num_warps=4),
+                              dict(H=bf, DOUT=bf, DH=bf, n_rows=i32, **w, **(dict(DW=f32) if weighted else {})), shape))
+    for D, K, rows_type in ((1024, 4, bf), (5120, 6, bf)):  # small_moe's and V4.1's dim and top-k
+        moe_shape = dict(D=D, K=K, TOKENS=moe.TILE // moe.BLOCK, BLOCK=moe.BLOCK)
+        for flag in (False, True):  # without and with the shared expert's copy / output
+            out.append(KernelSpec(untuned(moe._spread_kernel, num_warps=4),
+                                  dict(X=f32, SLOT=i64, ROWS=rows_type, n_tokens=i32, **(dict(COPY=bf) if flag else {})),
+                                  dict(moe_shape, COPIED=flag)))
+            out.append(KernelSpec(untuned(moe._gather_sum_kernel, num_warps=4),
+                                  dict(ROWS=rows_type, SLOT=i64, OUT=f32, n_tokens=i32, **(dict(ADD=bf) if flag else {})),
+                                  dict(moe_shape, ADDED=flag)))
     for conj in (False, True):  # forward rotation; its transpose in the backward
         out.append(KernelSpec(rope._rope_kernel, dict(x=bf, rotation=f32, out=bf, R=i32, H=i32),
                               dict(D=512, DIM=64, BLOCK_REST=512, CONJ=conj)))
