@@ -142,8 +142,8 @@ def specs() -> list[KernelSpec]:
                                                                       ((24, 1024, 448),)):
         layout, _ = cast._layout([[torch.Size(shape) for shape in group] for group in shapes])
         for split in (False, True):
-            out.append(KernelSpec(untuned(cast._cast_kernel, num_warps=4), dict(SRC=(f32,) * len(layout["CHUNK"]),
-                                                                               OUT=bf),
+            out.append(KernelSpec(untuned(cast._cast_kernel, num_warps=4),
+                                  dict(SRC=(f32,) * len(layout["CHUNK"]), OUT=(bf,) * len(shapes)),
                                   dict(**layout, BLOCK=cast.BLOCK, SPLIT=split)))
     # the recomputation's forward (no selected mass) at the small model's shapes
     out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types | forward_q_descriptor(512),
