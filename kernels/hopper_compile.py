@@ -51,12 +51,16 @@ def untuned(kernel, num_warps: int, num_stages: int = 1, maxnreg: int | None = N
 
 
 def compile_for_hopper(spec: KernelSpec, config: triton.Config):
-    """Compile one config; pointer and integer arguments marked 16-divisible, as the JIT marks them at the real
-    shapes (without that mark Triton vectorizes no load and pipelines nothing)."""
+    """Compile one config; pointer and integer arguments (and those inside tuples) marked 16-divisible, as the JIT
+    marks them at the real shapes (without that mark Triton vectorizes no load and pipelines nothing)."""
     fn = spec.kernel.fn
     signature = {name: spec.types.get(name, "constexpr") for name in fn.arg_names}
-    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec.types.items()
-               if isinstance(t, str) and t[0] in "*i"}
+    aligned = {}
+    for name, t in spec.types.items():
+        i = fn.arg_names.index(name)
+        for path, element in [((i,), t)] if isinstance(t, str) else [((i, j), e) for j, e in enumerate(t)]:
+            if element[0] in "*i":
+                aligned[path] = [["tt.divisibility", 16]]
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages,
                    **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     source = GluonASTSource if fn.is_gluon() else ASTSource
