@@ -182,15 +182,14 @@ def specs() -> list[KernelSpec]:
                               shape))
         out.append(KernelSpec(untuned(swiglu._swiglu_bwd_kernel, num_warps=4),
                               dict(H=bf, DOUT=bf, DH=bf, n_rows=i32, **w, **(dict(DW=f32) if weighted else {})), shape))
-    for D, K, rows_type in ((1024, 4, bf), (5120, 6, bf)):  # small_moe's and V4.1's dim and top-k
-        moe_shape = dict(D=D, K=K, TOKENS=moe.TILE // moe.BLOCK, BLOCK=moe.BLOCK)
-        for flag in (False, True):  # without and with the shared expert's copy / output
-            out.append(KernelSpec(untuned(moe._spread_kernel, num_warps=4),
-                                  dict(X=f32, SLOT=i64, ROWS=rows_type, n_tokens=i32, **(dict(COPY=bf) if flag else {})),
-                                  dict(moe_shape, COPIED=flag)))
-            out.append(KernelSpec(untuned(moe._gather_sum_kernel, num_warps=4),
-                                  dict(ROWS=rows_type, SLOT=i64, OUT=f32, n_tokens=i32, **(dict(ADD=bf) if flag else {})),
-                                  dict(moe_shape, ADDED=flag)))
+    for D, K in ((1024, 4), (5120, 6)):  # small_moe's and V4.1's dim and top-k
+        shape = dict(D=D, K=K, TOKENS=moe.TILE // moe.BLOCK, BLOCK=moe.BLOCK)
+        for spread in (False, True):  # the spread of fp32 tokens into bf16 slots; the sum of bf16 slots into fp32
+            for other in (False, True):  # without and with the shared expert's copy / output
+                out.append(KernelSpec(untuned(moe._token_rows_kernel, num_warps=4),
+                                      dict(ROWS=bf, SLOT=i64, TOKEN_ROWS=f32, n_tokens=i32, **(dict(OTHER=bf) if other
+                                                                                              else {})),
+                                      dict(shape, SPREAD=spread, WITH_OTHER=other)))
     for conj in (False, True):  # forward rotation; its transpose in the backward
         out.append(KernelSpec(rope._rope_kernel, dict(x=bf, rotation=f32, out=bf, R=i32, H=i32),
                               dict(D=512, DIM=64, BLOCK_REST=512, CONJ=conj)))

@@ -27,51 +27,48 @@ TILE = 128 if INTERPRET else 2048  # elements per program and step: tokens per p
 
 
 @triton.jit
-def _spread_kernel(X, SLOT, ROWS, COPY, n_tokens, D: tl.constexpr, K: tl.constexpr, COPIED: tl.constexpr,
-                   TOKENS: tl.constexpr, BLOCK: tl.constexpr):
-    """ROWS[SLOT[t, j]] = X[t] for j < K (and COPY[t] = X[t]), each in its output's dtype."""
+def _token_rows_kernel(ROWS, SLOT, TOKEN_ROWS, OTHER, n_tokens, D: tl.constexpr, K: tl.constexpr,
+                       SPREAD: tl.constexpr, WITH_OTHER: tl.constexpr, TOKENS: tl.constexpr, BLOCK: tl.constexpr):
+    """A program's TOKENS tokens, one column block at a time, either way:
+
+    - SPREAD: ROWS[SLOT[t, j]] = TOKEN_ROWS[t] for j < K (and OTHER[t] = TOKEN_ROWS[t]: the copy), in each output's
+      dtype;
+    - else: TOKEN_ROWS[t] = (OTHER[t] +) Σ_{j < K} ROWS[SLOT[t, j]], summed in fp32 in that order and rounded once.
+    """
     tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     live = tokens < n_tokens
     tokens = tokens.to(tl.int64)
     for start in range(0, D, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = live[:, None] & (cols < D)[None, :]
-        row = tl.load(X + tokens[:, None] * D + cols[None, :], mask=inside)
-        for j in tl.static_range(K):
-            slot = tl.load(SLOT + tokens * K + j, mask=live, other=0)
-            tl.store(ROWS + slot[:, None] * D + cols[None, :], row.to(ROWS.dtype.element_ty), mask=inside)
-        if COPIED:
-            tl.store(COPY + tokens[:, None] * D + cols[None, :], row.to(COPY.dtype.element_ty), mask=inside)
-
-
-@triton.jit
-def _gather_sum_kernel(ROWS, SLOT, ADD, OUT, n_tokens, D: tl.constexpr, K: tl.constexpr, ADDED: tl.constexpr,
-                       TOKENS: tl.constexpr, BLOCK: tl.constexpr):
-    """OUT[t] = (ADD[t] +) Σ_{j < K} ROWS[SLOT[t, j]], summed in fp32 in that order and rounded once."""
-    tokens = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-    live = tokens < n_tokens
-    tokens = tokens.to(tl.int64)
-    for start in range(0, D, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = live[:, None] & (cols < D)[None, :]
-        if ADDED:
-            acc = tl.load(ADD + tokens[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        at = tokens[:, None] * D + cols[None, :]
+        if SPREAD:
+            row = tl.load(TOKEN_ROWS + at, mask=inside)
+            if WITH_OTHER:
+                tl.store(OTHER + at, row.to(OTHER.dtype.element_ty), mask=inside)
+        elif WITH_OTHER:
+            row = tl.load(OTHER + at, mask=inside, other=0.0).to(tl.float32)
         else:
-            acc = tl.zeros([TOKENS, BLOCK], dtype=tl.float32)
+            row = tl.zeros([TOKENS, BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):
             slot = tl.load(SLOT + tokens * K + j, mask=live, other=0)
-            acc += tl.load(ROWS + slot[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        tl.store(OUT + tokens[:, None] * D + cols[None, :], acc.to(OUT.dtype.element_ty), mask=inside)
+            if SPREAD:
+                tl.store(ROWS + slot[:, None] * D + cols[None, :], row.to(ROWS.dtype.element_ty), mask=inside)
+            else:
+                row += tl.load(ROWS + slot[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        if not SPREAD:
+            tl.store(TOKEN_ROWS + at, row.to(TOKEN_ROWS.dtype.element_ty), mask=inside)
 
 
-def _launch(kernel, slot: torch.Tensor, D: int, *tensors, flag: bool) -> None:
-    """kernel over the tokens of ``slot`` [N, k], a program holding a few tokens' whole rows of D columns."""
-    n_tokens, k = slot.shape
+def _launch(slot: torch.Tensor, rows, token_rows, other, spread: bool) -> None:
+    """The kernel over the tokens of ``slot`` [N, k], a program holding a few tokens' whole rows."""
+    (n_tokens, k), D = slot.shape, token_rows.shape[1]
     if n_tokens == 0:
         return
     block = min(BLOCK, triton.next_power_of_2(D))
     tokens = max(1, TILE // block)
-    kernel[(triton.cdiv(n_tokens, tokens),)](*tensors, n_tokens, D, k, flag, TOKENS=tokens, BLOCK=block)
+    _token_rows_kernel[(triton.cdiv(n_tokens, tokens),)](rows, slot, token_rows, other, n_tokens, D, k, spread,
+                                                         other is not None, TOKENS=tokens, BLOCK=block)
 
 
 def _spread(x: torch.Tensor, slot: torch.Tensor, rows_dtype: torch.dtype, copy_dtype: torch.dtype | None):
@@ -79,14 +76,14 @@ def _spread(x: torch.Tensor, slot: torch.Tensor, rows_dtype: torch.dtype, copy_d
     N, D = x.shape
     rows = new_output((N * slot.shape[1], D), rows_dtype, x.device)
     copy = None if copy_dtype is None else new_output((N, D), copy_dtype, x.device)
-    _launch(_spread_kernel, slot, D, x, slot, rows, copy, flag=copy is not None)
+    _launch(slot, rows, x, copy, spread=True)
     return rows, copy
 
 
 def _gather_sum(rows: torch.Tensor, slot: torch.Tensor, add: torch.Tensor | None, dtype: torch.dtype):
     """[N, D] in dtype: each token's k rows (contiguous [N·k, D]) summed, plus add (contiguous [N, D]) if given."""
     out = new_output((slot.shape[0], rows.shape[1]), dtype, rows.device)
-    _launch(_gather_sum_kernel, slot, rows.shape[1], rows, slot, add, out, flag=add is not None)
+    _launch(slot, rows, out, add, spread=False)
     return out
 
 
