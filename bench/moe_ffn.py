@@ -23,8 +23,11 @@ experts. For each tokens-per-expert count ``t``, timed forward + backward, CUDA 
   / k`` tokens, bf16 autocast over fp32 master weights, the gate (split bf16 GEMMs), the sort by expert, the spread
   of the tokens to their slots, the routed experts and the shared expert, the combine; gradients of x and every
   parameter. Against ``dense_ms``: the dense chain at ``N (k + 1)`` rows, the layer's GEMM FLOPs (routed and
-  shared); ``efficiency_vs_dense`` is the issue's goal (>= 0.9 at 1,024-4,096 tokens per expert). With
-  ``--kernel-table``, one step's device time by kernel (``train_step.kernel_table``) and its GEMM share.
+  shared); ``efficiency_vs_dense`` is the issue's goal (>= 0.9 at 1,024-4,096 tokens per expert). The dense chain
+  has no weights to cast: ``weight_cast_ms`` times the layer's master-weight casts alone (forward and backward; at
+  V4.1 5 GB of traffic each way, the same at any token count), and ``efficiency_vs_dense_without_weight_cast``
+  takes them out. With ``--kernel-table``, one step's device time by kernel (``train_step.kernel_table``) and its
+  GEMM share.
 - ``gate``: the gate's scores over all the shape's experts on 16,384 tokens (normal rows, as the FFN norm gives
   them; the weight drawn at the init's scale), fp32 x: the split bf16 GEMMs (``model/split_gemm.py``) and a plain
   bf16 GEMM against the fp32 GEMM (TF32 off): relative error of the scores, the share of tokens whose top-k set is
@@ -46,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from model.config import MoEArgs  # noqa: E402
 from model.moe import MoE, RoutedExperts  # noqa: E402
 from model.split_gemm import split_linear  # noqa: E402
+from model.weights import cast_stacked, matmul_weights  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 
 SHAPES = {"v41": dict(dim=5120, inter=2304, topk=6, local_experts=24, experts=384),
@@ -181,6 +185,8 @@ def moe_layer(timer: Timer, shape: dict, per_expert: int, device, seed: int, tab
            "gemm_flops": 18 * N * (k + 1) * dim * shape["inter"]}
     res["dense_ms"] = dense_ms(timer, shape, N * (k + 1), device, torch.Generator(device).manual_seed(seed))
     res["efficiency_vs_dense"] = res["dense_ms"] / ms
+    res["weight_cast_ms"] = timer.ms(lambda: weight_casts(moe, device))
+    res["efficiency_vs_dense_without_weight_cast"] = res["dense_ms"] / (ms - res["weight_cast_ms"])
     if table and timer.cuda:
         from train_step import kernel_table
         kernels = kernel_table(step, torch.cuda.synchronize, top=25)
@@ -188,6 +194,18 @@ def moe_layer(timer: Timer, shape: dict, per_expert: int, device, seed: int, tab
         res["kernel_table"] = kernels
         res["gemm_share_of_top_kernels"] = gemm / kernels["device_ms_total"]
     return res
+
+
+def weight_casts(moe: MoE, device) -> tuple:
+    """What the layer's step spends on its fp32 master weights under autocast, alone: the routed stacks cast and
+    stacked (``cast_stacked``) and the shared expert's (``matmul_weights``), forward and backward (the gradients
+    cast back to fp32)."""
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        experts, shared = moe.experts, moe.shared_experts
+        casts = [*cast_stacked([[experts.w1, experts.w3], [experts.w2]], torch.bfloat16, experts.kernel_backend),
+                 *matmul_weights([(shared.w1, shared.w3), shared.w2], shared.kernel_backend)]
+    return torch.autograd.grad(casts, [experts.w1, experts.w3, experts.w2, *shared.parameters()],
+                               [torch.ones_like(c) for c in casts])
 
 
 def gate_precision(timer: Timer, shape: dict, device, tokens: int = 16384) -> dict:
@@ -268,10 +286,12 @@ def main() -> int:
         print(f"{r['tokens_per_expert']:>8} {r['routing']:>8} {r['routed_ms']:>10.3f} {r['routed_tflops']:>8.0f} "
               f"{r['routed_efficiency_vs_dense']:>5.2f} {r['routed_bf16_ms']:>8.3f} {r['routed_bf16_tflops']:>8.0f} "
               f"{r['routed_bf16_efficiency_vs_dense']:>5.2f} {r.get('dense_ms', float('nan')):>9.3f}")
-    print(f"\n{'t/expert':>8} {'tokens':>7} {'layer ms':>9} {'dense ms':>9} {'eff':>5}   (the whole MoE layer)")
+    print(f"\n{'t/expert':>8} {'tokens':>7} {'layer ms':>9} {'dense ms':>9} {'eff':>5} {'cast ms':>8} "
+          f"{'eff w/o cast':>12}   (the whole MoE layer)")
     for r in res["moe_layer"]:
         print(f"{r['tokens_per_expert']:>8} {r['tokens']:>7} {r['ms']:>9.3f} {r['dense_ms']:>9.3f} "
-              f"{r['efficiency_vs_dense']:>5.2f}")
+              f"{r['efficiency_vs_dense']:>5.2f} {r['weight_cast_ms']:>8.3f} "
+              f"{r['efficiency_vs_dense_without_weight_cast']:>12.2f}")
     gate = res["gate"]
     print(f"\ngate, {gate['tokens']} tokens x {gate['experts']} experts, top-{gate['topk']}: " + "; ".join(
         f"{name} {gate[name]['fwd_bwd_ms']:.3f} ms" + (f", rel err {gate[name]['rel_err']:.1e}, same top-k "
