@@ -16,8 +16,8 @@ Why it is built this way:
   the sorted rows to ``RoutedExperts.forward``, the combine) so that the expert-parallel all-to-all
   (``parallel/experts.py``) sits between them as the dispatch, unchanged otherwise.
 - Where fp32 happens: the gate (scores, top-k, weights) runs in fp32 whatever autocast says, since the selection
-  and the weights are sensitive to rounding; under bf16 autocast on CUDA its GEMM is split into bf16 tensor-core
-  GEMMs of fp32 precision (``model/split_gemm.py``). Each expert's SwiGLU (clamp, silu, the product, the routing
+  and the weights are sensitive to rounding; under bf16 autocast on CUDA its GEMM runs as bf16 tensor-core GEMMs of
+  split operands, 16 of fp32's 24 significant bits (``model/split_gemm.py``). Each expert's SwiGLU (clamp, silu, the product, the routing
   weight) is one kernel on the stacked w1/w3 GEMM's output (``kernels``' ``swiglu``), fp32 inside and rounded to
   the compute dtype once, as W2's input; the k routed outputs and the shared expert's are summed in fp32, and the
   sum is rounded to the input's dtype once.
