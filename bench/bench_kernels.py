@@ -414,6 +414,172 @@ def check_norm_and_cast():
                                 "pass": exact and all(e < 1e-2 for r in res.values() for e in r.values())}
 
 
+# ------------------------------------------------------------------------------------------------------ the MoE
+
+def moe_slots(N, k, E, device=DEV, empty=(1, 5)):
+    """slot [N, k] (each token's slots in expert order) and the token of every slot, of random picks of E experts
+    with the experts ``empty`` never picked, sorted by expert as model/moe.py does."""
+    from model.moe import inverse_permutation, sort_by_expert
+    indices = torch.randint(0, E, (N, k), device=device)
+    for e in empty:
+        indices[indices == e] = 0
+    order, _ = sort_by_expert(indices, E)
+    return inverse_permutation(order).view(N, k), order // k
+
+
+@section
+def check_moe_swiglu():
+    """The routed experts' clamped, weighted SwiGLU in bf16 at V4.1's width (2,304) and small_moe's (448), 4,099 rows
+    (not a whole number of programs), values spread so both clamps act (limit 10): output, dh and the routing
+    weights' gradient against the fp32 reference on the same inputs."""
+    res = {}
+    for name, I in (("v41", n(2304, 37)), ("small_moe", n(448, 40))):
+        rows = n(4099, 13)
+        h = leaf(torch.randn(rows, 2 * I, device=DEV) * 8, BF16)
+        w = (torch.rand(rows, device=DEV) + 0.5).requires_grad_()
+        grad = torch.randn(rows, I, device=DEV)
+        out = triton_ops.swiglu(h, 10.0, w)
+        got = torch.autograd.grad(out, (h, w), grad.to(BF16))
+        h32, w32 = h.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
+        want = reference.swiglu(h32, 10.0, w32)
+        ref = torch.autograd.grad(want, (h32, w32), grad)
+        res[name] = {"out": rel_err(out, want), "dh": rel_err(got[0], ref[0]), "dweights": rel_err(got[1], ref[1])}
+    RESULTS["moe_swiglu"] = {"rel_err": res, "pass": all(e < 1e-2 for r in res.values() for e in r.values())}
+
+
+@section
+def check_moe_permute():
+    """The dispatch and combine permutations (kernels/triton_moe.py) at V4.1's dim and top-6 and small_moe's (1,024,
+    top-4), 4,099 tokens, two experts empty: the spread of fp32 x into bf16 slots and the bf16 copy bit-exact, the
+    combine of bf16 rows plus a bf16 shared output into fp32 and both backward passes against the fp32 reference,
+    the combine's backward (a gather) bit-exact; every output and gradient bitwise equal on a second run."""
+    res, exact, same = {}, True, True
+    for name, D, k in (("v41", n(5120, 37), 6), ("small_moe", n(1024, 40), 4)):
+        N = n(4099, 13)
+        slot, token = moe_slots(N, k, 24)
+        x = torch.randn(N, D, device=DEV, requires_grad=True)
+        g_rows, g_copy = torch.randn(N * k, D, device=DEV).to(BF16), torch.randn(N, D, device=DEV).to(BF16)
+        rows = leaf(torch.randn(N * k, D, device=DEV), BF16)
+        shared = leaf(torch.randn(N, D, device=DEV), BF16)
+        dy = torch.randn(N, D, device=DEV)
+
+        def run(ops):
+            spread, copy = ops.permute_rows(x, slot, BF16, copy=True)
+            y = ops.unpermute_rows(rows, slot, shared, torch.float32)
+            return [spread, copy, y, *torch.autograd.grad((spread, copy), x, (g_rows, g_copy)),
+                    *torch.autograd.grad(y, (rows, shared), dy)]
+
+        got, again, want = run(triton_ops), run(triton_ops), run(reference)
+        exact &= torch.equal(got[0], x.detach().to(BF16)[token]) and torch.equal(got[1], x.detach().to(BF16))
+        exact &= torch.equal(got[4], dy.to(BF16)[token]) and torch.equal(got[5], dy.to(BF16))
+        same &= all(torch.equal(a, b) for a, b in zip(got, again))
+        res[name] = {"combine": rel_err(got[2], want[2]), "dx": rel_err(got[3], want[3])}
+    RESULTS["moe_permute"] = {"rel_err": res, "exact": exact, "deterministic": same,
+                              "pass": exact and same and all(e < 1e-5 for r in res.values() for e in r.values())}
+
+
+@section
+def check_moe_cast():
+    """The routed experts' w1 and w3 stacks (24 experts of V4.1's shape) cast to bf16 and stacked expert by expert,
+    with w2, in one launch: bit-exact against ``torch.cat(dim=-2)``; the backward's fp32 gradients bit-exact."""
+    E, I, D = n(24, 3), n(2304, 37), n(5120, 41)
+    w1, w3 = (torch.randn(E, I, D, device=DEV, requires_grad=True) for _ in range(2))
+    w2 = torch.randn(E, D, I, device=DEV, requires_grad=True)
+    got = triton_ops.cast([[w1, w3], [w2]], BF16)
+    want = [torch.cat([w1, w3], dim=-2).to(BF16), w2.to(BF16)]
+    grads = [torch.randn(g.shape, device=DEV).to(BF16) for g in got]
+    back, ref = (torch.autograd.grad(outs, (w1, w3, w2), grads) for outs in (got, want))
+    exact = all(torch.equal(g, w) for g, w in zip(got, want)) and all(torch.equal(g, w) for g, w in zip(back, ref))
+    RESULTS["moe_cast"] = {"exact": exact, "pass": exact}
+
+
+@section
+def check_moe_gate():
+    """The gate's split bf16 GEMMs (model/split_gemm.py) at V4.1's shape (16,384 tokens, dim 5,120, 384 experts,
+    weights at the init's scale) against the fp32 GEMM with TF32 off, x in fp32 and in bf16: the scores' relative
+    error (< 2e-5: 2^-16 per split part) and the share of tokens whose top-6 set of sqrt-softplus scores is the
+    fp32 one (>= 0.999); the backward against bf16 GEMMs of the rounded operands."""
+    from model.split_gemm import split_linear
+    N, D, E = n(16384, 256), n(5120, 64), n(384, 48)
+    x = torch.randn(N, D, device=DEV)
+    w = (torch.randn(E, D, device=DEV) * D ** -0.5).requires_grad_()
+    grad = torch.randn(N, E, device=DEV)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = {}
+    try:
+        for name, dtype in (("x_fp32", torch.float32), ("x_bf16", torch.bfloat16)):
+            xs = x.to(dtype).requires_grad_()
+            scores = split_linear(xs, w)
+            want = xs.detach().float() @ w.detach().t()
+            picks, want_picks = (torch.nn.functional.softplus(s).sqrt().topk(6, dim=-1).indices.sort(-1).values
+                                 for s in (scores.detach(), want))
+            dx, dw = torch.autograd.grad(scores, (xs, w), grad)
+            g16 = grad.to(torch.bfloat16).float()
+            res[name] = {"scores": rel_err(scores, want),
+                         "same_top6_share": (picks == want_picks).all(-1).float().mean().item(),
+                         "dx": rel_err(dx, g16 @ w.detach().to(torch.bfloat16).float()),
+                         "dw": rel_err(dw, g16.t() @ xs.detach().to(torch.bfloat16).float())}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    RESULTS["moe_gate"] = {"results": res, "pass": all(r["scores"] < 2e-5 and r["same_top6_share"] >= 0.999
+                                                       and r["dx"] < 1e-2 and r["dw"] < 1e-2 for r in res.values())}
+
+
+def moe_problem(kernel_backend: str, seed: int = 0):
+    """small_moe's MoE layer (dim 1,024, 32 experts top-4, width 448, one shared expert, clamp 10) with weights
+    drawn from ``seed`` and experts 3 and 17 never picked (their bias), and 4,099 fp32 tokens."""
+    from model.config import MoEArgs
+    from model.moe import MoE
+    args = MoEArgs(n_routed_experts=32, n_activated_experts=4, inter_dim=n(448, 16), n_shared_experts=1,
+                   swiglu_limit=10.0)
+    dim = n(1024, 32)
+    torch.manual_seed(seed)
+    moe = MoE(dim, args, kernel_backend).to(DEV)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(std=dim ** -0.5)
+        moe.gate.bias[[3, 17]] = -100.0
+    x = torch.randn(n(4099, 13), dim, device=DEV, generator=torch.Generator(DEV).manual_seed(seed + 1))
+    return moe, x
+
+
+def moe_step(moe, x, grad):
+    """Forward and backward of the layer under bf16 autocast: [y, dx, every parameter's gradient]."""
+    x = x.detach().requires_grad_()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=not SMOKE):
+        y = moe(x)
+    return [y, *torch.autograd.grad(y, [x, *moe.parameters()], grad)]
+
+
+@section
+def check_moe_layer():
+    """The whole MoE layer (small_moe's, two experts empty) under bf16 autocast with the Triton kernels against the
+    same layer with the PyTorch reference kernels (the same split-GEMM gate and grouped GEMMs, so the same
+    routing): output and every gradient (< 1e-2); and the Triton step makes no host sync
+    (``torch.cuda.set_sync_debug_mode``: a synchronizing call there would print a warning)."""
+    import warnings
+    moe, x = moe_problem("triton")
+    ref, _ = moe_problem("torch")
+    grad = torch.randn(x.shape, device=DEV)
+    got, want = moe_step(moe, x, grad), moe_step(ref, x, grad)
+    names = ["y", "dx", *(name for name, _ in moe.named_parameters())]
+    err = {name: rel_err(g.float(), w.float()) for name, g, w in zip(names, got, want)}
+    syncs = []
+    if not SMOKE:
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                moe_step(moe, x, grad)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message)[:200] for w in caught]
+    RESULTS["moe_layer"] = {"rel_err": err, "empty_experts_load": moe.take_load()[[3, 17]].tolist(),
+                            "host_syncs": syncs, "pass": not syncs and all(e < 1e-2 for e in err.values())}
+
+
 @section
 def check_swiglu():
     """The FFN's SwiGLU in bf16 (the small model's [T, 2 x 4,096] projection): output and gradient against the fp32
@@ -473,6 +639,81 @@ def bench_matmul():
     times = [ms(lambda: a @ b) for _ in range(3)]
     t = min(times)
     RESULTS["matmul_8192_bf16"] = {"ms": t, "tflops": 2 * size ** 3 / t / 1e9, "ms_each": times}
+
+
+def atomic_dispatch_combine(x, token, shared_out, dtype):
+    """The dispatch and combine before kernels/triton_moe.py (fcbdd0b's model/moe.py): x cast, gathered by
+    ``index_select`` (its backward an atomic ``index_add``), the rows added into their tokens by ``index_add_``."""
+    xc = x.to(dtype)
+    rows = xc.index_select(0, token)
+    y = rows.new_zeros(x.shape[0], x.shape[1], dtype=torch.float32).index_add_(0, token, rows.float())
+    return rows, xc, (y + shared_out).to(x.dtype)
+
+
+@section
+def bench_moe():
+    """The MoE's fused ops against what they replace, forward + backward, at small_moe's 64K-token layer (dim 1,024,
+    top-4 of 32, width 448) and V4.1's rank at 16K tokens (dim 5,120, top-6 of 24 held, width 2,304, the gate over
+    384): the permutations (spread with the shared expert's copy, combine with its output) against index_select /
+    index_add; the clamped, weighted SwiGLU against the reference's fp32 passes; the gate's split bf16 GEMMs
+    against the fp32 GEMM (TF32 off) and a plain bf16 one; the experts' weights cast and stacked in one launch
+    against per-tensor casts and a cat. Bytes moved over time for the permutations (the HBM's ~4.8 TB/s bounds
+    them)."""
+    from model.split_gemm import split_linear
+    res = {}
+    for name, N, D, k, E, gate_E, I in (("small_moe_64k", n(65536, 64), n(1024, 40), 4, 32, 32, n(448, 40)),
+                                        ("v41_16k", n(16384, 64), n(5120, 40), 6, 24, 384, n(2304, 40))):
+        r = res[name] = {"tokens": N, "dim": D, "topk": k, "inter": I}
+        slot, token = moe_slots(N, k, E, empty=())
+        x = torch.randn(N, D, device=DEV, requires_grad=True)
+        shared = torch.randn(N, D, device=DEV, dtype=BF16, requires_grad=True)
+        g_rows = torch.randn(N * k, D, device=DEV, dtype=BF16)
+
+        def fused():
+            rows, xc = triton_ops.permute_rows(x, slot, BF16, copy=True)
+            routed = rows.detach().requires_grad_()
+            y = triton_ops.unpermute_rows(routed, slot, shared, x.dtype)
+            return torch.autograd.grad([y, rows, xc], [x, routed, shared], [y, g_rows, xc])
+
+        def atomic():
+            rows, xc, y = atomic_dispatch_combine(x, token, shared, BF16)
+            return torch.autograd.grad([y, rows, xc], [x, shared], [y, g_rows, xc])
+
+        r["permute_ms"] = {"triton": ms(fused), "index_add": ms(atomic)}
+        # fwd: x read, copy and k slots written, k slots and shared read, y written; bwd: the same bytes back
+        moved = N * D * (4 + 2 + 2 * k + 2 * k + 2 + 4) * 2
+        r["permute_tb_per_s"] = moved / r["permute_ms"]["triton"] / 1e9
+        h = torch.randn(N * k, 2 * I, device=DEV, dtype=BF16).mul(8).requires_grad_()
+        w = torch.rand(N * k, device=DEV, requires_grad=True)
+        g_h = torch.randn(N * k, I, device=DEV, dtype=BF16)
+        r["swiglu_ms"] = {impl: ms(lambda: torch.autograd.grad(ops.swiglu(h, 10.0, w), (h, w), g_h))
+                          for impl, ops in (("triton", triton_ops), ("torch", reference))}
+        gw = torch.randn(gate_E, D, device=DEV, requires_grad=True)
+        g_s = torch.randn(N, gate_E, device=DEV)
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            r["gate_ms"] = {impl: ms(lambda: torch.autograd.grad(gate(), (x, gw), g_s)) for impl, gate in (
+                ("split_bf16", lambda: split_linear(x, gw)), ("fp32", lambda: x @ gw.t()),
+                ("bf16", lambda: (x.to(BF16) @ gw.to(BF16).t()).float()))}
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        del h, g_h
+        w1, w3 = (torch.randn(E, I, D, device=DEV, requires_grad=True) for _ in range(2))
+        w2 = torch.randn(E, D, I, device=DEV, requires_grad=True)
+        g13, g2 = torch.randn(E, 2 * I, D, device=DEV, dtype=BF16), torch.randn(E, D, I, device=DEV, dtype=BF16)
+        r["cast_ms"] = {"triton": ms(lambda: torch.autograd.grad(triton_ops.cast([[w1, w3], [w2]], BF16),
+                                                                 (w1, w3, w2), (g13, g2))),
+                        "torch": ms(lambda: torch.autograd.grad(reference.cast([[w1, w3], [w2]], BF16),
+                                                                (w1, w3, w2), (g13, g2)))}
+        del w1, w2, w3, g13, g2
+        for part in ("permute_ms", "swiglu_ms", "cast_ms"):  # the replaced path's time over the kernels'
+            (before,) = (t for impl, t in r[part].items() if impl != "triton")
+            r[part]["speedup"] = before / r[part]["triton"]
+        r["gate_ms"]["speedup_over_fp32"] = r["gate_ms"]["fp32"] / r["gate_ms"]["split_bf16"]
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    RESULTS["moe"] = res
 
 
 def attention_problem(T, H, D, W, K):
@@ -865,10 +1106,11 @@ def main():
                                                     "usual order (bench_indexer needs bench_matmul's rate)")
     args = parser.parse_args()
     # The newest kernels first: a cut run keeps their results.
-    sections = {"check": [check_hyper, check_swiglu, check_indexer, check_indexer_ties, check_index_logits, check_rope,
-                          check_norm_and_cast, check_attention, check_dkv_step],
-                "bench": [bench_hyper, bench_matmul, bench_attention, bench_dkv_step, bench_sdpa_cudnn, bench_indexer,
-                          bench_index_logits]}
+    sections = {"check": [check_hyper, check_moe_swiglu, check_moe_permute, check_moe_cast, check_moe_gate,
+                          check_moe_layer, check_swiglu, check_indexer, check_indexer_ties, check_index_logits,
+                          check_rope, check_norm_and_cast, check_attention, check_dkv_step],
+                "bench": [bench_hyper, bench_moe, bench_matmul, bench_attention, bench_dkv_step, bench_sdpa_cudnn,
+                          bench_indexer, bench_index_logits]}
     by_name = {fn.__name__: fn for fn in sections[args.mode]}
     chosen = args.only.split(",") if args.only else list(by_name)
     unknown = [name for name in chosen if name not in by_name]

@@ -81,7 +81,7 @@ from model.state import FIELDS  # noqa: E402
 from model.transformer import Transformer, init_parameters  # noqa: E402
 from moe_ffn import Timer, case, matmul_rate, routing_counts  # noqa: E402
 from parallel.balance import mode_key  # noqa: E402
-from parallel.experts import ExpertAllToAll, expert_major  # noqa: E402
+from parallel.experts import ExpertAllToAll, run_received  # noqa: E402
 from parallel.payload import boundary_fields  # noqa: E402
 from parallel.stage import owner_name, shadow_sources  # noqa: E402
 from result_meta import result_meta  # noqa: E402
@@ -164,8 +164,8 @@ class StandInDispatch:
     the host reads of the split sizes, the send buffer (the rank's slots sorted by expert, hence by destination)
     out, the rows of the held experts in (``set_split``: how many per sender and expert, fixed instead of the other
     ranks' routing) with their routing weights, ``meanwhile`` (the shared expert, which the real exchange
-    overlaps), ``parallel.experts.expert_major``'s permutation from arrival order to expert order, the held experts
-    (one grouped GEMM per matrix), the inverse permutation and the rows back, one per slot sent: ``(rows,
+    overlaps), ``parallel.experts.run_received`` (the permutation from arrival order to expert order, the held
+    experts, one grouped GEMM per matrix, the inverse permutation) and the rows back, one per slot sent: ``(rows,
     meanwhile())``. ``grouped``: passed to ``RoutedExperts.forward`` (None: grouped_mm on CUDA; True forces it,
     to run the GPU's path on the CPU in bf16)."""
 
@@ -189,9 +189,7 @@ class StandInDispatch:
         slots = self.exchange(rows, sum(receive))
         slot_weights = self.exchange(weights.unsqueeze(-1), sum(receive)).squeeze(-1)
         during = meanwhile() if meanwhile is not None else None  # where the real one overlaps the exchange
-        order = expert_major(self.received)
-        out = experts(slots[order], self.received.sum(0), slot_weights[order], grouped=self.grouped)
-        back = torch.empty_like(out).index_copy_(0, order, out)
+        back = run_received(experts, slots, slot_weights, self.received, sum(receive), self.grouped)
         return self.exchange(back, sum(send)), during
 
 

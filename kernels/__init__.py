@@ -1,8 +1,9 @@
 """CSA2 hot ops with one interface and two implementations: Triton (GPU) and the PyTorch reference.
 
 ``ops(backend, device)`` returns the module implementing ``sparse_attention``, ``indexer_select``,
-``index_logits``, ``rope``, ``rms_norm``, ``cast``, ``swiglu``, ``hc_pre``, ``hc_post`` and ``hc_collapse``
-(signatures in docs/DESIGN.md and ``kernels/reference.py``). ``auto`` picks Triton on CUDA devices, the reference elsewhere.
+``index_logits``, ``rope``, ``rms_norm``, ``cast``, ``swiglu``, ``permute_rows``, ``unpermute_rows``, ``hc_pre``,
+``hc_post`` and ``hc_collapse`` (signatures in docs/DESIGN.md and ``kernels/reference.py``). ``auto`` picks Triton on
+CUDA devices, the reference elsewhere.
 """
 import contextlib
 import threading

@@ -28,6 +28,7 @@ from kernels import triton_attention as attn
 from kernels import triton_cast as cast
 from kernels import triton_dkv as dkv
 from kernels import triton_indexer as idx
+from kernels import triton_moe as moe
 from kernels import triton_norm as nrm
 from kernels import triton_rope as rope
 from kernels import triton_select as sel
@@ -50,12 +51,16 @@ def untuned(kernel, num_warps: int, num_stages: int = 1, maxnreg: int | None = N
 
 
 def compile_for_hopper(spec: KernelSpec, config: triton.Config):
-    """Compile one config; pointer and integer arguments marked 16-divisible, as the JIT marks them at the real
-    shapes (without that mark Triton vectorizes no load and pipelines nothing)."""
+    """Compile one config; pointer and integer arguments (and those inside tuples) marked 16-divisible, as the JIT
+    marks them at the real shapes (without that mark Triton vectorizes no load and pipelines nothing)."""
     fn = spec.kernel.fn
     signature = {name: spec.types.get(name, "constexpr") for name in fn.arg_names}
-    aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in spec.types.items()
-               if isinstance(t, str) and t[0] in "*i"}
+    aligned = {}
+    for name, t in spec.types.items():
+        i = fn.arg_names.index(name)
+        for path, element in [((i,), t)] if isinstance(t, str) else [((i, j), e) for j, e in enumerate(t)]:
+            if element[0] in "*i":
+                aligned[path] = [["tt.divisibility", 16]]
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages,
                    **({"maxnreg": config.maxnreg} if config.maxnreg else {}))
     source = GluonASTSource if fn.is_gluon() else ASTSource
@@ -134,9 +139,16 @@ def specs() -> list[KernelSpec]:
         KernelSpec(idx._logits_fwd_kernel, dict(OUT=f32, **logits), dict(DI=128, NH_P=32, K=512)),
         KernelSpec(idx._logits_bwd_kernel, dict(DOUT=f32, DQ=bf, DW=bf, DKEY=f32, **logits),
                    dict(DI=128, NH_P=32, K=512)),
-        KernelSpec(untuned(cast._cast_kernel, num_warps=4), dict(SRC=(f32, f32, f32), OUT=bf),
-                   dict(STARTS=(0, 4096, 12288), ENDS=(4096, 12288, 20480), BLOCK=cast.BLOCK)),
     ]
+    # a layer's weights: w1 with w3 stacked (one leading index), w2 alone; then the routed experts' w1/w3 stacks
+    # stacked expert by expert (24 x 448 rows each, dim 1024) and w2; each forward and backward
+    for shapes in (((4096, 1024), (4096, 1024)), ((1024, 4096),)), (((24, 448, 1024), (24, 448, 1024)),
+                                                                      ((24, 1024, 448),)):
+        layout, _ = cast._layout([[torch.Size(shape) for shape in group] for group in shapes])
+        for split in (False, True):
+            out.append(KernelSpec(untuned(cast._cast_kernel, num_warps=4),
+                                  dict(SRC=(f32,) * len(layout["CHUNK"]), OUT=(bf,) * len(shapes)),
+                                  dict(**layout, BLOCK=cast.BLOCK, SPLIT=split)))
     # the recomputation's forward (no selected mass) at the small model's shapes
     out.append(KernelSpec(gluon_attn._fwd_kernel, gluon_fwd_types | forward_q_descriptor(512),
                           dict(K_P=attn._padded_k(512), MASS_PASS=False, SKIP=0, **shape)))
@@ -163,9 +175,21 @@ def specs() -> list[KernelSpec]:
                               norm_shape))
         out.append(KernelSpec(untuned(nrm._rms_norm_bwd, num_warps=warps),
                               dict(DOUT=bf, RSTD=f32, DX=bf, DW_PART=f32, **norm), norm_shape))
-    swiglu_shape = dict(I=4096, BLOCK=swiglu.BLOCK)  # the small model's inter_dim
-    out.append(KernelSpec(untuned(swiglu._swiglu_fwd_kernel, num_warps=4), dict(H=bf, OUT=bf), swiglu_shape))
-    out.append(KernelSpec(untuned(swiglu._swiglu_bwd_kernel, num_warps=4), dict(H=bf, DOUT=bf, DH=bf), swiglu_shape))
+    for I, limit, weighted in ((4096, 0.0, False), (448, 10.0, True), (2304, 10.0, False)):  # dense, routed, shared
+        shape = dict(I=I, LIMIT=limit, WEIGHTED=weighted, ROWS=swiglu.TILE // swiglu.BLOCK, BLOCK=swiglu.BLOCK)
+        w = dict(W=f32) if weighted else {}
+        out.append(KernelSpec(untuned(swiglu._swiglu_fwd_kernel, num_warps=4), dict(H=bf, OUT=bf, n_rows=i32, **w),
+                              shape))
+        out.append(KernelSpec(untuned(swiglu._swiglu_bwd_kernel, num_warps=4),
+                              dict(H=bf, DOUT=bf, DH=bf, n_rows=i32, **w, **(dict(DW=f32) if weighted else {})), shape))
+    for D, K in ((1024, 4), (5120, 6)):  # small_moe's and V4.1's dim and top-k
+        shape = dict(D=D, K=K, TOKENS=moe.TILE // moe.BLOCK, BLOCK=moe.BLOCK)
+        for spread in (False, True):  # the spread of fp32 tokens into bf16 slots; the sum of bf16 slots into fp32
+            for other in (False, True):  # without and with the shared expert's copy / output
+                out.append(KernelSpec(untuned(moe._token_rows_kernel, num_warps=4),
+                                      dict(ROWS=bf, SLOT=i64, TOKEN_ROWS=f32, n_tokens=i32, **(dict(OTHER=bf) if other
+                                                                                              else {})),
+                                      dict(shape, SPREAD=spread, WITH_OTHER=other)))
     for conj in (False, True):  # forward rotation; its transpose in the backward
         out.append(KernelSpec(rope._rope_kernel, dict(x=bf, rotation=f32, out=bf, R=i32, H=i32),
                               dict(D=512, DIM=64, BLOCK_REST=512, CONJ=conj)))

@@ -50,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rotation: torch.
 
 
 def cast(groups: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Each group's tensors in ``dtype``, stacked along dim 0 (differentiable)."""
+    """Each group's tensors in ``dtype``, their rows stacked (``stack_rows``; differentiable)."""
     return [stack_rows([t.to(dtype) for t in group]) for group in groups]
 
 
@@ -124,15 +124,52 @@ def hc_expand(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
     return out.addcmul_(post.to(dtype).unsqueeze(-1), y.to(dtype).unsqueeze(-2))
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the stacked projection h = [gate | up] (last dim 2I): the FFN's w1 and w3 as one GEMM."""
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Tensors of one trailing shape stacked along dim 0 (one tensor: itself, no copy)."""
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+    """Matrices ``[..., rows_i, cols]`` (the same leading dims and columns) stacked by rows: ``[..., Σ rows_i,
+    cols]``, so each leading index (a stack's expert) holds its matrices one above the other (one tensor: itself,
+    no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=-2)
+
+
+# ------------------------------------------------------------------------------------------------------- the FFNs
+
+def swiglu(h: torch.Tensor, limit: float = 0.0, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(min(gate, limit)) · clamp(up, ±limit) · weights`` of the stacked projection h = [gate | up] (last dim
+    2I: w1 and w3 as one GEMM); no clamp for ``limit`` 0 (the dense FFN), ``weights`` one per row of h (shape
+    ``h.shape[:-1]``, or with a trailing 1: a routed expert's routing weights), or None. Computed in (at least)
+    fp32 and rounded to h's dtype once."""
+    dtype = _compute_dtype(h) if weights is None else torch.promote_types(_compute_dtype(h), weights.dtype)
+    gate, up = h.to(dtype).chunk(2, dim=-1)
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    out = F.silu(gate) * up
+    if weights is not None:
+        out = out * weights.to(dtype).reshape(*h.shape[:-1], 1)
+    return out.to(h.dtype)
+
+
+def permute_rows(x: torch.Tensor, slot: torch.Tensor, dtype: torch.dtype,
+                 copy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The MoE's dispatch: token rows x ``[N, D]`` put in slot order, ``rows[slot[t, j]] = x[t]`` for each of a
+    token's k choices (``slot`` ``[N, k]``, a permutation of ``0..N·k-1``), in ``dtype``; with ``copy`` also x itself
+    in ``dtype`` (the shared expert's input), else None. The gradient of x is the sum of its k rows' gradients (and
+    its copy's), computed in (at least) fp32."""
+    N, k = slot.shape
+    acc = _compute_dtype(x)
+    spread = x.to(acc).repeat_interleave(k, dim=0)  # token-major: row t·k + j is choice j of token t
+    rows = spread.new_empty(N * k, x.shape[-1]).index_copy(0, slot.flatten(), spread)
+    return rows.to(dtype), (x.to(acc).to(dtype) if copy else None)
+
+
+def unpermute_rows(rows: torch.Tensor, slot: torch.Tensor, add: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The MoE's combine: ``y[t] = add[t] + Σ_j rows[slot[t, j]]`` ``[N, D]`` (``add``, the shared expert's
+    output, optional), summed in (at least) fp32 and rounded to ``dtype`` (default rows') once."""
+    acc = _compute_dtype(rows) if add is None else torch.promote_types(_compute_dtype(rows), add.dtype)
+    y = rows.to(acc)[slot].sum(dim=1)
+    if add is not None:
+        y = y + add.to(acc)
+    return y.to(dtype or rows.dtype)
 
 
 def window_slots(win_lo: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
 """Triton implementations of the CSA2 hot ops, with the signatures of ``kernels.reference``.
 
 ``sparse_attention`` (forward + backward), ``indexer_select`` (chunked scoring + top-k + candidate blocks,
-no grad), ``index_logits``, ``rope``, ``rms_norm`` (optionally with RoPE), ``cast``, ``swiglu`` and the
-hyper-connected stream's ``hc_pre``, ``hc_post`` and ``hc_collapse`` (all forward + backward).
+no grad), ``index_logits``, ``rope``, ``rms_norm`` (optionally with RoPE), ``cast``, ``swiglu`` (optionally clamped
+and weighted), the MoE's ``permute_rows`` and ``unpermute_rows``, and the hyper-connected stream's ``hc_pre``,
+``hc_post`` and ``hc_collapse`` (all forward + backward).
 Design notes and measured speed: docs/KERNELS.md.
 """
 from typing import Optional
@@ -15,12 +16,13 @@ from kernels.triton_attention import sparse_attention
 from kernels.triton_cast import cast
 from kernels.triton_hyper import hc_collapse, hc_post, hc_pre
 from kernels.triton_indexer import index_logits
+from kernels.triton_moe import permute_rows, unpermute_rows
 from kernels.triton_norm import rms_norm
 from kernels.triton_rope import rope
 from kernels.triton_swiglu import swiglu
 
-__all__ = ["sparse_attention", "indexer_select", "index_logits", "rope", "rms_norm", "cast", "swiglu", "hc_pre",
-           "hc_post", "hc_collapse"]
+__all__ = ["sparse_attention", "indexer_select", "index_logits", "rope", "rms_norm", "cast", "swiglu", "permute_rows",
+           "unpermute_rows", "hc_pre", "hc_post", "hc_collapse"]
 
 
 @torch.library.custom_op(INDEXER_SELECT_OP, mutates_args=())

@@ -5,20 +5,30 @@ Why it is built this way:
 - The routed experts are *stacked*: ``w1``, ``w2``, ``w3`` are one Parameter each, ``[E_local, out, in]``, so the
   tokens of all local experts go through one grouped GEMM per matrix (``torch.nn.functional.grouped_mm`` over the
   tokens sorted by expert, with the per-expert counts as offsets) instead of a launch per expert: 384 experts of
-  a few hundred tokens each are too small for separate GEMMs. In bf16 on the H200 grouped_mm reads the counts on
-  the device (no host sync; in fp32 it falls back to a loop over the groups that reads them on the host); it is not
-  autocast-aware, so the operands are cast to the autocast dtype here. Expert parallelism later splits dim 0
-  (``expert_ids``), and the checkpoint still names every expert on its own (``experts.{j}.w1.weight``, the
-  reference's names) through state-dict hooks.
-- Dispatch is a few small functions (``sort_by_expert``, the ``dispatch`` of the sorted rows to
-  ``RoutedExperts.forward``, ``combine``) so that the expert-parallel all-to-all (``parallel/experts.py``) sits
-  between them as the dispatch, unchanged otherwise.
-- Where fp32 happens: the gate (scores, top-k, weights) always runs in fp32 whatever autocast says, since the
-  selection and the weights are sensitive to rounding; each expert's SwiGLU (clamp, silu, the product, the routing
-  weight) is fp32 on the GEMMs' outputs and is rounded to the compute dtype once, as W2's input; the k routed
-  outputs and the shared expert's are summed in fp32, and the sum is rounded to the input's dtype once.
+  a few hundred tokens each are too small for separate GEMMs. w1 and w3 read the same rows, so they are one GEMM:
+  their stacks are cast (under autocast) and stacked expert by expert into one ``[E_local, 2·inter, dim]``
+  operand in one launch (``model/weights.py``), whose output ``[gate | up]`` the SwiGLU kernel reads. In bf16 on
+  the H200 grouped_mm reads the counts on the device (no host sync; in fp32 it falls back to a loop over the groups
+  that reads them on the host); it is not autocast-aware, so the operands are cast to the autocast dtype here.
+  Expert parallelism later splits dim 0 (``expert_ids``), and the checkpoint still names every expert on its own
+  (``experts.{j}.w1.weight``, the reference's names) through state-dict hooks.
+- Dispatch is a few small steps (``sort_by_expert``, the spread of the tokens to their slots, the ``dispatch`` of
+  the sorted rows to ``RoutedExperts.forward``, the combine) so that the expert-parallel all-to-all
+  (``parallel/experts.py``) sits between them as the dispatch, unchanged otherwise.
+- Where fp32 happens: the gate (scores, top-k, weights) runs in fp32 whatever autocast says, since the selection
+  and the weights are sensitive to rounding; under bf16 autocast on CUDA its GEMM runs as bf16 tensor-core GEMMs of
+  split operands, 16 of fp32's 24 significant bits (``model/split_gemm.py``). Each expert's SwiGLU (clamp, silu, the product, the routing
+  weight) is one kernel on the stacked w1/w3 GEMM's output (``kernels``' ``swiglu``), fp32 inside and rounded to
+  the compute dtype once, as W2's input; the k routed outputs and the shared expert's are summed in fp32, and the
+  sum is rounded to the input's dtype once.
 - The routing weight multiplies the hidden activation, before W2 (as the reference does), so a token's weight is
-  already in its expert output and ``combine`` only adds rows.
+  already in its expert output and the combine only adds rows.
+- No atomics, no host syncs. The sort by expert gives each (token, choice) its slot ``slot[t, j]``; the tokens go
+  to their slots and the slots' outputs come back by ``kernels``' ``permute_rows`` / ``unpermute_rows``, each
+  driven by the token (a spread of its row, a sum of its k rows) and each the other's backward; a permutation's
+  backward is the inverse permutation's gather (``reorder``). Nothing in the local step reads the device on the
+  host (the loop over experts off CUDA and the subset ``LocalDispatch`` of the tests do; the expert-parallel
+  all-to-all reads its split sizes, once per layer and direction).
 - The balance bias selects experts and never weights them (``Gate``); it is a buffer, so no optimizer sees it, and
   ``update_bias`` moves it by the loads that ``MoE.load`` counts over training forwards.
 """
@@ -30,10 +40,14 @@ import kernels
 from model.attention import linear
 from model.config import MoEArgs
 from model.lora import adapted
-from model.weights import matmul_weights
+from model.split_gemm import split_linear
+from model.weights import cast_stacked, matmul_weights
 
 GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what grouped_mm multiplies (no fp64)
 ROUTED_WEIGHTS = ("w1", "w2", "w3")
+# Where the gate runs its split bf16 GEMMs under bf16 autocast: on the CPU they are fp32 GEMMs of the parts, slower
+# than the fp32 GEMM they stand for, so the CPU keeps that one.
+SPLIT_GATE_DEVICES = ("cuda",)
 
 
 class Gate(nn.Module):
@@ -51,8 +65,12 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim] -> (weights [N, k] fp32 (fp64 in an fp64 model), expert ids [N, k] int64)."""
         args, dtype = self.args, torch.promote_types(x.dtype, torch.float32)
+        split = self.on_tensor_cores(x)
         with torch.autocast(x.device.type, enabled=False):
-            scores = F.linear(x.to(dtype), self.weight.to(dtype)) / args.gate_temp
+            if split:
+                scores = split_linear(x, self.weight) / args.gate_temp
+            else:
+                scores = F.linear(x.to(dtype), self.weight.to(dtype)) / args.gate_temp
         if args.score_func == "softmax":
             scores = scores.softmax(dim=-1)
         elif args.score_func == "sigmoid":
@@ -65,17 +83,13 @@ class Gate(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # the reference's constant, not norm_eps
         return weights * args.route_scale, indices
 
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None = None):
-    """``silu(min(gate, limit)) · clamp(up, ±limit) · weights`` (no clamp for ``limit`` 0): an expert's hidden
-    activation, W2's input, in fp32 (fp64 in an fp64 model). The clamps are the reference's (they keep the fp8/fp4
-    activations in range)."""
-    dtype = torch.promote_types(gate.dtype, torch.float32)
-    gate, up = gate.to(dtype), up.to(dtype)
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    h = F.silu(gate) * up
-    return h if weights is None else h * weights
+    def on_tensor_cores(self, x: torch.Tensor) -> bool:
+        """Whether the scores come from split bf16 GEMMs (``split_linear``): under bf16 autocast, fp32 weight, x in
+        fp32 or bf16, on a device of ``SPLIT_GATE_DEVICES``."""
+        device = x.device.type
+        return (device in SPLIT_GATE_DEVICES and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.bfloat16 and self.weight.dtype == torch.float32
+                and x.dtype in (torch.float32, torch.bfloat16))
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -85,8 +99,9 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert with ``nn.Linear`` matrices (the shared expert): ``W2 · clamped_swiglu(W1 x, W3 x, w)``;
-    W1 and W3 run as one GEMM on the stacked weights, as the dense FFN's do."""
+    """One SwiGLU FFN with ``nn.Linear`` matrices (the shared expert; with no clamp, the dense FFN):
+    ``W2 · swiglu(W1 x, W3 x)`` with ``swiglu(g, u) = silu(min(g, L)) · clamp(u, ±L) · w`` (``kernels``'
+    ``swiglu``: one kernel on the GEMM's output); W1 and W3 run as one GEMM on the stacked weights."""
 
     def __init__(self, dim: int, inter_dim: int, swiglu_limit: float = 0.0, kernel_backend: str = "auto"):
         super().__init__()
@@ -94,11 +109,13 @@ class Expert(nn.Module):
         self.w1, self.w2, self.w3 = linear(dim, inter_dim), linear(inter_dim, dim), linear(dim, inter_dim)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., dim]; ``weights`` (broadcast against [..., inter], e.g. [N, 1]) scale the hidden activation."""
+        """x [..., dim]; ``weights`` (one per row of x, e.g. [N] or [N, 1]) scale the hidden activation."""
         w13, w2 = matmul_weights([(self.w1, self.w3), self.w2], self.kernel_backend)
-        gate, up = F.linear(x, w13).chunk(2, dim=-1)
-        h = clamped_swiglu(adapted(gate, self.w1, x), adapted(up, self.w3, x), self.swiglu_limit, weights)
-        h = h.to(compute_dtype(x))
+        h = F.linear(x, w13)  # [gate | up]
+        if hasattr(self.w1, "lora") or hasattr(self.w3, "lora"):
+            gate, up = h.chunk(2, dim=-1)
+            h = torch.cat([adapted(gate, self.w1, x), adapted(up, self.w3, x)], dim=-1)
+        h = kernels.ops(self.kernel_backend, x.device).swiglu(h, self.swiglu_limit, weights)
         return adapted(F.linear(h, w2), self.w2, h)
 
 
@@ -110,8 +127,9 @@ class RoutedExperts(nn.Module):
     expert names ``{j}.w1.weight`` (j global), the entries being views of the stacked tensors (no copy: a writer that
     refuses shared storage, like safetensors, needs them cloned)."""
 
-    def __init__(self, dim: int, args: MoEArgs, expert_ids: range | None = None):
+    def __init__(self, dim: int, args: MoEArgs, expert_ids: range | None = None, kernel_backend: str = "auto"):
         super().__init__()
+        self.kernel_backend = kernel_backend
         self.expert_ids = range(args.n_routed_experts) if expert_ids is None else expert_ids
         if not (isinstance(self.expert_ids, range) and self.expert_ids.step == 1 and len(self.expert_ids)
                 and 0 <= self.expert_ids.start and self.expert_ids.stop <= args.n_routed_experts):
@@ -140,16 +158,16 @@ class RoutedExperts(nn.Module):
         and the only way in fp64); the two compute the same function. Adapters (``lora``, ``model/lora.py``) run
         beside each matrix by the same path, their stacks being experts-first like the weights."""
         dtype = compute_dtype(x)
-        x, weights = x.to(dtype), weights.unsqueeze(-1)
+        x = x.to(dtype)
+        w13, w2 = cast_stacked([[self.w1, self.w3], [self.w2]], dtype, self.kernel_backend)
         adapters = getattr(self, "lora", None)
-        stacks = {w: (getattr(self, w), *((adapters[w].A, adapters[w].B) if adapters else ())) for w in ROUTED_WEIGHTS}
-        stacks = {w: [t.to(dtype) for t in ts] for w, ts in stacks.items()}  # a cast under autocast, else themselves
+        low_rank = {w: (adapters[w].A.to(dtype), adapters[w].B.to(dtype)) for w in ROUTED_WEIGHTS} if adapters else {}
         if grouped is None:
             grouped = x.device.type == "cuda" and dtype in GROUPED_MM_DTYPES
         if not grouped:
             bounds = [0, *counts.cumsum(0).tolist()]
-            return torch.cat([self._swiglu(x[lo:hi], weights[lo:hi], F.linear,
-                                           {w: [t[i] for t in ts] for w, ts in stacks.items()})
+            return torch.cat([self._swiglu(x[lo:hi], weights[lo:hi], F.linear, w13[i], w2[i],
+                                           {w: (A[i], B[i]) for w, (A, B) in low_rank.items()})
                               for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
         rank = adapters["w1"].A.shape[1] if adapters else 0
         if self.dim % 8 or self.inter_dim % 8 or rank % 8:
@@ -161,17 +179,20 @@ class RoutedExperts(nn.Module):
         def grouped_linear(rows, weight):  # rows of expert e times weight[e]ᵀ, for every e at once
             return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
 
-        return self._swiglu(x, weights, grouped_linear, stacks)
+        return self._swiglu(x, weights, grouped_linear, w13, w2, low_rank)
 
-    def _swiglu(self, x, weights, matmul, stacks: dict[str, list[torch.Tensor]]):
-        """``stacks``: each matrix's ``[weight]`` or ``[weight, A, B]`` (an expert's, or the stacks for ``matmul``)."""
-        def project(rows, w):
-            weight, *low_rank = stacks[w]
-            y = matmul(rows, weight)
-            return y + self.lora[w](rows, matmul, *low_rank) if low_rank else y
+    def _swiglu(self, x, weights, matmul, w13, w2, low_rank: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+        """``W2 · swiglu(W13 x)`` by ``matmul(rows, weight)`` (``F.linear`` on one expert's matrices, or the grouped
+        GEMM on the stacks); ``low_rank``: each adapted matrix's ``(A, B)`` (sliced like the weights), or empty."""
+        def adapter(w, rows):
+            return self.lora[w](rows, matmul, *low_rank[w])
 
-        h = clamped_swiglu(project(x, "w1"), project(x, "w3"), self.swiglu_limit, weights)
-        return project(h.to(x.dtype), "w2")
+        h = matmul(x, w13)  # [gate | up]
+        if low_rank:
+            h = h + torch.cat([adapter("w1", x), adapter("w3", x)], dim=-1)
+        h = kernels.ops(self.kernel_backend, x.device).swiglu(h, self.swiglu_limit, weights)
+        out = matmul(h, w2)
+        return out + adapter("w2", h) if low_rank else out
 
 
 def expert_key(j: int, name: str) -> str:
@@ -226,13 +247,37 @@ def sort_by_expert(indices: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     return flat.argsort(stable=True), counts
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inverse`` with ``inverse[order[i]] = i``: where each element of a permutation's input went."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+class _Reorder(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def reorder(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[order]`` for a permutation ``order`` of x's rows (``inverse``: ``inverse_permutation(order)``), whose
+    backward is the gather ``grad[inverse]``: ``index_select``'s own backward adds the rows back atomically."""
+    return _Reorder.apply(x, order, inverse)
+
+
 class LocalDispatch:
     """Routed slots to the experts of this process: ``(experts, rows, counts, weights, meanwhile) -> (rows,
     meanwhile())`` with ``rows`` [M, dim] sorted by expert, ``counts`` [E] per global expert, ``weights`` [M]; each
     output row is its slot's expert output (weighted). ``meanwhile`` is the work an exchange may overlap (the shared
-    expert); here it simply runs first. Held experts only (a subset of ``expert_ids``): the others' slots are zeros, so a partition
-    of the experts over modules adds up to the whole routed part. The expert-parallel dispatch
-    (``parallel/experts.py``) has the same signature and sends the slots to their experts' ranks and back."""
+    expert); here it simply runs first. Held experts only (a subset of ``expert_ids``, as the tests split them): the
+    others' slots are zeros, so a partition of the experts over modules adds up to the whole routed part; that case
+    reads the held rows' bounds on the host. The expert-parallel dispatch (``parallel/experts.py``) has the same
+    signature and sends the slots to their experts' ranks and back."""
 
     def __call__(self, experts: RoutedExperts, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
                  meanwhile=None) -> tuple[torch.Tensor, object]:
@@ -244,12 +289,6 @@ class LocalDispatch:
         out = rows.new_zeros(rows.shape[0], rows.shape[1], dtype=compute_dtype(rows))
         out[lo:hi] = experts(rows[lo:hi], counts[held.start:held.stop], weights[lo:hi])
         return out, during
-
-
-def combine(rows: torch.Tensor, token: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Expert output rows (already weighted) added into their tokens, in fp32 (at least): [n_tokens, dim]."""
-    dtype = torch.promote_types(rows.dtype, torch.float32)
-    return rows.new_zeros(n_tokens, rows.shape[-1], dtype=dtype).index_add_(0, token, rows.to(dtype))
 
 
 class MoE(nn.Module):
@@ -266,30 +305,30 @@ class MoE(nn.Module):
                  dispatch=None):
         super().__init__()
         args.check()
-        self.args = args
+        self.args, self.kernel_backend = args, kernel_backend
         self.dispatch = dispatch or LocalDispatch()
         self.gate = Gate(dim, args)
-        self.experts = RoutedExperts(dim, args, expert_ids)
+        self.experts = RoutedExperts(dim, args, expert_ids, kernel_backend)
         if args.n_shared_experts:
             self.shared_experts = Expert(dim, args.inter_dim, args.swiglu_limit, kernel_backend)
         self.register_buffer("load", torch.zeros(args.n_routed_experts, dtype=torch.float32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, k = x.shape, self.args.n_activated_experts
+        shape, k, ops = x.shape, self.args.n_activated_experts, kernels.ops(self.kernel_backend, x.device)
         x = x.reshape(-1, shape[-1])
         weights, indices = self.gate(x)
         order, counts = sort_by_expert(indices, self.args.n_routed_experts)
         if self.training and not kernels.recomputing():
             self.load += counts
-        xc = x.to(compute_dtype(x))  # the experts' operand, cast once before it is gathered k times
-        token = order // k
-        shared = (lambda: self.shared_experts(xc)) if self.args.n_shared_experts else None
-        slots, slot_weights = xc.index_select(0, token), weights.flatten()[order]
-        rows, y_shared = self.dispatch(self.experts, slots, counts, slot_weights, meanwhile=shared)
-        y = combine(rows, token, x.shape[0])  # the gather's backward: an index_add
-        if y_shared is not None:
-            y = y + y_shared
-        return y.to(x.dtype).view(shape)
+        slot = inverse_permutation(order)  # slot[t·k + j]: where choice j of token t sits in expert order
+        has_shared = self.args.n_shared_experts > 0
+        # x[t] to its k slots in the experts' dtype, and (for the shared expert) x itself in that dtype, one pass
+        rows, xc = ops.permute_rows(x, slot.view(-1, k), compute_dtype(x), copy=has_shared)
+        shared = (lambda: self.shared_experts(xc)) if has_shared else None
+        rows, y_shared = self.dispatch(self.experts, rows, counts, reorder(weights.flatten(), order, slot),
+                                       meanwhile=shared)
+        # y[t] = shared(x)[t] + Σ_j rows[slot[t, j]] in fp32, rounded to x's dtype once
+        return ops.unpermute_rows(rows, slot.view(-1, k), y_shared, x.dtype).view(shape)
 
     def take_load(self) -> torch.Tensor:
         """The tokens per expert counted since the last call (fp32 [E]); the count restarts at zero."""

@@ -20,7 +20,6 @@ from functools import partial
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -33,29 +32,17 @@ from model.dense import DenseAttention
 from model.dspark import DSpark, DSparkOutput
 from model.engram import Engram, EngramHash, EngramTable
 from model.layout import Layout, LayerPlan
-from model.lora import adapted
-from model.moe import ROUTED_WEIGHTS, MoE, update_bias
+from model.moe import ROUTED_WEIGHTS, Expert, MoE, update_bias
 from model.norm import RMSNorm
 from model.offload import HostCopy
 from model.state import SharedState
-from model.weights import matmul_weights
 
 
-class FeedForward(nn.Module):
+class FeedForward(Expert):
+    """The dense FFN: the SwiGLU of the MoE's shared expert, unclamped."""
+
     def __init__(self, dim: int, inter_dim: int, kernel_backend: str = "auto"):
-        super().__init__()
-        self.kernel_backend = kernel_backend
-        self.w1, self.w2, self.w3 = linear(dim, inter_dim), linear(inter_dim, dim), linear(dim, inter_dim)
-
-    def forward(self, x):
-        w13, w2 = matmul_weights([(self.w1, self.w3), self.w2], self.kernel_backend)
-        swiglu = kernels.ops(self.kernel_backend, x.device).swiglu
-        gate_up = F.linear(x, w13)  # w1 and w3: one GEMM, [gate | up]
-        if hasattr(self.w1, "lora") or hasattr(self.w3, "lora"):
-            gate, up = gate_up.chunk(2, dim=-1)
-            gate_up = torch.cat([adapted(gate, self.w1, x), adapted(up, self.w3, x)], dim=-1)
-        h = swiglu(gate_up)
-        return adapted(F.linear(h, w2), self.w2, h)
+        super().__init__(dim, inter_dim, 0.0, kernel_backend)
 
 
 def make_ffn(args: ModelArgs, moe=None, dispatch=None) -> nn.Module:

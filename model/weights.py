@@ -4,7 +4,8 @@ bf16 autocast casts each fp32 master weight on its own before its matmul (a laun
 ``matmul_weights`` casts a layer's weights in one launch (``kernels``' ``cast``) and the matmuls then take them as
 they are. Outside autocast, or for weights that are not fp32 (autocast leaves those alone), they pass through
 (stacked ones copied together). Layers that read the same input are stacked into one operand: one GEMM, one
-launch (and one cuBLAS workspace memset) fewer per stack.
+launch (and one cuBLAS workspace memset) fewer per stack. ``cast_stacked`` does the same for raw tensors in a
+given dtype: the routed experts' stacks, ``[E, rows, cols]``, stacked expert by expert.
 """
 import torch
 from torch import nn
@@ -20,4 +21,13 @@ def matmul_weights(layers: list[nn.Linear | tuple[nn.Linear, ...]], kernel_backe
     device = weights[0][0].device
     if not torch.is_autocast_enabled(device.type) or any(w.dtype != torch.float32 for g in weights for w in g):
         return [kernels.reference.stack_rows(group) for group in weights]
-    return kernels.ops(kernel_backend, device).cast(weights, torch.get_autocast_dtype(device.type))
+    return cast_stacked(weights, torch.get_autocast_dtype(device.type), kernel_backend)
+
+
+def cast_stacked(groups: list[list[torch.Tensor]], dtype: torch.dtype, kernel_backend: str) -> list[torch.Tensor]:
+    """Each group's tensors in ``dtype``, stacked by rows (``kernels.reference.stack_rows``): fp32 masters cast down
+    in one launch (the copy that stacks them is the cast); any other tensor cast (if it must be) on its own."""
+    tensors = [t for group in groups for t in group]
+    if dtype == torch.float32 or any(t.dtype != torch.float32 for t in tensors):
+        return kernels.reference.cast(groups, dtype)
+    return kernels.ops(kernel_backend, tensors[0].device).cast(groups, dtype)

@@ -10,10 +10,11 @@ with the same ``r`` across the groups hold the same experts: their expert gradie
 Dispatch (``ExpertAllToAll``, ``model.moe.MoE``'s ``dispatch``). A rank routes its own tokens; its slots, sorted by
 expert, are already grouped by destination. The per-expert counts go out first (``all_to_all_single``), then the
 slot rows and their routing weights; a receiver puts the rows it got (source-major) into expert-major order, runs
-its experts as one grouped GEMM, restores the order and sends the outputs back. Every exchange is an autograd
-function whose backward is the exchange the other way, so the experts' inputs, the routing weights (and through
-them the gate) and the experts' weights all get the gradients of the whole batch. The counts are read on the host
-(the splits of ``all_to_all_single``): one synchronisation per layer and direction.
+its experts as one grouped GEMM, restores the order and sends the outputs back (``run_received``: both
+permutations gathers, forward and backward). Every exchange is an autograd function whose backward is the exchange
+the other way, so the experts' inputs, the routing weights (and through them the gate) and the experts' weights all
+get the gradients of the whole batch. The counts are read on the host (the splits of ``all_to_all_single``): one
+synchronisation per layer and direction, the MoE step's only ones.
 
 Every rank of a group must run every MoE forward and backward in the same order (a rank that routes nothing to
 another still sends it an empty part): the pipeline schedule gives every replica of a stage the same order.
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from model.config import ModelArgs
 from model.layout import Layout
+from model.moe import inverse_permutation, reorder
 
 
 class _AllToAll(torch.autograd.Function):
@@ -79,18 +81,29 @@ class ExpertAllToAll:
         during = meanwhile() if meanwhile is not None else None
         for work in pending or ():
             work.wait()
-        order = expert_major(received)  # source-major rows -> grouped by my expert
-        out = experts(slots[order], received.sum(0), slot_weights[order])
-        back = torch.empty_like(out).index_copy_(0, order, out)  # the inverse permutation
+        back = run_received(experts, slots, slot_weights, received, sum(receive))
         return _AllToAll.apply(back, receive, send, self.group), during
 
 
-def expert_major(counts: torch.Tensor) -> torch.Tensor:
+def run_received(experts, rows: torch.Tensor, weights: torch.Tensor, received: torch.Tensor, total: int,
+                 grouped: bool | None = None) -> torch.Tensor:
+    """The held experts on the rows a rank received, source after source (``received`` [sources, held experts]
+    rows each, ``total`` of them: known on the host), with their routing weights: the rows put expert after expert,
+    through the experts (``grouped`` as ``RoutedExperts.forward`` takes it), and the outputs put back in arrival
+    order. Both permutations are gathers forward and backward (``model.moe.reorder``): no atomics."""
+    order = expert_major(received, total)
+    inverse = inverse_permutation(order)
+    out = experts(reorder(rows, order, inverse), received.sum(0), reorder(weights, order, inverse), grouped=grouped)
+    return reorder(out, inverse, order)
+
+
+def expert_major(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """The permutation that takes rows laid out source after source (each source's rows by expert, ``counts``
-    [sources, experts]) to expert after expert (each expert's rows by source)."""
+    [sources, experts]) to expert after expert (each expert's rows by source). ``total``: the rows' count when the
+    host knows it (else ``repeat_interleave`` reads it from the device)."""
     sources, experts = counts.shape
     segment = torch.arange(sources * experts, device=counts.device).view(sources, experts)
-    segment_of_row = segment.flatten().repeat_interleave(counts.flatten())  # source-major segment ids
+    segment_of_row = segment.flatten().repeat_interleave(counts.flatten(), output_size=total)  # source-major ids
     expert_first = segment.t().flatten()  # segments in expert-major order
     rank_of = torch.empty_like(expert_first)
     rank_of[expert_first] = torch.arange(expert_first.numel(), device=counts.device)

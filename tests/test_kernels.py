@@ -616,8 +616,8 @@ def test_hc_pre_post_and_collapse(seed, hc, dim, stream_dtype):
 
 
 def test_cast(seed):
-    """Several tensors cast in one launch, a group of two stacked by rows: exact values and shapes (views of one
-    buffer), gradients back in the source dtype. Catches a stack in the wrong order or a member's rows misplaced."""
+    """Several tensors cast in one launch, a group of two stacked by rows: exact values and shapes,
+    gradients back in the source dtype. Catches a stack in the wrong order or a member's rows misplaced."""
     tensors = [torch.randn(shape, requires_grad=True) for shape in ((3, 5), (7,), (4096 + 3, 2), (6, 2))]
     groups = [[tensors[0]], [tensors[1]], [tensors[2], tensors[3]]]
     cast = triton_ops.cast(groups, torch.float16)
