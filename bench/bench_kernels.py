@@ -1069,7 +1069,7 @@ def hyper_blocks(problem) -> dict:
     """The Triton pass's time with other tile shapes of the projection kernels (BLOCK_N tokens x BLOCK_D columns,
     warps): the data for choosing the defaults."""
     times = {}
-    for block_n, block_d, warps in n([(32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 256, 8)],
+    for block_n, block_d, warps in n([(64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 64, 4)],
                                       [(16, 32, 4)]):
         with overridden(triton_hyper, "BLOCK_N", block_n), overridden(triton_hyper, "BLOCK_D", block_d), \
                 overridden(triton_hyper, "WARPS", warps):

@@ -27,6 +27,7 @@ from kernels import gluon_index_score
 from kernels import triton_attention as attn
 from kernels import triton_cast as cast
 from kernels import triton_dkv as dkv
+from kernels import triton_hyper as hyper
 from kernels import triton_indexer as idx
 from kernels import triton_moe as moe
 from kernels import triton_norm as nrm
@@ -190,6 +191,32 @@ def specs() -> list[KernelSpec]:
                                       dict(ROWS=bf, SLOT=i64, TOKEN_ROWS=f32, n_tokens=i32, **(dict(OTHER=bf) if other
                                                                                               else {})),
                                       dict(shape, SPREAD=spread, WITH_OTHER=other)))
+    for D in (1024, 5120):  # the hyper-connected stream (hc 4, a bf16 stream) of small_moe and V4.1
+        stream = dict(D=D, HC=4, BLOCK_D=hyper.TOKEN_BLOCK_D)
+        projection = dict(stream, BLOCK_D=hyper.BLOCK_D, MIX=24, MIX_P=32, BLOCK_N=hyper.BLOCK_N)
+        sinkhorn = dict(HC=4, HC_P=4, MIX=24, STEPS=39, ROWS=hyper.SINKHORN_ROWS)
+        out.append(KernelSpec(untuned(hyper._pre_fwd, num_warps=hyper.WARPS),
+                              dict(X=bf, PRE_IN=f32, FN=f32, H=bf, MRAW=f32, RSTD=f32, n_rows=i32, norm_eps="fp32"),
+                              projection))
+        out.append(KernelSpec(untuned(hyper._pre_bwd, num_warps=hyper.WARPS),
+                              dict(X=bf, PRE_IN=f32, FN=f32, DH=bf, DMRAW=f32, COEF=f32, STASH=bf, DX=bf, DFN=f32,
+                                   DPRE=f32, n_rows=i32, tiles_per_split=i32),
+                              dict(projection, HAS_STASH=True, WHILE_LOOP=False)))
+        out.append(KernelSpec(untuned(hyper._expand_fwd, num_warps=4),
+                              dict(X=bf, Y=bf, POST=f32, COMB=f32, OUT=bf), dict(stream, HC_P=4)))
+        out.append(KernelSpec(untuned(hyper._expand_bwd, num_warps=4),
+                              dict(X=bf, Y=bf, POST=f32, COMB=f32, G=bf, DX=bf, DY=bf, DPOST=f32, DCOMB=f32),
+                              dict(stream, HC_P=4)))
+        out.append(KernelSpec(untuned(hyper._collapse_fwd, num_warps=4), dict(X=bf, PRE=f32, OUT=bf),
+                              dict(stream, HC_P=4)))
+        out.append(KernelSpec(untuned(hyper._collapse_bwd, num_warps=4), dict(X=bf, PRE=f32, G=bf, DX=bf, DPRE=f32),
+                              dict(stream, HC_P=4)))
+    out.append(KernelSpec(untuned(hyper._sinkhorn_fwd, num_warps=4),
+                          dict(MRAW=f32, RSTD=f32, SCALE=f32, BASE=f32, PRE=f32, POST=f32, COMB=f32, n_rows=i32,
+                               hc_eps="fp32"), sinkhorn))
+    out.append(KernelSpec(untuned(hyper._sinkhorn_bwd, num_warps=4),
+                          dict(MRAW=f32, RSTD=f32, SCALE=f32, BASE=f32, DPRE=f32, DPOST=f32, DCOMB=f32, SCRATCH=f32,
+                               DMRAW=f32, COEF=f32, PARTS=f32, n_rows=i32, hc_eps="fp32"), dict(sinkhorn, D=1024)))
     for conj in (False, True):  # forward rotation; its transpose in the backward
         out.append(KernelSpec(rope._rope_kernel, dict(x=bf, rotation=f32, out=bf, R=i32, H=i32),
                               dict(D=512, DIM=64, BLOCK_REST=512, CONJ=conj)))

@@ -25,11 +25,12 @@ import triton.language as tl
 from kernels.reference import StreamMix
 from kernels.triton_common import INTERPRET, new_output
 
-BLOCK_D = 32 if INTERPRET else 128  # columns of a copy per step
+BLOCK_D = 32 if INTERPRET else 64  # columns of a copy per step of the projection kernels
+TOKEN_BLOCK_D = 32 if INTERPRET else 256  # columns per step of the per-token kernels (expand, collapse)
 BLOCK_N = 16 if INTERPRET else 64  # tokens per program of the projection and its gradient
 SINKHORN_ROWS = 16 if INTERPRET else 128  # tokens per program of the Sinkhorn kernels
 BACKWARD_PROGRAMS = 512  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
-WARPS = 4  # of _pre_fwd and _pre_bwd
+WARPS = 8  # of _pre_fwd and _pre_bwd (64 x 64 tiles at 8 warps: no spills, ptxas on sm_90a)
 
 
 @triton.jit
@@ -323,7 +324,7 @@ def _launch(x: torch.Tensor) -> tuple[int, dict]:
     """The tokens of a stream x [..., hc, D] and the per-token kernels' constexprs."""
     hc, dim = x.shape[-2:]
     return x.numel() // (hc * dim), dict(D=dim, HC=hc, HC_P=triton.next_power_of_2(hc),
-                                         BLOCK_D=min(BLOCK_D, triton.next_power_of_2(dim)))
+                                         BLOCK_D=min(TOKEN_BLOCK_D, triton.next_power_of_2(dim)))
 
 
 class StreamGrad:
@@ -345,7 +346,7 @@ class _Pre(torch.autograd.Function):
         rstd = new_output((rows,), torch.float32, x.device)
         _pre_fwd[(triton.cdiv(rows, BLOCK_N),)](x, pre_in, fn, h, mraw, rstd, rows, norm_eps, D=dim, HC=hc, MIX=mix,
                                                 MIX_P=max(16, triton.next_power_of_2(mix)), BLOCK_N=BLOCK_N,
-                                                BLOCK_D=consts["BLOCK_D"], num_warps=WARPS)
+                                                BLOCK_D=min(BLOCK_D, triton.next_power_of_2(dim)), num_warps=WARPS)
         pre, post = (new_output(x.shape[:-1], torch.float32, x.device) for _ in range(2))
         comb = new_output((*x.shape[:-1], hc), torch.float32, x.device)
         _sinkhorn_fwd[(triton.cdiv(rows, SINKHORN_ROWS),)](mraw, rstd, scale, base, pre, post, comb, rows, hc_eps,
@@ -375,7 +376,8 @@ class _Pre(torch.autograd.Function):
         if ctx.link is not None:
             ctx.link.grad = None
         dx = stash if stash is not None else new_output(x.shape, x.dtype, x.device)
-        blocks = hc * triton.cdiv(dim, consts["BLOCK_D"])
+        block_d = min(BLOCK_D, triton.next_power_of_2(dim))
+        blocks = hc * triton.cdiv(dim, block_d)
         splits = max(1, min(triton.cdiv(rows, BLOCK_N), BACKWARD_PROGRAMS // blocks))
         tiles_per_split = triton.cdiv(triton.cdiv(rows, BLOCK_N), splits)
         splits = triton.cdiv(triton.cdiv(rows, BLOCK_N), tiles_per_split)
@@ -383,7 +385,7 @@ class _Pre(torch.autograd.Function):
         dpre_in = new_output((blocks // hc, rows, hc), torch.float32, x.device)
         _pre_bwd[(blocks, splits)](x, pre_in, fn, dh.contiguous(), dmraw, coef, dx, dx, dfn, dpre_in, rows,
                                    tiles_per_split, D=dim, HC=hc, MIX=mix, MIX_P=max(16, triton.next_power_of_2(mix)),
-                                   BLOCK_N=BLOCK_N, BLOCK_D=consts["BLOCK_D"], HAS_STASH=stash is not None,
+                                   BLOCK_N=BLOCK_N, BLOCK_D=block_d, HAS_STASH=stash is not None,
                                    WHILE_LOOP=INTERPRET, num_warps=WARPS)
         return (dx, dpre_in.sum(0).view(pre_in.shape), dfn.sum(0), parts[mix:], parts[:mix],
                 None, None, None, None)
