@@ -9,7 +9,8 @@ one RMS statistic over all ``hc * D`` values, then squashed by a Sinkhorn-normal
 a sublayer's mixes hold collapses the input of the *next* sublayer (``staggered_block``), so a block's attention
 reads the previous block's FFN mix.
 
-The stream keeps the embedding's dtype (fp32 in training); every mix is computed in (at least) fp32.
+The stream is kept in the compute dtype (``stream_dtype``: bf16 under bf16 autocast, as the reference's inference
+keeps it: its ``hc_post`` rounds to the sublayer output's dtype), and every mix is computed in fp32 from it.
 """
 import math
 
@@ -64,6 +65,14 @@ def add_mix_parameters(module: nn.Module, hc: int, dim: int) -> None:
 def _exact(t: torch.Tensor):
     """No autocast: the coefficients and the stream's mixing run in (at least) fp32 even inside a bf16 region."""
     return torch.autocast(t.device.type, enabled=False)
+
+
+def stream_dtype(h: torch.Tensor) -> torch.dtype:
+    """The stream's dtype for an embedding h: the compute dtype (bf16 under bf16 autocast, as the reference's
+    inference keeps the stream; fp32 or fp64 outside autocast). Each expand rounds the stream to it once; the mixes,
+    collapse and expand compute in (at least) fp32 inside."""
+    device = h.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
 
 
 def hc_pre(module: nn.Module, part: str, x: torch.Tensor, pre_in: torch.Tensor, iters: int, norm_eps: float,
@@ -126,10 +135,11 @@ def residual_block(module: nn.Module, x: torch.Tensor, pre: torch.Tensor | None,
 
 
 def begin(h: torch.Tensor, hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The stream an embedding starts: itself (``hc`` 1), or its copies with the one-hot first pre-mix."""
+    """The stream an embedding starts: itself (``hc`` 1), or its copies in the stream's dtype (``stream_dtype``)
+    with the one-hot first pre-mix."""
     if hc == 1:
         return h, None
-    x = copies(h, hc)
+    x = copies(h.to(stream_dtype(h)), hc)
     return x, first_pre_mix(x)
 
 

@@ -11,8 +11,9 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
   parameter; none of a frozen weight kept in bf16); it is gone before a backward starts (a recomputed layer casts
   again, inside its transient);
 - retained activations, per microbatch in flight: under 1F1B stage s holds min(M, P - s) microbatches between their
-  forward and backward, so the first stage holds the most. Per layer: its fp32 input (what a recomputed layer's
-  checkpoint keeps; with hyper-connections its copies and pending pre-mix) plus, for a layer that is not
+  forward and backward, so the first stage holds the most. Per layer: its input (what a recomputed layer's
+  checkpoint keeps: the fp32 plain stream, or the hyper-connected copies in the compute dtype and the fp32 pending
+  pre-mix) plus, for a layer that is not
   recomputed, the tensors its backward reads (``_saved_bytes``),
   plus the shared tensors it produces (``model/state.py``); per stage the payloads it received (the buffer and the
   copy DeepSpeed's forward makes) and sent (kept for the backward);
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import ModelArgs
+from model.hyper import mix_width
 from model.layout import Layout, Mode
 from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
 from model.transformer import Transformer
@@ -121,8 +123,9 @@ def _saved_bytes(args: ModelArgs, layout: Layout, layer: int, tokens: int, items
         active = moe.n_activated_experts * routed_rows + moe.n_shared_experts
         width += active * (args.dim + moe.inter_dim)
         fp32 += active * 2 * moe.inter_dim + moe.n_routed_experts
-    if args.hc_mult > 1:  # the normalised stream of each sublayer's mixes, and what expand reads of the stream
-        fp32 += 2 * 2 * args.hc_mult * args.dim
+    if args.hc_mult > 1:  # the stream between the sublayers; each sublayer's mixes (projection, statistic, split)
+        width += args.hc_mult * args.dim
+        fp32 += 2 * (2 * mix_width(args.hc_mult) + 1)
     if layer in args.engram.layers:  # the looked-up rows, the keys and value, the stream the gate reads
         engram = args.engram
         width += (engram.max_ngram_size - 1) * engram.n_heads * engram.head_dim
@@ -268,7 +271,8 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     if E > 1 and args.ffn == "moe":
         exchange = 2 * tokens * args.moe.n_activated_experts * routed_rows * args.dim * dtype.itemsize
     retained, transient = [], []
-    stream = 4 * tokens * args.dim * args.hc_mult + (4 * tokens * args.hc_mult if args.hc_mult > 1 else 0)
+    stream = tokens * (4 * args.dim if args.hc_mult == 1  # the plain stream is fp32, the copies the compute dtype
+                       else args.hc_mult * (args.dim * dtype.itemsize + 4))  # with the fp32 pre-mix
     on_host = offload_inputs and all_recomputed
     for i in range(layout.n_layers):
         saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize, routed_rows)

@@ -61,10 +61,10 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
                     context: int = 1) -> list[Field]:
     """Fields that cross the boundary after ``last_layer``: produced at or before it, last used after it.
 
-    ``dtype`` is the compute dtype of projections (bf16 under autocast); the residual stream ``h`` stays fp32
+    ``dtype`` is the compute dtype of projections (bf16 under autocast); the plain residual stream ``h`` stays fp32
     (fp32 master weights, the embedding's dtype), and so does the latent of an m > 1 Full layer (its gated
-    pooling runs in fp32). With hyper-connections ``h`` holds the copies [B,T,hc,D] and ``pre_mix`` the pending
-    pre-mix of the next block's attention. The token ids cross when a later layer hashes n-grams or the draft
+    pooling runs in fp32). With hyper-connections ``h`` holds the copies [B,T,hc,D] in the compute dtype
+    (``model.hyper.stream_dtype``) and ``pre_mix`` the pending pre-mix of the next block's attention (fp32). The token ids cross when a later layer hashes n-grams or the draft
     head trains (``dspark``: it also needs the features of its target layers up to here).
 
     With ``context`` > 1 ranks per row (``parallel/context.py``) a rank sends its chunk: the per-token fields hold
@@ -85,8 +85,10 @@ def boundary_fields(args: ModelArgs, layout: Layout, last_layer: int, micro_batc
                        block_id, False),
         "index_target": (lambda s: (B, T, K), torch.float32, torch.float32, False),
     }
-    stream = (B, T, args.dim) if args.hc_mult == 1 else (B, T, args.hc_mult, args.dim)
-    fields = [Field("h", None, stream, torch.float32, torch.float32, True)]
+    if args.hc_mult == 1:
+        fields = [Field("h", None, (B, T, args.dim), torch.float32, torch.float32, True)]
+    else:
+        fields = [Field("h", None, (B, T, args.hc_mult, args.dim), dtype, dtype, True)]
     if args.hc_mult > 1:
         fields.append(Field("pre_mix", None, (B, T, args.hc_mult), torch.float32, torch.float32, True))
     fields.append(Field("doc_ids", None, (B, row), torch.int64, torch.int32, False))

@@ -54,8 +54,8 @@ def test_chunk_halves_activations_but_not_the_gathered_entries(mini):
     two = estimate(args, layout, 1, T, torch.bfloat16, layout.n_layers, 2, cuda=False, context_parallel=2)
     counts = parameter_counts(args, layout)
     for i in range(layout.n_layers):
-        # 4 fp32 copies of the stream (dim 128) and the pending pre-mix, per token of the rank's chunk
-        stream = {C: 4 * (T // C) * 128 * 4 + 4 * (T // C) * 4 for C in (1, 2)}
+        # 4 bf16 copies of the stream (dim 128) and the fp32 pending pre-mix, per token of the rank's chunk
+        stream = {C: 4 * (T // C) * 128 * 2 + 4 * (T // C) * 4 for C in (1, 2)}
         for C, memory in ((1, one), (2, two)):
             whole, per_query = whole_and_per_query(args, layout, i, T // C)
             assert memory.retained[i] == pytest.approx(stream[C] + whole + per_query), (i, C)

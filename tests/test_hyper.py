@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kernels.reference import hc_expand as expand, hc_mixes as mixes, hc_split_sinkhorn as split_sinkhorn
-from model.hyper import add_mix_parameters, collapse, copies, first_pre_mix, hc_post, hc_pre, mix_width, \
+from model.hyper import add_mix_parameters, begin, collapse, copies, first_pre_mix, hc_post, hc_pre, mix_width, \
     staggered_block
 
 f64 = torch.float64
@@ -180,6 +180,22 @@ def test_collapse_and_expand_match_the_formula():
     torch.testing.assert_close(collapse(x, pre), ref_collapse(x, pre), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(expand(y, x, post, comb), ref_expand(y, x, post, comb), rtol=1e-12, atol=1e-12)
     assert not torch.allclose(expand(y, x, post, comb.transpose(-1, -2)), ref_expand(y, x, post, comb))
+
+
+def test_the_stream_keeps_the_compute_dtype():
+    """The stream starts in the compute dtype (bf16 under bf16 autocast, as the reference's inference keeps it) and
+    every sublayer's expand rounds it back to the stream's dtype, whatever the output's; the collapse returns it too.
+    Caught: ``begin`` leaving the embedding's fp32; ``hc_post`` returning fp32 (its computing dtype)."""
+    module = mix_module(2, 4, seed=12).float()
+    h = torch.randn(1, 2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x, pre = begin(h, 2)
+        assert x.dtype == torch.bfloat16 and pre.dtype == torch.float32
+        sub, mix = hc_pre(module, "attn", x, pre, 3, 1e-6, 1e-6)
+        assert sub.dtype == torch.bfloat16 and mix.comb.dtype == torch.float32
+        assert hc_post(torch.randn(1, 2, 4), x, mix).dtype == torch.bfloat16
+        assert collapse(x, mix.pre).dtype == torch.bfloat16
+    assert begin(h, 2)[0].dtype == torch.float32 and begin(h.double(), 2)[0].dtype == f64
 
 
 def test_staggered_block_order():
