@@ -1,57 +1,64 @@
 #!/usr/bin/env bash
-# Issue 34's measurements in one GPU call (one H200), every result as JSON under $OUT as soon as it exists, the most
+# The V4.1 parts' speed on one H200 (issues 34, 51), every result as JSON under $OUT as soon as it exists, the most
 # valuable first, so a cut call still brings back the earlier ones.
-#   CSA2_CODE=<commit> OUT=<dir> bash bench/gpu_v41.sh   # from the repository root; BUDGET seconds (default 530)
-#   SMOKE=1 OUT=<dir> bash bench/gpu_v41.sh              # the same sequence on the CPU at tiny shapes
-#   ONLY="moe_ffn" OUT=<dir> bash bench/gpu_v41.sh       # only the named stages (a rerun)
+#   CSA2_CODE=<commit> OUT=<dir> bash bench/gpu_v41.sh      # from the repository root; BUDGET seconds (default 540)
+#   SMOKE=1 OUT=<dir> bash bench/gpu_v41.sh                 # the same sequence on the CPU at tiny shapes
+#   ONLY="slice slice_base" OUT=<dir> bash bench/gpu_v41.sh # only the named stages
+#   BASE=<dir> BASE_CODE=<commit> ...                       # the *_base stages run the tree in <dir> (an older
+#                                                           # commit's kernels/ model/ parallel/ train/ bench/ conf/,
+#                                                           # e.g. `git archive <commit> ... | tar -x -C <dir>`):
+#                                                           # the baseline measured in the same call
 # Stages (file under $OUT -> bench/results/...):
-#   0. hyper            hyper_check.json, hyper_bench.json: the stream's collapse/expand kernels against the
-#                       reference (bench/bench_kernels.py check_hyper, bench_hyper)         -> kernels/
-#   1. train_small_moe  train_step_small_moe_65536.json: `model=small_moe layout=v41` at 64K, whole step: tokens/s,
-#                       MFU against the matmul rate of the same process, peak memory, tokens per expert, time per
-#                       part (attention, MoE, mHC, Engram; forward, recomputation, backward), the Reuse layer's
-#                       launches, the device time by kernel                                  -> train/
-#      (train_small_moe_expandable: the same once more with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
-#       only if the first ran out of memory; same file name)
-#   2. moe_ffn          moe_ffn.json: bench/moe_ffn.py, the routed experts' grouped GEMMs at V4.1 shapes against a
-#                       dense GEMM chain of the same FLOPs, 256..4096 tokens per expert      -> kernels/
-#   3. train_small      train_step_small_65536.json: `model=small` at 64K, the baseline, with its parts -> train/
-# Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt: 6 files (a device
-# call returns at most 8).
-# Expected on a fresh H200 (estimates, not yet timed: the `small` stage of bench/gpu_kernels.sh took 119 s with its
-# kernel table and a first compile, 62 s with the kernels compiled): small_moe ~150-200 s (Triton compile, build,
-# 1 warm-up + 2 timed + 1 probed + 1 profiled step of ~6 s), moe_ffn ~40 s, small ~70 s.
+#   check             check.json: every fused op of the stream and the MoE against the PyTorch reference in bf16
+#                     (bench/bench_kernels.py check: check_hyper and the MoE sections)              -> kernels/
+#   kernels           kernels_bench.json: the same ops timed against the PyTorch path (bench_hyper, bench_moe)
+#   train_small_moe   train_step_small_moe_65536.json: `model=small_moe layout=v41` at 64K, the whole step: tokens/s,
+#                     MFU against the matmul rate of the same process, peak memory, tokens per expert, time per part
+#                     (attention, MoE, mHC, Engram; forward, recomputation, backward), device time by kernel -> train/
+#   train_small_moe_base  the same step of the BASE tree (parts, no kernel table)    -> train/..._base.json
+#   moe_ffn           moe_ffn.json: bench/moe_ffn.py, the routed path (gate, sort, permutation, grouped GEMMs, SwiGLU,
+#                     combine) at V4.1 shapes against a dense GEMM chain of the same FLOPs               -> kernels/
+#   slice             v41_slice.json: bench/v41_slice.py, layers 20-23 and 24-27 at V4.1 width, splits own_tokens
+#                     and uniform                                                                    -> v41_slice/
+#   slice_base        the same on the BASE tree                                      -> v41_slice/v41_slice_base.json
+#   train_small_moe_lora  train_step_small_moe_lora_65536.json: the step with LoRA rank 16 (the memory model's
+#                     measured LoRA peak)                                                              -> finetune/
+# Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt (a device call returns
+# at most 8 files: choose the stages with ONLY).
 # Each stage runs under `timeout`, capped by what is left of BUDGET. CSA2_CODE=<commit> (required on the GPU) labels
-# the result files. The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are installed first when present.
+# the result files (BASE_CODE the baseline's). The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are
+# installed first when present.
 set -uo pipefail
 : "${OUT:?set OUT to the directory for the results}"
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 SMOKE=${SMOKE:-0}
-BUDGET=${BUDGET:-530}
+BUDGET=${BUDGET:-540}
 if [ "$SMOKE" != 1 ] && [ -z "${CSA2_CODE:-}" ]; then  # the GPU copy's .git can be stale (bench/result_meta.py)
   echo "error: set CSA2_CODE=<commit> so that the result files name the code they measured" >&2
   exit 2
 fi
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} CSA2_KERNEL_POISON=0 OUT
+SITE=
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
+  SITE=/tmp/site:
 fi
+export PYTHONPATH=$SITE$PWD
 
-if [ "$SMOKE" = 1 ]; then  # the CPU: v41_mini / tiny at 64 tokens, the PyTorch kernels, fp32; limits x 4
+if [ "$SMOKE" = 1 ]; then  # the CPU: v41_mini at 64 tokens, the PyTorch kernels, fp32; limits x 4
   SCALE=4
   MOE=(--device cpu model=v41_mini layout=v41_scaled data.seq_len=64 train.precision=fp32)
-  SMALL=(--device cpu model=tiny layout=v41_scaled data.seq_len=64 train.precision=fp32)
   FFN=(--smoke)
+  SLICE=(--smoke)
+  KB=(python3 bench/bench_kernels.py --smoke)
   T=64
 else
   SCALE=1
   MOE=(model=small_moe layout=v41)
-  SMALL=(model=small layout=v41)
   FFN=()
+  SLICE=(--splits own_tokens,uniform --modes layer)
+  KB=(python3 bench/bench_kernels.py)
   T=65536
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total,temperature.gpu \
     --format=csv | tee "$OUT/gpu.txt"
@@ -60,7 +67,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 stage() {  # name cap_seconds command...: run under the smaller of cap and the budget left; log rc and seconds
   local name=$1 cap=$(( $2 * SCALE )); shift 2
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" ${name%_expandable} "* ]]; then return; fi
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   local left=$(( BUDGET - SECONDS ))
   local limit=$(( cap < left ? cap : left ))
   if [ "$limit" -lt 30 ]; then
@@ -75,17 +82,22 @@ stage() {  # name cap_seconds command...: run under the smaller of cap and the b
   echo "$name rc=$rc ${limit}s-limit $(( SECONDS - start ))s" | tee -a "$OUT/stages.txt"
 }
 
-KB=(python3 bench/bench_kernels.py)
-[ "$SMOKE" = 1 ] && KB+=(--smoke)
-stage hyper 120 bash -c "${KB[*]} check --only check_hyper --out $OUT/hyper_check.json && \
-  ${KB[*]} bench --only bench_hyper --out $OUT/hyper_bench.json"
-STEP=(python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1)
-stage train_small_moe 280 "${STEP[@]}" --kernel-table --out "$OUT/train_step_small_moe_$T.json" "${MOE[@]}"
-if grep -q -e OutOfMemoryError -e "CUDA out of memory" "$OUT/train_small_moe.log" 2> /dev/null; then
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage train_small_moe_expandable 200 "${STEP[@]}" \
-    --out "$OUT/train_step_small_moe_$T.json" "${MOE[@]}"
+BASE_RUN=(false)  # a command prefix: run in the BASE tree, its results labelled BASE_CODE
+if [ -n "${BASE:-}" ]; then
+  BASE=$(cd "$BASE" && pwd)
+  BASE_RUN=(env -C "$BASE" CSA2_CODE="${BASE_CODE:-base}" PYTHONPATH="$SITE$BASE")
 fi
+
+MOE_CHECKS=check_moe_swiglu,check_moe_permute,check_moe_cast,check_moe_gate,check_moe_layer
+stage check 150 "${KB[@]}" check --only "check_hyper,$MOE_CHECKS" --out "$OUT/check.json"
+stage kernels 90 "${KB[@]}" bench --only bench_hyper,bench_moe --out "$OUT/kernels_bench.json"
+STEP=(python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1)
+stage train_small_moe 240 "${STEP[@]}" --kernel-table --out "$OUT/train_step_small_moe_$T.json" "${MOE[@]}"
+stage train_small_moe_base 200 "${BASE_RUN[@]}" "${STEP[@]}" --out "$OUT/train_step_small_moe_${T}_base.json" "${MOE[@]}"
 stage moe_ffn 100 python3 bench/moe_ffn.py "${FFN[@]}" --out "$OUT/moe_ffn.json"
-stage train_small 150 "${STEP[@]}" --out "$OUT/train_step_small_$T.json" "${SMALL[@]}"
+stage slice 260 python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice.json"
+stage slice_base 260 "${BASE_RUN[@]}" python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice_base.json"
+stage train_small_moe_lora 150 "${STEP[@]}" --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \
+  train.lora.rank=16 "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]"
 echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"
 for log in "$OUT"/*.log; do echo "==== $(basename "$log")"; cat "$log"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
