@@ -16,7 +16,7 @@ One child process per phase, so that each phase's peak host RSS (``VmHWM``) is i
   generator and rounded onto the grid they are stored in, so an exact import returns them bit for bit. The files
   are then flushed and dropped from the page cache (fsync, POSIX_FADV_DONTNEED), so the import reads the disk.
 - ``import`` (``--warm``: a second time, from the page cache): what the trainer does for a released
-  ``train.init_from``: ``adopt_released_config``, ``InitFrom`` (the headers, matched against the whole model on
+  ``train.init_from``: ``released_changes``, ``InitFrom`` (the headers, matched against the whole model on
   the meta device; ``train.init_strict=false``, as the directory holds only the slice's layers), the stage's
   ``Transformer(layer_ids=..., init=False)`` on the device as rank 0 of an E = 16 expert-parallel group
   (``--expert-parallel``, ``--expert-rank``: experts 0-23 of the 384), then ``load_stage``, the function
@@ -49,14 +49,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train.released_format as released  # noqa: E402
-from model import ModelArgs, Transformer, layout_from_config  # noqa: E402
-from model.cli import compose  # noqa: E402
+from model import Transformer, layout_from_config  # noqa: E402
+from model.cli import compose, resolved  # noqa: E402
+from model.config import ModelArgs, apply  # noqa: E402
 from model.engram import table_rows  # noqa: E402
 from model.quant import dequantize, quantize, scale_shape  # noqa: E402
 from model.transformer import init_std, seeded_generator  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 from train.export import parse_size  # noqa: E402
-from train.init_from import InitFrom, adopt_released_config, load_stage, rank_share  # noqa: E402
+from train.init_from import InitFrom, load_stage, rank_share, released_changes  # noqa: E402
 from train.reference_format import CONFIG, MAX_SHARD_BYTES, write_json  # noqa: E402
 from v41_slice import SMOKE, V41, StandInDispatch, parse_slices  # noqa: E402
 
@@ -201,14 +202,15 @@ def write_phase(a, args: ModelArgs, layout, device: torch.device) -> dict:
 
 
 def import_phase(a, device: torch.device) -> dict:
-    cfg = compose([*a.config, f"train.init_from={a.released}", "train.init_strict=false"])
+    config = resolved(compose([*a.config, f"train.init_from={a.released}", "train.init_strict=false"]))
     torch.zeros(1, device=device)  # the CUDA context, before the clock starts
     host_start = host_memory()
     start = time.perf_counter()
-    adopted = adopt_released_config(cfg)  # what the preflight does first
-    init = InitFrom(cfg)
+    changes = released_changes(config)  # what the preflight does first
+    config = apply(config, changes)
+    args, layout = config.model.args, layout_from_config(config.layout)
+    init = InitFrom(config.train.init_from, config.train.init_strict, args, layout)
     opened = time.perf_counter()
-    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     dispatch = StandInDispatch(a.expert_parallel, a.expert_rank)
     with torch.device(device):
         model = Transformer(args, layout, layer_ids=a.layers, init=False, experts=dispatch)
@@ -243,7 +245,7 @@ def import_phase(a, device: torch.device) -> dict:
             "bytes_in_files": sum((Path(a.released) / f).stat().st_size for f in set(source.weight_map.values())),
             "stored_gb_per_s": source.bytes_read / (done - built) / GB,
             "values_loaded": sum(t.numel() for t in state.values()), "host_threads": torch.get_num_threads(),
-            "config_changed": adopted, "tensors_matched": len(init.match.loaded),
+            "config_changed": [f"{key} -> {value!r}" for key, value in changes.items()], "tensors_matched": len(init.match.loaded),
             "check": check,
             "host_gib": {"start": host_start["rss"], "after_build": host_built["rss"], **host_memory()},
             "gpu": gpu, "model_gib": sum(t.numel() * t.element_size() for t in state.values()) / GIB}
@@ -290,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.smoke:
         torch.set_num_threads(1)  # tiny tensors on a shared CPU
     a.config = (SMOKE if a.smoke else V41) + a.overrides
-    cfg = compose(a.config)
-    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+    config = resolved(compose(a.config))
+    args, layout = config.model.args, layout_from_config(config.layout)
     a.layers = parse_slices(a.layers, layout.n_layers)[0]
     device = torch.device(a.device)
     if a.phase:

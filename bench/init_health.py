@@ -27,11 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from model.cli import compose  # noqa: E402
+from model.cli import compose, resolved  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 from model.groups import param_group  # noqa: E402
 from model.transformer import Transformer, init_std  # noqa: E402
-from model import ModelArgs, layout_from_config  # noqa: E402
+from model import layout_from_config  # noqa: E402
 from train.data import build_loader  # noqa: E402
 from train.engine import param_groups  # noqa: E402
 from train.health import ActivationStats  # noqa: E402
@@ -64,7 +64,7 @@ class Probe:
     """One model on two fixed batches: ``train_batch`` for the gradient, ``heldout`` for the losses."""
 
     def __init__(self, cfg, device: torch.device, batches: tuple[dict, dict]):
-        args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+        args, layout = cfg.model.args, layout_from_config(cfg.layout)
         with torch.device(device):
             self.model = Transformer(args, layout, seed=0, init=False)
         draw_on_device(self.model, args, layout.n_layers)
@@ -101,7 +101,7 @@ def text_batches(cfg, device: torch.device) -> tuple[dict, dict]:
 
 
 def run_variant(name: str, overrides: list[str], a, device, batches) -> dict:
-    cfg = compose(overrides)
+    cfg = resolved(compose(overrides))
     torch.manual_seed(0)
     probe = Probe(cfg, device, batches)
     model = probe.model
@@ -174,7 +174,7 @@ def main() -> None:
     base = (SMOKE if a.smoke else DEFAULTS) + a.overrides
     rows = []
     started = time.time()
-    batches = text_batches(compose(base), device)
+    batches = text_batches(resolved(compose(base)), device)
     for name in a.variants.split(","):
         t0 = time.time()
         rows.append(run_variant(name, base + VARIANTS[name], a, device, batches))

@@ -141,20 +141,23 @@ class Run:
 
 def job(model: list[str], seq_len: int, micro_batch: int, stages: int, microbatches: int, precision: str,
         extra: dict | None = None):
-    """A composed job config; ``extra`` ({key: value}) overrides the defaults here."""
-    from model.cli import compose
+    """A job's settings (``model.config.JobConfig``); ``extra`` ({key: value}) overrides the defaults here."""
+    from model.cli import compose, resolved
 
     settings = {"data.seq_len": seq_len, "data.micro_batch_size": micro_batch, "parallel.pipeline_stages": stages,
                 "train.grad_accum_steps": microbatches, "train.precision": precision, "parallel.recompute": "layer",
                 "train.warmup_steps": 5, "train.lr": 1e-4, "train.max_steps": 100, "logger.mode": "disabled",
                 **(extra or {})}
-    return compose([*model, *(f"{k}={v}" for k, v in settings.items())])
+    return resolved(compose([*model, *(f"{k}={v}" for k, v in settings.items())]))
 
 
-def build(run: Run, cfg):
+def build(run: Run, config):
+    """The engine of ``config`` on this run's ranks, split within its GPU's memory (as the job's preflight)."""
+    from parallel.job import plan
     from train.engine import build_engine
 
-    return build_engine(cfg, cfg.train.precision, run.device)
+    capacity = torch.cuda.get_device_properties(run.device).total_memory if run.cuda else None
+    return build_engine(plan(config, run.world, run.device, capacity))
 
 
 def release(engine) -> None:
@@ -259,7 +262,7 @@ def pipeline_row(run: Run, ranks: list[dict], stages: int, microbatches: int, to
 
 def section_single(run: Run) -> dict:
     """1 stage, data parallel over the GPUs, 64K: per-microbatch time, layer times, peak memory."""
-    from model import ModelArgs, layout_from_config
+    from model import layout_from_config
     from parallel.balance import DIMS, LayerTimes
 
     s = run.settings
@@ -280,7 +283,7 @@ def section_single(run: Run) -> dict:
         if probe is not None:
             probe.remove()
             layer_times = LayerTimes(T, B, "layer", s["precision"],
-                                     {k: getattr(ModelArgs.from_config(cfg.model), k) for k in DIMS},
+                                     {k: getattr(cfg.model, k) for k in DIMS},
                                      probe.per_mode(), probe.head_ms() or 0.0,
                                      {**result_meta(), "from": "bench/multigpu.py section single"})
             layer_rows = probe.per_layer()
@@ -315,13 +318,13 @@ def section_single(run: Run) -> dict:
 def section_transfer(run: Run, cut: int) -> dict:
     """The boundary before layer ``cut`` of the 64K model: its activations (shadow and payload index K) from rank 0
     to rank 1 and the gradient back, alone, 5 times each after one warm-up."""
-    from model import ModelArgs, layout_from_config
+    from model import layout_from_config
     from parallel.p2p import Link, StageLinks, Wire
     from parallel.payload import Payload, boundary_fields
 
     s = run.settings
     cfg = job(s["model"], s["seq_len"], s["micro_batch"], 2, 2, s["precision"])
-    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
+    args, layout = cfg.model.args, layout_from_config(cfg.layout)
     dtype = torch.bfloat16 if s["precision"] == "bf16" else torch.float32
     groups = (dist.new_group([0, 1]), dist.new_group([0, 1]))
     result = {"cut": cut, "index_k": {}}
@@ -650,13 +653,12 @@ def worker(rank: int, opts) -> None:
 
 def transfer_cut(run: Run) -> int:
     """The boundary the pipeline section will use: the measured-time split if section 1 wrote times."""
-    from parallel.balance import split_stages
+    from parallel.job import plan
 
     s, single = run.settings, run.results["sections"].get("single")
-    cfg = job(s["model"], s["seq_len"], s["micro_batch"], 2, 8, s["precision"], layer_times(single))
-    dtype = torch.bfloat16 if s["precision"] == "bf16" else torch.float32
+    config = job(s["model"], s["seq_len"], s["micro_batch"], 2, 8, s["precision"], layer_times(single))
     capacity = torch.cuda.get_device_properties(run.device).total_memory if run.cuda else None
-    return split_stages(cfg, dtype, 8, 1, capacity, cuda=run.cuda).plan.cuts[0]
+    return plan(config, 2, run.device, capacity).split.plan.cuts[0]
 
 
 def main(argv=None) -> None:

@@ -34,14 +34,16 @@ def _timed(engine, table, key):
 def _worker(rank, world, cuts, microbatches, steps, index_k, out):
     from deepspeed.runtime.pipe import schedule
 
-    from model.cli import compose
+    from model.cli import compose, resolved
+    from parallel.job import plan
     from train.engine import build_engine
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    cfg = compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
-                   f"parallel.index_k={index_k}", f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
-                   f"train.grad_accum_steps={microbatches}"])
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    config = resolved(compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
+                               f"parallel.index_k={index_k}", f"data.seq_len={SEQ_LEN}",
+                               f"data.micro_batch_size={MICRO_BATCH}", f"train.grad_accum_steps={microbatches}",
+                               "train.precision=fp32"]))
+    engine = build_engine(plan(config, world, torch.device("cpu")))
     module, plan = engine.module, engine.module.plan
     times: dict[str, float] = {}
     engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, **{
@@ -50,7 +52,7 @@ def _worker(rank, world, cuts, microbatches, steps, index_k, out):
 
     def data():
         while True:
-            x = torch.randint(0, cfg.model.vocab_size, (MICRO_BATCH, SEQ_LEN), generator=g)
+            x = torch.randint(0, config.model.vocab_size, (MICRO_BATCH, SEQ_LEN), generator=g)
             yield (x, torch.zeros_like(x)), x
 
     it = data()

@@ -85,9 +85,10 @@ def parse():
 
 def run_variant(a) -> dict:
     import torch
-    from model.cli import compose
+    from model.cli import compose, resolved
+    from parallel.job import plan, resolve_device
     from train import distributed
-    from train.engine import build_engine, resolve_device, resolve_precision, train_step
+    from train.engine import build_engine, train_step
 
     from model import layout_from_config
     from model.engram import EngramTable
@@ -96,13 +97,12 @@ def run_variant(a) -> dict:
     if a.variant == "reference":
         overrides.append("model.kernel_backend=torch")
     overrides += a.overrides
-    cfg = compose(overrides)
+    config = resolved(compose(overrides))
     if a.variant == "dense":  # as many layers, all window-only (no shared state), each a dense attention
-        n_layers = layout_from_config(cfg.layout).n_layers
+        n_layers = layout_from_config(config.layout).n_layers
         overrides += ["layout=window_only", f"layout.window_layers={n_layers}", "model.attention=dense"]
-        cfg = compose(overrides)
+        config = resolved(compose(overrides))
     device = resolve_device(a.device)
-    precision = resolve_precision(cfg.train.precision, device)
     distributed.init(device)
     cuda = device.type == "cuda"
     res = {**result_meta(), "variant": a.variant, "overrides": overrides,
@@ -123,13 +123,16 @@ def run_variant(a) -> dict:
 
     use_device_init()
     t0 = time.perf_counter()
-    engine = build_engine(cfg, precision, device)
+    capacity = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    job = plan(config, distributed.world_size(), device, capacity)
+    precision = job.precision
+    engine = build_engine(job)
     res["build_s"] = time.perf_counter() - t0
     model = engine.module.stage.model
     layout, args = model.layout, model.args
-    T, B = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
+    T, B = config.data.seq_len, config.data.micro_batch_size
     n_params = sum(p.numel() for p in engine.module.parameters())
-    res.update(model=cfg.model.name, T=T, micro_batch=B, params=n_params,
+    res.update(model=config.model.name, T=T, micro_batch=B, params=n_params,
                params_no_embed=n_params - model.embed.weight.numel(),
                params_engram_tables=sum(m.weight.numel() for m in model.modules() if isinstance(m, EngramTable)))
     res["flops"] = model_flops(model, layout, args, T, B, a.variant == "dense")

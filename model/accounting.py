@@ -116,7 +116,7 @@ def render(figures: dict) -> str:
 
 
 def main(argv: list[str]) -> None:
-    from model.cli import compose_checked, run_cli
+    from model.cli import job_config, run_cli
     from model.layout import layout_from_config
 
     own = {"format": "table", "seq_len": None}  # this tool's arguments; every other one is a config override
@@ -134,9 +134,9 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"error: seq_len={own['seq_len']!r}: give a number of tokens, or leave it out for data.seq_len")
 
     def report():
-        cfg = compose_checked(overrides)
-        seq_len = int(own["seq_len"] or cfg.data.seq_len)
-        figures = account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), seq_len)
+        config = job_config(overrides)
+        seq_len = int(own["seq_len"] or config.data.seq_len)
+        figures = account(config.model.args, layout_from_config(config.layout), seq_len)
         print(json.dumps(figures) if fmt == "json" else render(figures))
 
     run_cli(report)

@@ -1,13 +1,20 @@
 """Config composition and error reporting for the command-line tools (same `conf/` tree and override syntax as
 training): ``compose`` builds the config an override list gives, ``compose_checked`` also refuses keys the
-config does not have (with the nearest valid names), and ``error_line`` turns a bad-input exception into the one
-line every tool prints: ``error: <what> — <what to do>``, exit status ``USAGE_ERROR``.
+config does not have (with the nearest valid names), values of another type than the schema's
+(``model/config.py``) and values out of their range, ``resolved`` turns a composed config into the schema's
+objects, and ``error_line`` turns a bad-input exception into the one line every tool prints:
+``error: <what> — <what to do>``, exit status ``USAGE_ERROR``.
 """
 import difflib
 import re
+from dataclasses import fields, is_dataclass
 from pathlib import Path
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 from omegaconf import DictConfig, OmegaConf
+
+from model.config import JobConfig, SettingError, build, field_type, schema_field
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 USAGE_ERROR = 2  # exit status of a bad config, override or input (the shell convention for misuse)
@@ -21,6 +28,31 @@ class UnknownKeyError(ValueError):
         close = [k for score, k in scores[:3] if score >= max(0.6, scores[0][0] - 0.1)] if scores else []
         hint = f"did you mean {' or '.join(close)}?" if close else "`python -m train --cfg job` lists every key"
         super().__init__(f"unknown config key {key} — {hint}")
+
+
+def register_schema() -> None:
+    """``JobConfig`` as Hydra's ``schema`` config, the first entry of ``conf/config.yaml``'s defaults, so that
+    OmegaConf checks every value's type, and refuses a key the schema does not have, while Hydra composes.
+
+    The node is made group by group and left writable: a frozen dataclass (the args classes are frozen) makes
+    read-only nodes, into which Hydra could not merge the presets."""
+    from hydra.core.config_store import ConfigStore
+
+    node = OmegaConf.structured(JobConfig)
+    for group in fields(JobConfig):
+        node[group.name] = OmegaConf.structured(group.type)
+    _writable(node)
+    ConfigStore.instance().store(name="schema", node=node)
+
+
+def _writable(node: DictConfig) -> None:
+    OmegaConf.set_readonly(node, False)
+    for key in node:
+        if not OmegaConf.is_missing(node, key) and isinstance(node[key], DictConfig):
+            _writable(node[key])
+
+
+register_schema()  # on import: every composition of conf/ (here, python -m train's, a test's) needs it
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -53,31 +85,24 @@ def compose_checked(overrides: list[str]) -> DictConfig:
             raise UnknownKeyError(o.key_or_group, known)
     check_types(values, defaults)
     try:
-        return compose(single)
+        cfg = compose(single)
     except ConfigCompositionException as error:  # a key Hydra refuses although the defaults have it
         key = re.match(r"Could not override '([^']+)'", str(error))
         if key is None:
             raise
         raise UnknownKeyError(key.group(1), known) from None
+    return cfg
 
 
-# The type of each key whose default is null (the defaults give it for every other key): text, a whole number, or
-# a list of whole numbers.
-NULL_DEFAULT_TYPES = {
-    **dict.fromkeys(("data.path", "data.name", "data.tokenizer", "data.bos_token", "data.eos_token", "data.pad_token",
-                     "logger.entity", "logger.group", "logger.name", "parallel.layer_times", "train.checkpoint_dir",
-                     "train.init_from", "train.resume"), "str"),
-    **dict.fromkeys(("layout.candidate_source_layer_id", "parallel.recompute_layers", "train.global_batch_size",
-                     "train.grad_accum_steps", "train.stop_at"), "int"),
-    **dict.fromkeys(("layout.compress_ratios", "layout.index_source_layer_ids", "layout.kv_source_layer_ids",
-                     "parallel.cuts", "train.eval.probe_lens"), "list[int]"),
-}
-# Keys that take one whole number or a list of them, whichever form their default has.
-NUMBER_OR_LIST = ("parallel.keep_attention_layers", "data.synthetic.pairs", "data.synthetic.spacing",
-                  "data.synthetic.distance", "data.synthetic.copy_length")
+def job_config(overrides: list[str]) -> JobConfig:
+    """The schema's objects of the config ``overrides`` give (``compose_checked``, then ``resolved``): what the
+    command-line tools read."""
+    return resolved(compose_checked(overrides))
+
+
 _NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number", "str": "text",
           "list[int]": "a list of whole numbers", "list[float]": "a list of numbers", "list[str]": "a list of texts",
-          "list[bool]": "a list of true/false", "list": "a list", "dict": "a mapping"}
+          "list[bool]": "a list of true/false", "list": "a list", "mapping": "a mapping"}
 
 
 class ConfigTypeError(ValueError):
@@ -85,10 +110,11 @@ class ConfigTypeError(ValueError):
 
 
 def check_types(overrides, defaults: DictConfig) -> None:
-    """Every value of every (parsed) override has the type of its key's default: a bool for a bool, a whole number
-    for an int, a number for a float, text for a string, a list of such for a list (element by element), a mapping
-    for a mapping (key by key); keys with a null default by ``NULL_DEFAULT_TYPES``. An interpolation
-    (``${...}``) is resolved later and not checked here."""
+    """Every value of every (parsed) override has the type the schema (``model/config.py``) declares for its key:
+    a bool for a bool, a whole number for an int, a number for a float, text for a string, a list of such for a
+    list (element by element), a mapping for a group (key by key), null only where the field is optional.
+    ``defaults`` (the composed config) gives the examples in the messages. An interpolation (``${...}``) is
+    resolved later and not checked here."""
     plain = OmegaConf.to_container(defaults, resolve=False)
     for override in overrides:
         if override.is_delete():
@@ -101,6 +127,18 @@ def check_types(overrides, defaults: DictConfig) -> None:
                 raise ConfigTypeError(f"{key}={_shown(value)} {problem}")
 
 
+def resolved(cfg: DictConfig) -> JobConfig:
+    """The composed config as the schema's objects (``JobConfig``), every value checked against its field's range
+    and choices (``model.config.build``), before anything is built from it; a value still missing (``???``) is an
+    error naming the setting."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        spec = schema_field(missing[0])
+        hint = f" ({spec.metadata['doc']})" if spec is not None else ""
+        raise SettingError(f"{missing[0]} has no value — set {missing[0]}=<value>{hint}")
+    return build(JobConfig, OmegaConf.to_container(cfg, resolve=True), "")
+
+
 def _default(plain: dict, key: str):
     node = plain
     for part in key.split("."):
@@ -110,35 +148,53 @@ def _default(plain: dict, key: str):
     return node
 
 
-def _kind(default, key: str) -> str | None:
-    """The type ``key`` takes, from its default (None: any)."""
-    if default is None:
-        return NULL_DEFAULT_TYPES.get(key)
-    for name, kind in (("bool", bool), ("int", int), ("float", float), ("str", str)):
-        if isinstance(default, kind):
-            return name
-    if isinstance(default, list):
-        kinds = {_kind(item, key) for item in default}
-        return f"list[{kinds.pop()}]" if len(kinds) == 1 and None not in kinds else "list"
-    return "dict" if isinstance(default, dict) else None
+def _kind(annotation) -> str | type | None:
+    """What a value of ``annotation`` must be: a name of ``_NAMES``, a schema dataclass (a mapping of its fields),
+    or None (anything)."""
+    if get_origin(annotation) in (Union, UnionType):
+        kinds = [a for a in get_args(annotation) if a is not type(None)]
+        return _kind(kinds[0]) if len(kinds) == 1 else None
+    if get_origin(annotation) in (list, tuple):
+        element = _kind(get_args(annotation)[0])
+        return f"list[{element}]" if isinstance(element, str) and not element.startswith("list") else "list"
+    if get_origin(annotation) is dict:
+        return "mapping"
+    if is_dataclass(annotation):
+        return annotation
+    return {bool: "bool", int: "int", float: "float", str: "str"}.get(annotation)
 
 
-def _type_problem(key: str, value, default) -> str | None:
-    """What is wrong with ``value`` for ``key`` (whose default is ``default``), as ``is <what> — give <what>``;
-    None when nothing is."""
-    kind = _kind(default, key)
-    if kind is None or _interpolated(value) or (value is None and default is None):
+def _optional(annotation) -> bool:
+    return annotation is Any or type(None) in get_args(annotation)
+
+
+def _type_problem(key: str, value, default, cls=JobConfig) -> str | None:
+    """What is wrong with ``value`` for ``key`` (a dotted path under ``cls``), as ``is <what> — give <what>``;
+    None when nothing is (or the schema does not know the key: the unknown-key check names it)."""
+    spec, annotation = schema_field(key, cls), field_type(key, cls)
+    if spec is None or _interpolated(value):
         return None
-    if key in NUMBER_OR_LIST:
+    if value is None:
+        return None if _optional(annotation) else f"is null — give {_wanted(annotation, spec)}"
+    if spec.metadata.get("one_or_list"):
         fix = "give a whole number or a list of them"
         if isinstance(value, list):
             return _element_problem(value, "int", fix)
         return None if _is(value, "int") else f"is {_described(value)} — {fix}"
-    if kind == "dict":
+    kind = _kind(annotation)
+    if kind is None:
+        return None
+    if is_dataclass(kind) or kind == "mapping":
         if not isinstance(value, dict):
-            return f"is {_described(value)} — give a mapping, e.g. {key}={_shown(default)}"
+            example = f", e.g. {key}={_shown(default)}" if isinstance(default, dict) else ""
+            return f"is {_described(value)} — give a mapping{example}"
+        if kind == "mapping":
+            element = _kind(get_args(annotation)[1])
+            wrong = [(name, item) for name, item in value.items() if not _interpolated(item) and not _is(item, element)]
+            return f"has {wrong[0][0]}: {_shown(wrong[0][1])}, which is {_described(wrong[0][1])} — give " \
+                   f"{_NAMES[element]}" if wrong else None
         for name, item in value.items():
-            problem = _type_problem(f"{key}.{name}", item, default.get(name))
+            problem = _type_problem(name, item, (default or {}).get(name), kind)
             if problem:
                 return f"has {name}: {_shown(item)}, which {problem}"
         return None
@@ -153,6 +209,13 @@ def _type_problem(key: str, value, default) -> str | None:
     hint = f" (quote a value that reads as a number: '{key}=\"{value}\"')" if kind == "str" and \
         isinstance(value, (int, float)) else ""
     return f"is {_described(value)} — give {_NAMES[kind]}{hint}"
+
+
+def _wanted(annotation, spec) -> str:
+    if spec.metadata.get("one_or_list"):
+        return "a whole number or a list of them"
+    kind = _kind(annotation)
+    return "a mapping" if kind is None or not isinstance(kind, str) else _NAMES[kind]
 
 
 def _element_problem(values: list, kind: str, fix: str) -> str | None:

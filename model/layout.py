@@ -9,12 +9,19 @@ KV, its index keys, its selection and its candidate blocks come from.
 """
 import enum
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from functools import cached_property
+
+from model.config import LayoutConfig
 
 
 class LayoutError(ValueError):
     """A layout that breaks a rule of SPEC §1.5; the message names the layer and the rule."""
+
+
+class CandidateCapacityError(LayoutError):
+    """Candidate blocks that may hold fewer entries than the model's top-k (``Layout.check_candidate_capacity``)."""
 
 
 class Mode(str, enum.Enum):
@@ -103,11 +110,19 @@ class Layout:
         guaranteed = (self.candidate_topk_blocks - 1) * self.candidate_block_size + 1
         if guaranteed < index_topk:
             blocks = -(-(index_topk - 1) // self.candidate_block_size) + 1
-            raise LayoutError(
+            raise CandidateCapacityError(
                 f"candidate_topk_blocks={self.candidate_topk_blocks} blocks of candidate_block_size="
                 f"{self.candidate_block_size} guarantee a query only {guaranteed} candidate entries, fewer than "
                 f"index_topk={index_topk}; the reference then picks entries outside the candidates. Use "
                 f"layout.candidate_topk_blocks>={blocks}, or model.index_topk<={guaranteed}")
+
+    def check_row(self, seq_len: int) -> None:
+        """A row of ``seq_len`` tokens (``data.seq_len``) holds an entry of every compressed KV: a layer whose KV
+        has none would select from nothing."""
+        largest = max(self.compress_ratios)
+        if seq_len < largest:
+            raise LayoutError(f"data.seq_len={seq_len} holds no compressed entry of the layout's ratio {largest} — set "
+                              f"data.seq_len>={largest}")
 
     def _latest(self, ids, layer, ratio=None):
         found = [i for i in ids if i <= layer and (ratio is None or self.compress_ratios[i] == ratio)]
@@ -211,20 +226,21 @@ def generate(window_layers: int, encoder: dict, decoder: dict, candidates: bool)
 CANONICAL = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id")
 
 
-def layout_from_config(cfg) -> Layout:
-    """A Layout from a ``conf/layout`` node: knobs generate the lists, explicit lists override them.
+def layout_from_config(config: LayoutConfig | Mapping) -> Layout:
+    """A Layout from the ``layout`` group (a ``LayoutConfig``, or a saved run's mapping of it): knobs generate the
+    lists, explicit lists override them.
 
     When only ``kv_source_layer_ids`` is overridden, the index sources are regenerated around it (the new KV
     sources plus the generated Reindex layers), so a single override stays a valid layout."""
-    cfg = dict(cfg)
-    lists = generate(cfg["window_layers"], dict(cfg["encoder"]), dict(cfg["decoder"]), cfg["candidates"])
-    given = {k: cfg.get(k) for k in CANONICAL if cfg.get(k) is not None}
+    values = asdict(config) if isinstance(config, LayoutConfig) else dict(config)
+    lists = generate(values["window_layers"], dict(values["encoder"]), dict(values["decoder"]), values["candidates"])
+    given = {k: values.get(k) for k in CANONICAL if values.get(k) is not None}
     if "kv_source_layer_ids" in given and "index_source_layer_ids" not in given:
         reindex = set(lists["index_source_layer_ids"]) - set(lists["kv_source_layer_ids"])
         lists["index_source_layer_ids"] = sorted(set(given["kv_source_layer_ids"]) | reindex)
     lists.update({k: list(v) if k != "candidate_source_layer_id" else v for k, v in given.items()})
-    return Layout(**lists, candidate_topk_blocks=cfg["candidate_topk_blocks"],
-                  candidate_block_size=cfg["candidate_block_size"])
+    return Layout(**lists, candidate_topk_blocks=values["candidate_topk_blocks"],
+                  candidate_block_size=values["candidate_block_size"])
 
 
 MODE_COLORS = {Mode.WINDOW: "#c8c8c8", Mode.FULL: "#1f4e9c", Mode.REINDEX: "#e08a1e", Mode.REUSE: "#9cc3e6"}
@@ -303,7 +319,7 @@ def plot(layout: Layout, path, title: str = "") -> None:
 def main(argv: list[str]) -> None:
     import argparse
 
-    from model.cli import compose_checked, run_cli
+    from model.cli import job_config, run_cli
 
     command = argparse.ArgumentParser(prog="python -m model.layout",
                                       description="Print a layout's per-layer table; --plot also draws it.")
@@ -312,11 +328,11 @@ def main(argv: list[str]) -> None:
     options = command.parse_intermixed_args(argv)
 
     def show():
-        cfg = compose_checked(options.overrides)
-        layout = layout_from_config(cfg.layout)
+        config = job_config(options.overrides).layout
+        layout = layout_from_config(config)
         print(layout.table())
         if options.plot:
-            plot(layout, options.plot, title=f"layout={cfg.layout.name}: " + ", ".join(
+            plot(layout, options.plot, title=f"layout={config.name}: " + ", ".join(
                 f"{count} {mode.value}" for mode, count in layout.counts().items() if count))
             print(f"drew {options.plot}")
 

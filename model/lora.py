@@ -25,62 +25,16 @@ w3), ``experts`` (every routed expert's w1, w2, w3) and ``dense_ffn`` (a dense m
 """
 import math
 import re
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.config import ModelArgs
+from model.config import LORA_ATTENTION, LoRA
 
-ATTENTION = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
-TARGETS = (*ATTENTION, "shared_experts", "experts", "dense_ffn")
 FFN_MATRICES = ("w1", "w2", "w3")
 LOW_PRECISION = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|ffn\.(shared_experts\.)?w[123]"
                            r"(\.weight)?|ffn\.experts\.w[123])|head\.weight")
-
-
-@dataclass(frozen=True)
-class LoRA:
-    """``train.lora``: ``rank`` 0 is off; ``alpha`` scales the update by ``alpha / rank``."""
-    rank: int = 0
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ATTENTION
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    @classmethod
-    def from_config(cls, node) -> "LoRA | None":
-        """The settings of a ``train.lora`` node, checked; None when it is absent or its rank is 0."""
-        if node is None:
-            return None
-        lora = cls(node.get("rank", 0), node.get("alpha", cls.alpha), tuple(node.get("targets", ATTENTION)))
-        lora.check()
-        return lora if lora.rank else None
-
-    def check(self, args: ModelArgs | None = None) -> None:
-        """One line per bad setting; with ``args``, also the targets this model has none of."""
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise ValueError(f"train.lora.rank={self.rank!r}: use an integer >= 0 (0: no LoRA)")
-        if not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
-            raise ValueError(f"train.lora.alpha={self.alpha!r}: use a number > 0 (the update is scaled by "
-                             "alpha / rank)")
-        unknown = [t for t in self.targets if t not in TARGETS]
-        if unknown or not self.targets or len(set(self.targets)) < len(self.targets):
-            raise ValueError(f"train.lora.targets={list(self.targets)}: use a non-empty list of distinct names from "
-                             f"{list(TARGETS)}" + (f" ({', '.join(map(repr, unknown))} unknown)" if unknown else ""))
-        if args is None:
-            return
-        missing = {"dense_ffn": args.ffn != "dense", "experts": args.ffn != "moe",
-                   "shared_experts": args.ffn != "moe" or not args.moe.n_shared_experts,
-                   **{t: args.attention != "csa2" for t in ATTENTION}}
-        absent = [t for t in self.targets if missing[t]]
-        if absent:
-            raise ValueError(f"train.lora.targets: this model (model.ffn={args.ffn}, model.attention={args.attention}"
-                             f", {args.moe.n_shared_experts if args.ffn == 'moe' else 0} shared expert(s)) has no "
-                             f"{', '.join(absent)} — leave {'it' if len(absent) == 1 else 'them'} out")
 
 
 class Adapter(nn.Module):
@@ -118,7 +72,7 @@ def targeted_modules(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[s
     for layer_name, block in model.layers.items():
         prefix = f"layers.{layer_name}"
         for target in targets:
-            if target in ATTENTION:
+            if target in LORA_ATTENTION:
                 found.append((f"{prefix}.attn.{target}", getattr(block.attn, target)))
             elif target == "experts":
                 found.append((f"{prefix}.ffn.experts", block.ffn.experts))

@@ -17,10 +17,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from model.config import ModelArgs
+from model.config import LoRA, ModelArgs, ParallelConfig
 from model.layout import Layout, LayerPlan, Mode
-from model.lora import LoRA
-from parallel.memory import MemoryModel, estimate, kept_per_stage
+from parallel.memory import MemoryModel, estimate, kept_per_stage, recomputed_layers
 from parallel.partition import StagePlan, layer_costs, partition
 
 TIME_SLACK = 0.01
@@ -126,34 +125,29 @@ class Split:
     memory: MemoryModel  # the per-layer figures the peaks come from
 
 
-def split_stages(cfg, dtype: torch.dtype, microbatches: int, data_parallel: int, capacity: float | None = None,
-                 cuda: bool = False) -> Split:
-    """The split of a composed job config (``model``, ``layout``, ``data``, ``parallel`` groups, and ``train`` for its
-    LoRA settings) running ``microbatches`` per step on ``data_parallel`` replicas of ``parallel.context_parallel``
-    ranks each (``parallel/batch.py``), under ``capacity`` bytes."""
-    from model.layout import layout_from_config
-
-    args, layout, par = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), cfg.parallel
-    seq_len, micro_batch, stages = int(cfg.data.seq_len), int(cfg.data.micro_batch_size), par.pipeline_stages
-    recompute = {"none": 0, "layer": layout.n_layers, "block": par.get("recompute_layers") or 0}[par.recompute]
+def split_stages(args: ModelArgs, layout: Layout, parallel: ParallelConfig, seq_len: int, micro_batch: int,
+                 dtype: torch.dtype, microbatches: int, data_parallel: int, capacity: float | None = None,
+                 cuda: bool = False, lora: LoRA | None = None) -> Split:
+    """The split of a job (its model, layout, ``parallel`` settings, row geometry and LoRA) running
+    ``microbatches`` per step on ``data_parallel`` replicas of ``parallel.context_parallel`` ranks each
+    (``parallel/batch.py``), under ``capacity`` bytes."""
+    par, stages = parallel, parallel.pipeline_stages
     times = None
-    if par.get("layer_times"):
+    if par.layer_times:
         times = LayerTimes.load(par.layer_times)
         times.check(args, layout, seq_len, micro_batch, par.recompute)
     costs = times.layer_costs(layout) if times else layer_costs(args, layout, seq_len)
-    memory = estimate(args, layout, micro_batch, seq_len, dtype, recompute, data_parallel, par.zero_stage, cuda,
-                      par.index_k, measured=times, expert_parallel=int(par.get("expert_parallel", 1)),
-                      context_parallel=int(par.get("context_parallel", 1)),
-                      lora=LoRA.from_config(cfg.train.get("lora")) if "train" in cfg else None,
-                      offload_inputs=bool(par.get("recompute_offload", False)),
-                      head_chunk=int(par.get("head_chunk", 0)))
+    memory = estimate(args, layout, micro_batch, seq_len, dtype, recomputed_layers(par, layout.n_layers),
+                      data_parallel, par.zero_stage, cuda, par.index_k, measured=times,
+                      expert_parallel=par.expert_parallel, context_parallel=par.context_parallel, lora=lora,
+                      offload_inputs=par.recompute_offload, head_chunk=par.head_chunk)
 
-    keep = kept_per_stage(par.get("keep_attention_layers", 0), stages)
+    keep = kept_per_stage(par.keep_attention_layers, stages)
 
     def stage_peak(stage: int, layers: range) -> float:
         return memory.stage_peak(stage, layers, stages, microbatches, keep[stage])
 
-    plan = partition(args, layout, seq_len, stages, par.get("cuts"), costs=costs, stage_memory=stage_peak,
+    plan = partition(args, layout, seq_len, stages, par.cuts, costs=costs, stage_memory=stage_peak,
                      capacity=capacity, slack=TIME_SLACK)
     peaks = memory.peaks(plan.stages, microbatches, keep)
     return Split(plan, costs, "measured ms" if times else "FLOPs", peaks,

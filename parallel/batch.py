@@ -16,6 +16,7 @@ which values would work.
 """
 from dataclasses import dataclass
 
+from model.config import JobConfig
 from parallel.context import check_context_world
 
 
@@ -52,11 +53,10 @@ class BatchPlan:
         return line
 
 
-def batch_plan(cfg, world_size: int) -> BatchPlan:
-    """The plan of a composed job config (``data``, ``parallel`` and ``train`` groups) on ``world_size`` processes."""
-    return plan_batch(cfg.data.micro_batch_size, cfg.parallel.pipeline_stages, world_size,
-                      cfg.train.get("global_batch_size"), cfg.train.get("grad_accum_steps"),
-                      cfg.parallel.get("context_parallel", 1))
+def batch_plan(config: JobConfig, world_size: int) -> BatchPlan:
+    """The plan of a job's settings (its ``data``, ``parallel`` and ``train`` groups) on ``world_size`` processes."""
+    return plan_batch(config.data.micro_batch_size, config.parallel.pipeline_stages, world_size,
+                      config.train.global_batch_size, config.train.grad_accum_steps, config.parallel.context_parallel)
 
 
 def data_parallel_size(stages: int, world_size: int) -> int:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.config import ModelArgs
+from model.config import ModelArgs, ParallelConfig
 from model.hyper import mix_width
 from model.layout import Layout, Mode
 from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
@@ -209,6 +209,12 @@ class MemoryModel:
     def peaks(self, stages: tuple[range, ...], microbatches: int, keep: tuple[int, ...] | None = None) -> list[float]:
         keep = keep or (0,) * len(stages)
         return [self.stage_peak(s, layers, len(stages), microbatches, keep[s]) for s, layers in enumerate(stages)]
+
+
+def recomputed_layers(parallel: ParallelConfig, n_layers: int) -> int:
+    """``parallel.recompute`` as a count of each stage's leading layers that recompute: ``layer`` all of them,
+    ``block`` the first ``parallel.recompute_layers``."""
+    return {"none": 0, "layer": n_layers, "block": parallel.recompute_layers}[parallel.recompute]
 
 
 def kept_per_stage(keep, n_stages: int) -> tuple[int, ...]:

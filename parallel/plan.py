@@ -21,15 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from model.config import ModelArgs
+from model.config import ModelArgs, apply
 from model.layout import Layout
-from parallel.balance import split_stages
-from parallel.batch import BatchPlan, batch_plan
+from parallel.batch import BatchPlan
+from parallel.checks import check_experts
 from parallel.context import chunk_length
 from parallel.experts import leaving, routed_bytes
 from parallel.memory import context_bytes, layer_parameters, lora_counts
 from parallel.partition import StagePlan, layer_costs
 from parallel.payload import boundary_fields
+from parallel.job import Job, plan, planned_device
 from parallel.stage import shadow_sources
 
 
@@ -161,17 +162,6 @@ def describe_lora(args: ModelArgs, layout: Layout, lora, dtype: torch.dtype) -> 
             f"(no gradients or AdamW state; {low})")
 
 
-def compute_dtype(precision: str, cuda: bool) -> torch.dtype:
-    """``train.precision`` as a dtype (``auto``: bf16 on GPU, fp32 on CPU)."""
-    return torch.bfloat16 if precision == "bf16" or (precision == "auto" and cuda) else torch.float32
-
-
-def job_device(name: str) -> str:
-    """``train.device`` as the job would resolve it: ``auto`` is ``cuda`` when this machine has a GPU. A plan may
-    name ``cuda`` on a machine without one (planning a GPU job elsewhere)."""
-    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-
-
 @dataclass(frozen=True)
 class Memory:
     """What a job's processes can hold: one GPU each, or the host's RAM, shared by the processes on it."""
@@ -251,53 +241,42 @@ def precision_note(setting: str, dtype: torch.dtype, on_gpu: bool) -> str:
     return f"{'bf16' if dtype == torch.bfloat16 else 'fp32'} on {'GPU' if on_gpu else 'CPU'}, train.precision={setting}"
 
 
-def _evaluate(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: Memory):
-    """The split and verdict of a job config on ``world`` processes."""
-    batch = batch_plan(cfg, world)
-    split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel,
-                         memory.capacity if on_gpu else None, cuda=on_gpu)
-    return split, verdict(split, batch, memory)
+def split_capacity(device: torch.device, memory: Memory | None) -> float | None:
+    """The bound a split keeps every stage under (``parallel.job.plan``): one GPU's memory; None on a host (its
+    processes share its RAM: ``verdict``) or without a memory to compare with."""
+    return memory.capacity if memory is not None and device.type == "cuda" else None
 
 
-def fitting_settings(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: Memory) -> list[str]:
+def fitting_settings(job: Job, memory: Memory) -> list[str]:
     """Overrides that bring the job under ``memory``, with the need they leave: every layer recomputed, one row
     per microbatch, on GPUs the fewest more context-parallel ranks and the fewest more expert-parallel ranks on the
     same GPUs (each a doubling the world and the model admit), the longest shorter row (``data.seq_len`` halved up to
     3 times), the fewest more pipeline stages (on GPUs, each stage on GPUs of its own; on a host the processes share
     its RAM, so stages do not help). When no single one fits, every layer recomputed together with each of the
     others."""
-    from omegaconf import OmegaConf
-
-    from model.layout import layout_from_config
-    from parallel.batch import BatchConfigError
-    from parallel.partition import PartitionError
-
-    base = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
-    stages, seq_len = int(cfg.parallel.pipeline_stages), int(cfg.data.seq_len)
+    config, world, on_gpu = job.config, job.world_size, job.on_gpu
+    stages, seq_len = config.parallel.pipeline_stages, config.data.seq_len
     replicas = world // stages
     levers = []  # each: its alternatives, least drastic first, as (changes, processes, where)
-    if cfg.parallel.recompute != "layer":
+    if config.parallel.recompute != "layer":
         levers.append([({"parallel.recompute": "layer"}, world, "")])
-    if int(cfg.data.micro_batch_size) > 1:
+    if config.data.micro_batch_size > 1:
         levers.append([({"data.micro_batch_size": 1}, world, "")])
     if on_gpu:
-        levers += [lever for lever in (_wider(cfg, world, "parallel.context_parallel"),
-                                       _wider(cfg, world, "parallel.expert_parallel")) if lever]
+        levers += [lever for lever in (_wider(job, "context_parallel"), _wider(job, "expert_parallel")) if lever]
     levers.append([({"data.seq_len": seq_len >> k}, world, "") for k in (1, 2, 3) if seq_len >> k >= 64])
-    if on_gpu and not OmegaConf.is_list(cfg.parallel.get("keep_attention_layers", 0)):  # a list is per stage
-        cuts = {"parallel.cuts": None} if cfg.parallel.get("cuts") is not None else {}
-        counts = [stages * 2 ** k for k in range(1, 8) if stages * 2 ** k <= layout_from_config(cfg.layout).n_layers]
+    if on_gpu and not isinstance(config.parallel.keep_attention_layers, list):  # a list is per stage
+        cuts = {"parallel.cuts": None} if config.parallel.cuts is not None else {}
+        counts = [stages * 2 ** k for k in range(1, 8) if stages * 2 ** k <= job.layout.n_layers]
         levers.append([({"parallel.pipeline_stages": p, **cuts}, p * replicas, f" on {p * replicas} GPUs")
                        for p in counts])
 
     def need(changes: dict, processes: int) -> float | None:
-        variant = base.copy()
-        for key, value in changes.items():
-            OmegaConf.update(variant, key, value)
         try:
-            _, found = _evaluate(variant, processes, dtype, on_gpu, memory)
-        except (BatchConfigError, PartitionError):
+            variant = plan(apply(config, changes), processes, job.device, split_capacity(job.device, memory))
+        except ValueError:  # a batch, split or parallel setting the variant cannot run
             return None
+        found = verdict(variant.split, variant.batch, memory)
         return found.need if found.fits else None
 
     def fitting(extra: dict) -> list[str]:
@@ -313,59 +292,50 @@ def fitting_settings(cfg, world: int, dtype: torch.dtype, on_gpu: bool, memory: 
                     break
         return settings
 
-    return fitting({}) or (fitting({"parallel.recompute": "layer"}) if cfg.parallel.recompute != "layer" else [])
+    return fitting({}) or (fitting({"parallel.recompute": "layer"}) if config.parallel.recompute != "layer" else [])
 
 
-def _wider(cfg, world: int, key: str) -> list[tuple[dict, int, str]]:
-    """The doublings of ``parallel.context_parallel`` or ``parallel.expert_parallel`` that the job's ``world`` ranks
-    and model admit (``chunk_length``, ``check_experts``), as ``fitting_settings`` alternatives."""
-    from omegaconf import OmegaConf
-
-    from model.layout import layout_from_config
-    from train.engine import check_experts
-
-    par = cfg.parallel
-    context, experts, stages = int(par.context_parallel), int(par.get("expert_parallel", 1)), int(par.pipeline_stages)
-    if key == "parallel.expert_parallel" and cfg.model.ffn != "moe":
+def _wider(job: Job, setting: str) -> list[tuple[dict, int, str]]:
+    """The doublings of ``parallel.context_parallel`` or ``parallel.expert_parallel`` that the job's ranks and model
+    admit (``chunk_length``, ``check_experts``), as ``fitting_settings`` alternatives."""
+    par, args, layout = job.config.parallel, job.args, job.layout
+    if setting == "expert_parallel" and args.ffn != "moe":
         return []
-    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
-    found = []
+    ranks, found = job.world_size // par.pipeline_stages, []
     for k in range(1, 8):
-        value, ranks = (context if key == "parallel.context_parallel" else experts) * 2 ** k, world // stages
-        variant = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]))
+        value = getattr(par, setting) * 2 ** k
         try:
-            if key == "parallel.context_parallel":
+            if setting == "context_parallel":
                 if ranks % value:
                     break
-                chunk_length(value, int(cfg.data.seq_len), args.window_size, layout.compress_ratios,
+                chunk_length(value, job.config.data.seq_len, args.window_size, layout.compress_ratios,
                              layout.candidate_block_size)
-            check_experts(variant, ranks)
+            check_experts(value if setting == "expert_parallel" else par.expert_parallel, args, ranks)
         except ValueError:
             break
-        found.append(({key: value}, world, ""))
+        found.append(({f"parallel.{setting}": value}, job.world_size, ""))
     return found
 
 
-def check_memory(cfg, world: int, split, batch: BatchPlan, dtype: torch.dtype, on_gpu: bool,
-                 memory: Memory | None) -> str:
+def check_memory(job: Job, memory: Memory | None) -> str:
     """The verdict line for a job that fits (or has no memory to compare with, or ``parallel.check_memory=false``);
     ``DoesNotFit`` otherwise."""
-    note = precision_note(cfg.train.get("precision", "auto"), dtype, on_gpu)
+    note = precision_note(job.config.train.precision, job.dtype, job.on_gpu)
     if memory is None:
         return (f"memory: no verdict ({note}) — no GPU on this machine; --memory SIZE (e.g. --memory 80GiB) "
                 "compares the estimates with a GPU of that size")
-    found = verdict(split, batch, memory)
+    found = verdict(job.split, job.batch, memory)
     if found.fits:
         return f"memory: fits ({note}) — {found.describe()}"
-    if not cfg.parallel.get("check_memory", True):
+    if not job.config.parallel.check_memory:
         return f"memory: does not fit ({note}) — {found.describe()}; running anyway (parallel.check_memory=false)"
-    settings = fitting_settings(cfg, world, dtype, on_gpu, memory)
+    settings = fitting_settings(job, memory)
     if settings:
         fix = "settings that would fit (estimated need): " + "; ".join(settings)
     else:
         fix = ("no setting of parallel.recompute, data.micro_batch_size, data.seq_len" +
-               (" or parallel.pipeline_stages" if on_gpu else "") + " fits it" +
-               ("" if on_gpu else ": more processes on this host share its RAM; plan it for GPUs "
+               (" or parallel.pipeline_stages" if job.on_gpu else "") + " fits it" +
+               ("" if job.on_gpu else ": more processes on this host share its RAM; plan it for GPUs "
                 "(python -m parallel.plan train.device=cuda --memory 80GiB --world-size N <overrides>)") +
                ", or choose a smaller model")
     raise DoesNotFit(f"the job does not fit in memory ({note}): {found.describe()} — {fix}; or "
@@ -407,9 +377,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> None:
-    from model.cli import compose_checked, run_cli
-    from model.layout import layout_from_config
-    from train.engine import check_context, check_experts, lora_settings, trains_dspark
+    from model.cli import job_config, run_cli
     from train.init_from import adopt_released_config
 
     options = parser().parse_intermixed_args(argv)
@@ -418,38 +386,32 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"error: --world-size {world} is not a process count — give a positive integer")
 
     def report():
-        cfg = compose_checked(options.overrides)
-        adopt_released_config(cfg)  # train.init_from=<DeepSeek's released directory> sets the model, as in a job
-        args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
-        par = cfg.parallel
-        processes = world or par.pipeline_stages
-        batch = batch_plan(cfg, processes)
-        context = batch.context
-        check_context(cfg, args, layout, trains_dspark(cfg))
-        check_experts(cfg, batch.data_parallel * context)
-        on_gpu = job_device(cfg.train.get("device", "auto")) == "cuda"
-        dtype = compute_dtype(cfg.train.get("precision", "auto"), on_gpu)
-        memory = device_memory(on_gpu, processes, options.memory)
-        split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel,
-                             memory.capacity if memory is not None and on_gpu else None, cuda=on_gpu)
-        print(describe(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                       par.get("index_k", "shadow"), batch, split.costs, split.unit, split.peaks, context), flush=True)
-        recomputed = par.recompute == "layer"
-        for lines in (describe_lora(args, layout, lora_settings(cfg), dtype),
-                      describe_context(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                                       context, batch.data_parallel, recomputed),
-                      describe_experts(args, layout, split.plan, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                                       int(par.get("expert_parallel", 1)), batch.data_parallel * context,
-                                       recomputed, trains_dspark(cfg), context)):
+        # train.init_from=<DeepSeek's released directory> sets the model, as in a job
+        config = adopt_released_config(job_config(options.overrides))
+        processes = world or config.parallel.pipeline_stages
+        device = planned_device(config.train.device)
+        memory = device_memory(device.type == "cuda", processes, options.memory)
+        job = plan(config, processes, device, split_capacity(device, memory))
+        args, layout, split, batch, dtype = job.args, job.layout, job.split, job.batch, job.dtype
+        micro_batch, seq_len, index_k = config.data.micro_batch_size, config.data.seq_len, config.parallel.index_k
+        print(describe(args, layout, split.plan, micro_batch, seq_len, dtype, index_k, batch, split.costs, split.unit,
+                       split.peaks, batch.context), flush=True)
+        recomputed = config.parallel.recompute == "layer"
+        for lines in (describe_lora(args, layout, job.lora, dtype),
+                      describe_context(args, layout, split.plan, micro_batch, seq_len, dtype, batch.context,
+                                       batch.data_parallel, recomputed),
+                      describe_experts(args, layout, split.plan, micro_batch, seq_len, dtype,
+                                       config.parallel.expert_parallel, batch.data_parallel * batch.context,
+                                       recomputed, job.trains_dspark, batch.context)):
             if lines:
                 print(lines, flush=True)
-        print(check_memory(cfg, processes, split, batch, dtype, on_gpu, memory))
+        print(check_memory(job, memory))
         if options.plot:
             from parallel.plan_figure import draw
 
-            draw(options.plot, args, layout, split, batch, cfg.data.micro_batch_size, cfg.data.seq_len, dtype,
-                 par.get("index_k", "shadow"), title=f"model={cfg.model.name} layout={cfg.layout.name}, "
-                 f"{batch.stages} stage(s) x {batch.data_parallel} data-parallel, {cfg.data.seq_len:,} tokens a row")
+            draw(options.plot, args, layout, split, batch, micro_batch, seq_len, dtype, index_k,
+                 title=f"model={config.model.name} layout={config.layout.name}, {batch.stages} stage(s) x "
+                 f"{batch.data_parallel} data-parallel, {seq_len:,} tokens a row")
             print(f"drew {options.plot}")
 
     run_cli(report)

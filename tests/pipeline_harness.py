@@ -34,6 +34,16 @@ def interleaved(vocab: int, replicas: int, skip_steps: int = 0):
             yield next(s)
 
 
+def job_of(overrides: list[str], device: str = "cpu"):
+    """The job ``overrides`` describe on this process's world (its process group's size), planned as
+    ``python -m train``'s preflight plans it."""
+    from model.cli import compose, resolved
+    from parallel.job import plan
+    from train import distributed
+
+    return plan(resolved(compose(overrides)), distributed.world_size(), torch.device(device))
+
+
 def recompute_overrides(recompute: str) -> list[str]:
     """``none``, ``layer`` or ``block:N`` (the first N layers of every stage) as config overrides."""
     mode, _, count = recompute.partition(":")
@@ -41,15 +51,15 @@ def recompute_overrides(recompute: str) -> list[str]:
 
 
 def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, overrides):
-    from model.cli import compose
     from train.engine import build_engine
 
     torch.set_num_threads(1)  # up to 4 processes share CI's 2 cores: more threads each only contend
-    cfg = compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
-                   f"parallel.index_k={index_k}", f"parallel.p2p={p2p}", *recompute_overrides(recompute),
-                   f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
-                   f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1", *overrides])
-    engine = build_engine(cfg, precision, torch.device("cpu"))
+    job = job_of([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",
+                  f"parallel.index_k={index_k}", f"parallel.p2p={p2p}", *recompute_overrides(recompute),
+                  f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
+                  f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1", f"train.precision={precision}",
+                  *overrides])
+    engine = build_engine(job)
     stage = engine.module.stage
     first_grads = {}
     clip = engine._clip_gradients
@@ -60,7 +70,7 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, override
                                 for n, p in stage.model.named_parameters() if p.grad is not None})
         clip()
     engine._clip_gradients = snapshot_then_clip
-    data = batches(cfg.model.vocab_size)
+    data = batches(job.args.vocab_size)
     losses, live_after = [], []
     for _ in range(STEPS):
         losses.append(engine.train_batch(data).item())

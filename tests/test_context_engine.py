@@ -60,13 +60,13 @@ def _worker(rank, out, jobs):
 
 
 def _job(rank, out, overrides):
-    from model.cli import compose
+    from tests.pipeline_harness import job_of
     from train.engine import build_engine
 
-    cfg = compose([f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
-                   f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1", "train.dspark_loss_coef=0",
-                   *overrides])
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    job = job_of([f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO_BATCH}",
+                  f"train.grad_accum_steps={MICROBATCHES}", "train.warmup_steps=1", "train.dspark_loss_coef=0",
+                  *overrides])
+    engine = build_engine(job)
     model = engine.module.stage.model
     first_grads, clip = {}, engine._clip_gradients
 
@@ -76,7 +76,7 @@ def _job(rank, out, overrides):
                                 for n, p in model.named_parameters() if p.grad is not None})
         clip()
     engine._clip_gradients = snapshot_then_clip
-    data = batches(cfg.model.vocab_size)
+    data = batches(job.args.vocab_size)
     losses = [engine.train_batch(data).item() for _ in range(STEPS)]
     named, tables = dict(model.named_parameters()), model.row_shards()  # a row-sharded Engram table: my rows
     shards = {n: (start, named[n].detach().clone(), first_grads.pop(n, None)) for n, (start, _) in tables.items()}

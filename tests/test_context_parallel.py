@@ -172,32 +172,22 @@ def test_planted_exchange_bugs_are_caught(reference, chunks, variant):
         assert "logits" not in bad and any("compressor" in name for name in bad)
 
 
-def _context_cfg(*overrides):
-    from model.cli import compose
-    from model import ModelArgs, layout_from_config
-
-    cfg = compose(["data.seq_len=128", *overrides])
-    return cfg, ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
-
-
 @pytest.mark.parametrize("overrides, world, message", [
     (["parallel.context_parallel=2", "data.seq_len=120"], 2, "data.seq_len=120 is not divisible into"),
     (["parallel.context_parallel=8"], 8, "chunks of 16 tokens, shorter than the sliding window"),
     (["parallel.context_parallel=3"], 4, "parallel.context_parallel=3 does not divide the 4 process"),
     (["parallel.context_parallel=2", "parallel.pipeline_stages=2"], 2, "does not divide the 1 process"),
-    (["parallel.context_parallel=0"], 1, "use an integer >= 1"),
+    (["parallel.context_parallel=0"], 1, "parallel.context_parallel=0 is out of range — set a whole number >= 1"),
     (["parallel.context_parallel=2", "model=v41_mini", "train.dspark_loss_coef=0.1"], 2, "DSpark draft head"),
     (["parallel.context_parallel=2", "model.attention=dense", "layout=window_only"], 2, "model.attention=dense"),
 ])
 def test_bad_context_settings_are_one_line_errors(overrides, world, message):
     """Each refusal is one ValueError line naming the setting (before any process group is made)."""
-    from parallel.batch import batch_plan
-    from train.engine import check_context, trains_dspark
+    from model.cli import compose
+    from train.preflight import planned
 
-    cfg, args, layout = _context_cfg(*overrides)
     with pytest.raises(ValueError, match=message) as error:
-        batch_plan(cfg, world)
-        check_context(cfg, args, layout, trains_dspark(cfg))
+        planned(compose(["data.seq_len=128", *overrides]), world)
     assert "\n" not in str(error.value)
 
 

@@ -260,7 +260,7 @@ def test_missing_paths_are_errors(tmp_path):
 
 
 def test_bad_config_is_an_error(tmp_path):
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['data.seq_length'\]"):
         build_loader({"seq_length": 10})
     with pytest.raises(ValueError, match="source"):
         build_loader({"source": "web"})

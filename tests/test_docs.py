@@ -146,7 +146,7 @@ class Page:
         if sweep:
             jobs = sweep_jobs(overrides)
             for job in configs_to_check(jobs):
-                checked_config(job, first=job is jobs[0])
+                checked_job(job, first=job is jobs[0])
             overrides = jobs[0]
         stops = any(o.startswith("train.stop_at=") for o in overrides)
         steps = MAX_STEPS if stops else 1  # a run that stops early needs a step after the stop
@@ -245,33 +245,28 @@ def configs_to_check(jobs: list[list[str]]) -> list[list[str]]:
     return kept
 
 
-def checked_config(overrides: list[str], first: bool = True):
-    """The config of one job, with the checks a job makes before any engine (``compose_checked`` checks every value
-    of a sweep, so the other jobs need only compose)."""
-    from model.cli import compose, compose_checked
+def checked_job(overrides: list[str], first: bool = True, world: int | None = 1, device: str = "cpu"):
+    """One job planned on ``world`` processes (the stage count when None) of ``device`` and checked as the preflight
+    does before any engine (``compose_checked`` checks every value of a sweep, so the other jobs need only
+    compose)."""
+    from model.cli import compose, compose_checked, resolved
+    from parallel.job import plan
     from train.preflight import check_config
 
-    cfg = compose_checked(overrides) if first else compose(overrides)
-    check_config(cfg)
-    return cfg
+    config = resolved(compose_checked(overrides) if first else compose(overrides))
+    job = plan(config, world or config.parallel.pipeline_stages, torch.device(device))
+    check_config(job)
+    return job
 
 
 def check_training(overrides: list[str], world: int | None, where: str) -> None:
     """A training job that does not run here: every job's config, its batch on ``world`` processes (the stage
-    count when unknown), and the stage split when it has stages."""
-    from parallel.balance import split_stages
-    from parallel.batch import batch_plan
-    from train.engine import check_experts
-
+    count when unknown) and its stage split, planned for GPUs."""
     overrides = [o for o in overrides if o not in ("-m", "--multirun")]
     jobs = sweep_jobs(overrides)
     for job in configs_to_check(jobs):
         try:
-            cfg = checked_config(job, first=job is jobs[0])
-            batch = batch_plan(cfg, world or int(cfg.parallel.pipeline_stages))
-            check_experts(cfg, batch.data_parallel * batch.context)  # over a stage's C x D ranks, as the engine
-            if batch.stages > 1 or cfg.parallel.get("cuts") is not None:
-                split_stages(cfg, torch.bfloat16, batch.microbatches, batch.data_parallel)
+            checked_job(job, first=job is jobs[0], world=world, device="cuda")
         except ValueError as error:
             raise AssertionError(f"{where}: {shlex.join(job)}: {error}") from None
 

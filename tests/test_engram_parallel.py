@@ -30,11 +30,10 @@ NEAR = 1e-4
 
 
 def _engine(microbatches: int):
-    from model.cli import compose
     from train.engine import build_engine
 
-    cfg = compose([*OVERRIDES, f"train.grad_accum_steps={microbatches}"])
-    return build_engine(cfg, "fp32", torch.device("cpu")), cfg.model.vocab_size
+    job = harness.job_of([*OVERRIDES, f"train.grad_accum_steps={microbatches}"])
+    return build_engine(job), job.args.vocab_size
 
 
 def _record(engine, loss: float) -> dict:

@@ -28,14 +28,12 @@ NEAR_GRAD, NEAR_STATE = 1e-5, 1e-3
 
 
 def _engine(stages: int, replicas: int, experts: int, microbatches: int = 1, overlap: bool = True):
-    from model.cli import compose
     from train.engine import build_engine
 
-    cfg = compose([*OVERRIDES, f"parallel.pipeline_stages={stages}", f"parallel.expert_parallel={experts}",
-                   f"parallel.expert_overlap={str(overlap).lower()}",
-                   f"train.grad_accum_steps={microbatches}",
-                   "parallel.cuts=[8]" if stages == 2 else "parallel.cuts=null"])
-    return build_engine(cfg, "fp32", torch.device("cpu")), cfg.model.vocab_size
+    job = harness.job_of([*OVERRIDES, f"parallel.pipeline_stages={stages}", f"parallel.expert_parallel={experts}",
+                          f"parallel.expert_overlap={str(overlap).lower()}", f"train.grad_accum_steps={microbatches}",
+                          "parallel.cuts=[8]" if stages == 2 else "parallel.cuts=null"])
+    return build_engine(job), job.args.vocab_size
 
 
 def _global(engine, tensors: dict) -> dict:
@@ -234,13 +232,12 @@ def test_a_checkpoint_missing_experts_is_refused(runs):
     (["parallel.expert_parallel=8", "model.dspark.n_routed_experts=6"], 8,
      "parallel.expert_parallel=8 does not divide the routed experts (8 and 6): use one of [1, 2]"),
     (["model=tiny", "parallel.expert_parallel=2"], 2, "needs routed experts: model.ffn=dense has none"),
-    (["parallel.expert_parallel=0"], 2, "parallel.expert_parallel=0: use an integer >= 1"),
+    (["parallel.expert_parallel=0"], 2, "parallel.expert_parallel=0 is out of range — set a whole number >= 1"),
 ])
 def test_expert_parallel_sizes_that_cannot_split_are_one_line_errors(overrides, processes, message):
     from model.cli import compose
-    from train.engine import check_experts
+    from train.preflight import planned
 
-    cfg = compose([*OVERRIDES, *overrides])
     with pytest.raises(ValueError) as err:
-        check_experts(cfg, processes // int(cfg.parallel.pipeline_stages))
+        planned(compose([*OVERRIDES, *overrides]), world_size=processes)
     assert message in str(err.value) and "\n" not in str(err.value)

@@ -14,12 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from model import ModelArgs, Transformer, layout_from_config
-from model.cli import compose
+from model.cli import compose, resolved
+from model.config import plain
 from parallel.local import spawn
 from tests import pipeline_harness as harness
 from tests.test_train_run import SMALL, _run, _train_rows
 from train.export import export, parse_size
-from train.init_from import InitError, InitFrom
+from train.init_from import InitError, InitFrom, from_job
 from train.reference_format import INDEX, WEIGHTS
 
 FROZEN = ["train.lr=0", "train.max_steps=1"]  # one step that leaves the loaded weights as they are
@@ -132,7 +133,9 @@ def test_export_then_init_from_gives_bitwise_the_same_logits(v41, tmp_path):
 
 
 def _match(*overrides):
-    return InitFrom(compose(SMALL + list(overrides))).match
+    config = resolved(compose(SMALL + list(overrides)))
+    return InitFrom(config.train.init_from, config.train.init_strict, config.model.args,
+                    layout_from_config(config.layout)).match
 
 
 def _layer_names(layers, *parts):
@@ -227,11 +230,11 @@ def _engine(stages: int, zero_stage: int, init_from: Path | None = None):
     overrides = [f"parallel.pipeline_stages={stages}", f"parallel.cuts={'[8]' if stages == 2 else 'null'}",
                  f"parallel.zero_stage={zero_stage}", f"data.seq_len={harness.SEQ_LEN}",
                  f"data.micro_batch_size={harness.MICRO_BATCH}", "train.grad_accum_steps=2", "train.warmup_steps=1"]
-    cfg = compose(overrides + ([f"train.init_from={init_from}"] if init_from else []))
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    job = harness.job_of(overrides + ([f"train.init_from={init_from}"] if init_from else []))
+    engine = build_engine(job)
     if init_from:
-        InitFrom(cfg).load_into(engine)
-    return engine, cfg
+        from_job(job).load_into(engine)
+    return engine, job
 
 
 def _snapshot(engine) -> dict:
@@ -245,21 +248,18 @@ def _snapshot(engine) -> dict:
 def _split_worker(rank, out):
     """A: 2 stages x 1 rank trains a step and saves. B: 1 stage x 2 ranks (ZeRO-1) starts from A, trains, saves.
     C: 2 stages (ZeRO off) starts from B."""
-    from omegaconf import OmegaConf
-
     from train import checkpoint
 
     torch.set_num_threads(1)
     out = Path(out)
     record = {}
     for name, stages, zero, source in (("A", 2, 1, None), ("B", 1, 1, out / "A"), ("C", 2, 0, out / "B")):
-        engine, cfg = _engine(stages, zero, source)
+        engine, job = _engine(stages, zero, source)
         record[name] = _snapshot(engine)
         if name != "C":
-            engine.train_batch(harness.batches(cfg.model.vocab_size, seed=engine.grid.data_parallel_id))
+            engine.train_batch(harness.batches(job.args.vocab_size, seed=engine.grid.data_parallel_id))
             record[name + "_trained"] = _snapshot(engine)
-            checkpoint.save(engine, out / name, 1, {"step": 1, "config": OmegaConf.to_container(cfg, resolve=True)},
-                            {}, keep=0)
+            checkpoint.save(engine, out / name, 1, {"step": 1, "config": plain(job.config)}, {}, keep=0)
     torch.save(record, out / f"rank{rank}.pt")
 
 

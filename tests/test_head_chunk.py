@@ -36,14 +36,13 @@ def test_chunked_loss_and_gradients_equal_the_whole_logits():
 
 
 def _step(head_chunk: int):
-    from model.cli import compose
+    from tests.pipeline_harness import job_of
     from train import distributed
     from train.engine import build_engine, train_step
 
     distributed.init(torch.device("cpu"))
-    cfg = compose(["data.seq_len=64", "data.micro_batch_size=2", "train.grad_accum_steps=1",
-                   f"parallel.head_chunk={head_chunk}"])
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    engine = build_engine(job_of(["data.seq_len=64", "data.micro_batch_size=2", "train.grad_accum_steps=1",
+                                  f"parallel.head_chunk={head_chunk}"]))
     stage = engine.module.stage
     calls = []
     head = stage.head
@@ -70,16 +69,13 @@ def test_a_step_with_head_chunks_equals_one_without():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.head_chunk=-1"], "parallel.head_chunk=-1: use an integer >= 0"),
+    (["parallel.head_chunk=-1"], "parallel.head_chunk=-1 is out of range — set a whole number >= 0"),
     (["parallel.head_chunk=4096", "model=v41_mini", "train.dspark_loss_coef=0.1"], "cannot train the DSpark"),
 ])
 def test_bad_head_chunk_settings_are_one_line_errors(overrides, message):
     from model.cli import compose
-    from model import ModelArgs, layout_from_config
-    from train.engine import check_context, check_parallel, trains_dspark
+    from train.preflight import planned
 
-    cfg = compose(["data.seq_len=128", *overrides])
     with pytest.raises(ValueError, match=message) as error:
-        check_parallel(cfg.parallel)
-        check_context(cfg, ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), trains_dspark(cfg))
+        planned(compose(["data.seq_len=128", *overrides]), world_size=1)
     assert "\n" not in str(error.value)

@@ -29,11 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelArgs, layout_from_config
-from model.cli import compose
+from model.cli import compose, resolved
 from model.config import DSparkArgs, EngramArgs, MoEArgs
 from model.engram import table_rows
 from model.layout import Layout, Mode
 from model.transformer import Transformer
+from tests.pipeline_harness import job_of
 from train import app, checkpoint, distributed, manifest
 from train.checkpoint import CheckpointError
 from train.data import DataConfig
@@ -118,13 +119,13 @@ def job(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("job")
     cfg = compose(overrides(run_dir))
     checked = app.preflight(cfg, run_dir, 1)
-    distributed.init(checked.device)
+    distributed.init(checked.job.device)
     app.seed_everything(cfg.train.seed)
-    trainer = app._trainer(cfg, run_dir, checked)
+    trainer = app._trainer(run_dir, checked)
     engine, stage = trainer.engine, trainer.engine.module.stage
     model = stage.model
-    record = {"cfg": cfg, "run_dir": run_dir, "trainer": trainer, "engine": engine, "model": model,
-              "initial": {n: t.detach().clone() for n, t in model.state_dict().items()},
+    record = {"cfg": cfg, "data": resolved(cfg).data, "run_dir": run_dir, "trainer": trainer, "engine": engine,
+              "model": model, "initial": {n: t.detach().clone() for n, t in model.state_dict().items()},
               "batches": {}, "start": {}, "grads": {}, "clipped": {}, "outputs": {}, "eval_batches": 0}
     step_now = {"step": 0}
 
@@ -188,7 +189,7 @@ def job(tmp_path_factory):
             return next(heldout)
     trainer.evaluator.loader = CountedHeldout(heldout, [])
 
-    logger = MetricsLogger(cfg, run_dir, 0, enabled=True)
+    logger = MetricsLogger(checked.job, run_dir, 0, enabled=True)
     wandb_run = logger.wandb_run
     record["wandb"] = {"project": wandb_run.project, "name": wandb_run.name, "group": wandb_run.group,
                        "tags": list(wandb_run.tags)}
@@ -263,8 +264,8 @@ def _expert_ranges(rank, out):
     from train.engine import build_engine
 
     torch.set_num_threads(1)
-    cfg = compose(["model=v41_mini", "parallel.expert_parallel=2", "data.seq_len=64", "data.micro_batch_size=1"])
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    engine = build_engine(job_of(["model=v41_mini", "parallel.expert_parallel=2", "data.seq_len=64",
+                                  "data.micro_batch_size=1"]))
     groups = engine.module.expert_groups
     torch.save({"held": {name: (moe.experts.expert_ids.start, moe.experts.expert_ids.stop, moe.experts.w1.shape[0])
                          for name, moe in engine.module.stage.model.experts().items()},
@@ -349,7 +350,7 @@ def test_engram_tables_and_hash(job):
         table = model.layers[str(layer)].engram.embed
         assert table.rows == sum(primes[k * per_layer:(k + 1) * per_layer]) == table.weight.shape[0], layer
         assert table.weight.requires_grad  # model.engram.train
-    token_map, size = engram_token_map(job["cfg"], expected_args())
+    token_map, size = engram_token_map(job["data"], expected_args())
     assert size == e["compressed_vocab_size"] and model.engram_hash.pad == token_map[e["pad_id"]]
     assert model.layers["6"].engram.eps == MODEL["norm_eps"]
 
@@ -419,8 +420,7 @@ def test_layout_settings_reach_the_engines_blocks(overrides, modes, sources):
     from train.engine import build_engine
 
     distributed.init(torch.device("cpu"))
-    cfg = compose(["model=tiny", "layout=v41_scaled", "data.seq_len=64", *overrides])
-    model = build_engine(cfg, "fp32", torch.device("cpu")).module.stage.model
+    model = build_engine(job_of(["model=tiny", "layout=v41_scaled", "data.seq_len=64", *overrides])).module.stage.model
     assert _modes(model) == modes.split()
     assert [(b.attn.plan.ratio, b.attn.plan.kv_source, b.attn.plan.index_source) for b in model.layers.values()] \
         == sources
@@ -466,7 +466,7 @@ def test_initial_weights_follow_the_seed_and_the_init_scales(job):
     initial = job["initial"]
     cfg = job["cfg"]
     rebuilt = Transformer(expected_args(), layout_from_config(cfg.layout), seed=7,
-                          token_map=engram_token_map(cfg, expected_args()), run_dspark=True).state_dict()
+                          token_map=engram_token_map(job["data"], expected_args()), run_dspark=True).state_dict()
     assert rebuilt.keys() == initial.keys() and all(torch.equal(rebuilt[n], t) for n, t in initial.items())
     other = Transformer(expected_args(), layout_from_config(cfg.layout), seed=8).state_dict()
     assert not torch.equal(other["layers.0.attn.wq_a.weight"], initial["layers.0.attn.wq_a.weight"])
@@ -513,7 +513,7 @@ def test_loaders_and_probes(job):
     assert 0.1 < share < 0.35, share  # heldout_fraction 0.2 of the email package's documents
     probes = trainer.evaluator.probes
     assert set(probes) == {(kind, n) for kind in ("passkey", "mqar") for n in EVAL["probe_lens"]}
-    tokenizer = data_tokenizer(job["cfg"].data)
+    tokenizer = data_tokenizer(job["data"])
     for (kind, n), samples in probes.items():
         want = passkey_probes(tokenizer, n, 2, seed=5) if kind == "passkey" else \
             mqar_probes(tokenizer, n, 2, seed=5, n_pairs=3, n_queries=2)
@@ -612,8 +612,8 @@ def test_loss_series_are_a_plain_forwards_parts(job):
     layer, each draft-head part under its name, and the total with ``indexer_loss_coef`` and
     ``dspark_loss_coef``. Catches a part logged under another's name, or a coefficient lost on the way."""
     cfg, row = job["cfg"], job["rows"][LOGGED]
-    model = Transformer(expected_args(), layout_from_config(cfg.layout), token_map=engram_token_map(cfg, expected_args()),
-                        run_dspark=True)
+    model = Transformer(expected_args(), layout_from_config(cfg.layout),
+                        token_map=engram_token_map(job["data"], expected_args()), run_dspark=True)
     model.load_state_dict(job["start"][LOGGED])
     parts = {}
     with torch.no_grad():
@@ -785,7 +785,7 @@ def test_data_settings_reach_the_documents_and_the_tokenizer(tmp_path):
     by the names given (each a different token: swapped roles show)."""
     from tokenizers import Tokenizer as HFTokenizerModel, models, pre_tokenizers, trainers
 
-    from train.data import StreamingDocuments, build_documents, data_config
+    from train.data import StreamingDocuments, build_documents
     from train.evaluate import data_tokenizer
 
     rows = [{"body": f"text number {i}", "q": f"question {i}", "a": f"answer {i}",
@@ -795,7 +795,7 @@ def test_data_settings_reach_the_documents_and_the_tokenizer(tmp_path):
 
     def documents(*more):
         cfg = compose(["data=hf", f"data.path={path}", "data.heldout_fraction=0", *more])
-        return build_documents(data_config(cfg.data))
+        return build_documents(resolved(cfg).data)
     texts = documents("data.text_field=body", "data.split=validation", "data.name=any")
     assert sorted(texts.texts(0, 0)) == sorted(r["body"] for r in rows)
     assert "(name=any, split=validation," in texts.description  # local files: the split's label, no config name
@@ -818,7 +818,8 @@ def test_data_settings_reach_the_documents_and_the_tokenizer(tmp_path):
                    "data.bos_token='<y>'", "data.eos_token='<z>'", "data.pad_token='<x>'", "model.vocab_size=300"])
     from train.data import build_loader
 
-    for built in (data_tokenizer(cfg.data), build_loader(cfg.data).tokenizer):
+    data = resolved(cfg).data
+    for built in (data_tokenizer(data), build_loader(data).tokenizer):
         assert (built.bos_id, built.eos_id, built.pad_id) == (2, 3, 1)
 
 
@@ -841,7 +842,7 @@ def test_synthetic_settings_reach_the_loaders_tasks():
               "loss": "all"}
     cfg = compose(["data=synthetic", "data.synthetic_fraction=1.0", *(
         f"data.synthetic.{k}={_hydra(v)}" for k, v in values.items())])
-    loader = build_loader(cfg.data)
+    loader = build_loader(resolved(cfg).data)
     assert loader.tasks.config == SyntheticConfig.from_mapping(values)
     assert {f.name: getattr(loader.tasks.config, f.name) for f in fields(SyntheticConfig)} == {
         k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}

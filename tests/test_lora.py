@@ -108,9 +108,9 @@ def test_grouped_experts_with_adapters_equal_the_loop():
 def _engine(overrides, precision="fp32"):
     from train.engine import build_engine
 
-    cfg = compose([*MINI, f"data.seq_len={harness.SEQ_LEN}", f"data.micro_batch_size={harness.MICRO_BATCH}",
-                   "train.warmup_steps=1", *overrides])
-    return build_engine(cfg, precision, torch.device("cpu")), cfg.model.vocab_size
+    job = harness.job_of([*MINI, f"data.seq_len={harness.SEQ_LEN}", f"data.micro_batch_size={harness.MICRO_BATCH}",
+                          "train.warmup_steps=1", f"train.precision={precision}", *overrides])
+    return build_engine(job), job.args.vocab_size
 
 
 def _one_process(rank, out):
@@ -325,19 +325,19 @@ def _lora_parameters():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.lora.rank=-1"], r"train.lora.rank=-1: use an integer >= 0"),
+    (["train.lora.rank=-1"], r"train.lora.rank=-1 is out of range — set a whole number >= 0"),
     (["train.lora.rank=4", "train.lora.targets=[wq_a,q_proj]"], r"train.lora.targets=\['wq_a', 'q_proj'\]: use .*'q_proj' unknown"),
     (["train.lora.rank=4", "train.lora.targets=[]"], r"train.lora.targets=\[\]: use a non-empty list"),
-    (["train.lora.rank=4", "train.lora.alpha=0"], r"train.lora.alpha=0: use a number > 0"),
+    (["train.lora.rank=4", "train.lora.alpha=0"], r"train.lora.alpha=0 is out of range — set a number > 0"),
     (["train.lora.rank=4", "train.lora.targets=[dense_ffn]", "model=v41_mini"], r"has no dense_ffn — leave it out"),
     (["train.lora.rank=4", "train.lora.targets=[experts]"], r"model.ffn=dense.* has no experts"),
     (["train.lora.rank=4"], r"train.lora.rank=4 trains adapters on a frozen base: set train.init_from="),
 ])
 def test_bad_settings_fail_in_one_line(overrides, message, tmp_path):
-    from train.preflight import check_config
+    from train.preflight import planned
 
     with pytest.raises(ValueError, match=message) as error:
-        check_config(compose(["data.seq_len=64"] + overrides))
+        planned(compose(["data.seq_len=64"] + overrides), world_size=1)
     assert "\n" not in str(error.value)
 
 

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from model import LayoutError, ModelArgs, Transformer, layout_from_config
-from model.cli import compose
-from parallel.balance import split_stages
-from parallel.batch import batch_plan
+from model.cli import compose, resolved
+from parallel.job import plan
 from parallel.plan import DoesNotFit, Memory, check_memory, fitting_settings, verdict
-from train.preflight import check_pairing
+from train.preflight import planned
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_JOB = ["model=small", "layout=v41", "data.seq_len=65536", "data.micro_batch_size=1"]  # the README's H200 job
@@ -30,20 +29,20 @@ def parameters(cfg) -> int:
 
 
 def job(overrides, world, on_gpu=True):
+    """The composed config and the job it plans on ``world`` GPUs (or CPU processes)."""
     cfg = compose(overrides)
-    batch = batch_plan(cfg, world)
-    dtype = torch.bfloat16 if on_gpu else torch.float32
-    return cfg, batch, split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, cuda=on_gpu), dtype
+    return cfg, plan(resolved(cfg), world, torch.device("cuda" if on_gpu else "cpu"))
 
 
 def test_gpu_verdict_is_the_largest_stage_against_one_gpu():
-    cfg, batch, split, dtype = job([*GPU_JOB, "parallel.recompute=layer"], world=1)
+    cfg, planned_job = job([*GPU_JOB, "parallel.recompute=layer"], world=1)
+    split, batch = planned_job.split, planned_job.batch
     peak = max(split.peaks)
     found = verdict(split, batch, Memory(True, peak + 1))
     assert found.fits and found.need == peak and found.stage == 0
     assert found.state == parameters(cfg) * 16  # fp32 weight + gradient + two AdamW moments, one replica
     assert not verdict(split, batch, Memory(True, peak - 1)).fits
-    line = check_memory(cfg, 1, split, batch, dtype, True, Memory(True, 141 * GIB, given=True))
+    line = check_memory(planned_job, Memory(True, 141 * GIB, given=True))
     assert line.startswith("memory: fits (bf16 on GPU, train.precision=auto) — stage 0 needs an estimated "
                            f"{peak / GIB:,.1f} GiB") and "141.0 GiB per GPU (given by --memory)" in line
 
@@ -51,7 +50,8 @@ def test_gpu_verdict_is_the_largest_stage_against_one_gpu():
 def test_host_verdict_adds_up_every_process_on_the_host():
     """Two CPU processes of a 2-stage pipeline on one host hold both stages in its RAM; ZeRO-1 off a single
     replica changes nothing."""
-    cfg, batch, split, _ = job(["parallel.pipeline_stages=2"], world=2, on_gpu=False)
+    cfg, planned_job = job(["parallel.pipeline_stages=2"], world=2, on_gpu=False)
+    split, batch = planned_job.split, planned_job.batch
     both = sum(split.peaks)
     assert verdict(split, batch, Memory(False, both, processes=2)).fits
     found = verdict(split, batch, Memory(False, both - 1, processes=2))
@@ -62,37 +62,38 @@ def test_host_verdict_adds_up_every_process_on_the_host():
 def test_a_job_that_does_not_fit_names_settings_that_do():
     """Each suggested setting, composed as an override and split again, fits the memory; the job as given
     does not."""
-    cfg, batch, split, dtype = job(GPU_JOB, world=1)
-    capacity = 141 * GIB
+    _, planned_job = job(GPU_JOB, world=1)
+    split, capacity = planned_job.split, 141 * GIB
     assert max(split.peaks) > capacity
     with pytest.raises(DoesNotFit) as refused:
-        check_memory(cfg, 1, split, batch, dtype, True, Memory(True, capacity, given=True))
+        check_memory(planned_job, Memory(True, capacity, given=True))
     line = str(refused.value)
     assert line.startswith(f"the job does not fit in memory (bf16 on GPU, train.precision=auto): stage 0 needs an "
                            f"estimated {max(split.peaks) / GIB:,.1f} GiB") and "\n" not in line
     assert line.endswith("; or parallel.check_memory=false to run it anyway")
-    anyway = check_memory(compose([*GPU_JOB, "parallel.check_memory=false"]), 1, split, batch, dtype, True,
+    anyway = check_memory(job([*GPU_JOB, "parallel.check_memory=false"], world=1)[1],
                           Memory(True, capacity, given=True))
     assert anyway.startswith("memory: does not fit (bf16 on GPU") and anyway.endswith("running anyway "
                                                                                      "(parallel.check_memory=false)")
-    settings = fitting_settings(cfg, 1, dtype, True, Memory(True, capacity, given=True))
+    settings = fitting_settings(planned_job, Memory(True, capacity, given=True))
     assert settings and " — settings that would fit (estimated need): " + "; ".join(settings) in line
     for setting in settings:
         overrides = setting.split(" (")[0].split(" on ")[0].split()
         world = int(setting.split(" on ")[1].split()[0]) if " on " in setting else 1
-        _, _, fitted, _ = job([*GPU_JOB, *overrides], world=world)
+        fitted = job([*GPU_JOB, *overrides], world=world)[1].split
         assert max(fitted.peaks) <= capacity, setting
         assert f"({max(fitted.peaks) / GIB:,.1f} GiB)" in setting
 
 
 def test_model_preset_without_its_layout_names_the_pairing():
     with pytest.raises(LayoutError) as refused:
-        check_pairing(compose(["model=v41_flash"]))
+        planned(compose(["model=v41_flash"]), world_size=1)
     line = str(refused.value)
     assert line.startswith("model=v41_flash (index_topk=512) is paired with layout=v41_scaled, whose candidate "
                            "blocks hold too few entries")
     assert " — pair the model with a layout whose candidate blocks hold its top-k: layout=v41, or a preset" in line
-    check_pairing(compose(["model=v41_flash", "layout=v41"]))
+    paired = resolved(compose(["model=v41_flash", "layout=v41"]))
+    layout_from_config(paired.layout).check_candidate_capacity(paired.model.index_topk)
 
 
 def _run(*command, timeout=240):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import kernels
-from model.config import MoEArgs
+from model.config import ModelArgs, MoEArgs
 from model.moe import Expert, Gate, MoE, RoutedExperts, routing_stats, sort_by_expert, update_bias
 
 DIM, INTER = 16, 8  # multiples of 8: grouped_mm's 16-byte rows in bf16
@@ -410,5 +410,5 @@ def test_bad_settings_are_one_line_errors():
         RoutedExperts(DIM, ARGS, range(4, 9))
     with pytest.raises(ValueError, match="multiples of 8"):
         RoutedExperts(12, ARGS)(torch.randn(3, 12), torch.tensor([3, 0, 0, 0, 0, 0]), torch.ones(3), grouped=True)
-    with pytest.raises(ValueError, match="score_func"):
-        MoE(DIM, MoEArgs(score_func="relu"))
+    with pytest.raises(ValueError, match="model.moe.score_func='relu' is not a choice"):  # checked on resolution
+        ModelArgs.from_config({"ffn": "moe", "moe": {"score_func": "relu"}})

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from model import ModelArgs, layout_from_config
-from model.cli import compose
-from parallel.balance import DIMS, LayerTimes, ModeTimes, mode_key, split_stages
+from model.cli import compose, resolved
+from parallel.balance import DIMS, LayerTimes, ModeTimes, mode_key
+from parallel.job import plan
 from parallel.memory import estimate
 from parallel.partition import balanced_cuts
 
@@ -97,24 +98,28 @@ def test_layer_times_round_trip_and_refuse_another_job(small, tmp_path):
         LayerTimes.load(str(tmp_path / "missing.json"))
 
 
-def job(tmp_path, *extra):
-    return compose(["model=small", "layout=v41", "data.seq_len=65536", "data.micro_batch_size=1",
-                    "parallel.pipeline_stages=2", "parallel.recompute=layer", "train.grad_accum_steps=8", *extra])
+def split_of(*extra):
+    """The stage split of ``model=small`` at 64K on two stages, 8 microbatches, bf16 (planned on the CPU: no memory
+    bound)."""
+    config = resolved(compose(["model=small", "layout=v41", "data.seq_len=65536", "data.micro_batch_size=1",
+                               "parallel.pipeline_stages=2", "parallel.recompute=layer", "train.grad_accum_steps=8",
+                               "train.precision=bf16", *extra]))
+    return plan(config, 2, torch.device("cpu")).split
 
 
 def test_split_follows_measured_times(small, tmp_path):
     """Uniform measured times: the cut is at the middle, not where the FLOP model puts it; a slow mode near the end
     (the Reindex layers 24-36) pulls the cut after it."""
     args, layout = small
-    flops = split_stages(job(tmp_path), torch.bfloat16, 8, 1)
+    flops = split_of()
     uniform = tmp_path / "uniform.json"
     write_times(uniform, args, layout)
-    even = split_stages(job(tmp_path, f"parallel.layer_times={uniform}"), torch.bfloat16, 8, 1)
+    even = split_of(f"parallel.layer_times={uniform}")
     assert (flops.unit, even.unit) == ("FLOPs", "measured ms")
     assert even.plan.cuts[0] in (19, 20) and even.costs == [40.0] * 40
     slow = tmp_path / "slow.json"
     write_times(slow, args, layout, slow_mode="reindex_cand")
-    late = split_stages(job(tmp_path, f"parallel.layer_times={slow}"), torch.bfloat16, 8, 1)
+    late = split_of(f"parallel.layer_times={slow}")
     assert late.plan.cuts[0] > 24
 
 
@@ -160,16 +165,14 @@ def test_backward_figures_that_are_not_peaks_are_left_out(small):
     assert unfixed.retained[3] == times.modes["reuse"].retained_bytes
 
 
-def test_kept_attention_counts_per_stage_and_microbatch_in_flight(small, tmp_path):
+def test_kept_attention_counts_per_stage_and_microbatch_in_flight():
     """parallel.keep_attention_layers=[0,2] at cut 21, M = 8: stage 1 (one microbatch in flight) grows by two
     attention outputs (64K x 64 heads x (512 bf16 + LSE and mass in fp32) = 4.03 GiB each), stage 0 not at all;
     an integer 2 keeps on both, and stage 0 (two in flight) grows by four."""
     kept_bytes = 65536 * 64 * (512 * 2 + 8)
-    base = split_stages(job(tmp_path, "parallel.cuts=[21]"), torch.bfloat16, 8, 1)
-    last = split_stages(job(tmp_path, "parallel.cuts=[21]", "parallel.keep_attention_layers=[0,2]"),
-                        torch.bfloat16, 8, 1)
-    every = split_stages(job(tmp_path, "parallel.cuts=[21]", "parallel.keep_attention_layers=2"),
-                         torch.bfloat16, 8, 1)
+    base = split_of("parallel.cuts=[21]")
+    last = split_of("parallel.cuts=[21]", "parallel.keep_attention_layers=[0,2]")
+    every = split_of("parallel.cuts=[21]", "parallel.keep_attention_layers=2")
     assert last.peaks[0] == base.peaks[0]
     assert last.peaks[1] - base.peaks[1] == pytest.approx(2 * kept_bytes)
     assert every.peaks[0] - base.peaks[0] == pytest.approx(4 * kept_bytes)

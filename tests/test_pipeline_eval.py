@@ -12,20 +12,20 @@ PROBES = ["data.seq_len=192", "train.eval.probe_examples=3", "train.eval.probe_l
 
 def _worker(rank: int, stages: int, out: str):
     torch.set_num_threads(1)
-    from model.cli import compose
+    from tests.pipeline_harness import job_of
     from train.engine import build_engine
     from train.evaluate import Evaluator
 
-    cfg = compose(SMALL + PROBES + [f"parallel.pipeline_stages={stages}", "train.grad_accum_steps=2",
-                                    f"parallel.cuts={[8] if stages > 1 else 'null'}"])
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
-    evaluator = Evaluator(cfg, torch.device("cpu"), engine)
+    job = job_of(SMALL + PROBES + [f"parallel.pipeline_stages={stages}", "train.grad_accum_steps=2",
+                                   f"parallel.cuts={[8] if stages > 1 else 'null'}"])
+    engine = build_engine(job)
+    evaluator = Evaluator(job, engine)
     samples = evaluator.probes["passkey", 160][:2]
     ids, docs = torch.stack([s.input_ids for s in samples]), torch.stack([s.doc_ids for s in samples])
     logits_of = evaluator.pipeline_logits if stages > 1 else evaluator.whole_model_logits
 
     def oracle(ids, docs):  # predicts every next token right, where logits_of has logits at all
-        return None if logits_of(ids, docs) is None else F.one_hot(ids.roll(-1, 1), cfg.model.vocab_size).float()
+        return None if logits_of(ids, docs) is None else F.one_hot(ids.roll(-1, 1), job.args.vocab_size).float()
     torch.save({"logits": logits_of(ids, docs), "row": evaluator(probes=True),
                 "perfect": evaluator.probe_accuracy(oracle),
                 "lengths": sorted({length for _, length in evaluator.probes})}, f"{out}/rank{rank}.pt")

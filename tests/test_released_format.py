@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model import Transformer
+from model import Transformer, layout_from_config
+from model.config import apply, plain
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, quantize
 from train import checkpoint, manifest
 from train.init_from import InitFrom, adopt_released_config, load_stage, rank_share
@@ -189,13 +189,19 @@ def release(tmp_path_factory):
     return setup_release(tmp_path_factory.mktemp("released"))
 
 
-def run_cfg(directory: Path, *overrides):
-    from model.cli import compose
+def run_config(directory: Path, *overrides):
+    """The settings of a run with ``train.init_from`` the released ``directory``, after the preflight's first step:
+    its config.json sets the model."""
+    from model.cli import compose, resolved
 
-    cfg = compose(["model=v41_mini", "model.kernel_backend=torch", *overrides])
-    OmegaConf.update(cfg, "train.init_from", str(directory), force_add=True)
-    adopt_released_config(cfg)  # what preflight does first: the released config.json sets the model
-    return cfg
+    config = resolved(compose(["model=v41_mini", "model.kernel_backend=torch", *overrides]))
+    return adopt_released_config(apply(config, {"train.init_from": str(directory)}))
+
+
+def opened(config) -> InitFrom:
+    """``train.init_from`` of ``config`` opened and matched against its model, as the preflight does."""
+    return InitFrom(config.train.init_from, config.train.init_strict, config.model.args,
+                    layout_from_config(config.layout))
 
 
 # ------------------------------------------------------------------------------------------------ import
@@ -215,10 +221,10 @@ def test_import_matches_the_fp64_oracle(release):
     caught: nibbles swapped, scale exponent off by one (127 vs 128 bias), the FP8 scale transposed over blocks,
     the wo_a scale ignored."""
     directory, args, layout, model, decoded, ids, doc, (logits, indexer, draft) = release
-    cfg = run_cfg(directory)
-    assert cfg.model.index_n_heads == 8 and cfg.model.engram.num_embeddings == list(args.engram.num_embeddings) or \
-        cfg.model.engram.num_embeddings  # set from config.json (v41_mini has 4 index heads and computed rows)
-    init = InitFrom(cfg)
+    config = run_config(directory)
+    assert config.model.index_n_heads == 8 and config.model.engram.num_embeddings == args.engram.num_embeddings or \
+        config.model.engram.num_embeddings  # set from config.json (v41_mini has 4 index heads and computed rows)
+    init = opened(config)
     assert not init.match.new and not init.match.ignored
     assert sorted(init.source.ignored) == sorted(VISION)
     target = Transformer(args, layout, run_dspark=True).double()
@@ -297,7 +303,7 @@ def test_a_stage_and_an_expert_rank_read_only_their_share(release, stage, expert
 
 # ------------------------------------------------------------------------------------------------ export
 
-def fake_checkpoint(root: Path, state: dict, cfg) -> Path:
+def fake_checkpoint(root: Path, state: dict, config) -> Path:
     """A checkpoint tag directory as ``train/checkpoint.py`` reads one: per-layer files, trainer state, manifest."""
     from parallel.engine import is_expert, split_by_layer
 
@@ -307,8 +313,7 @@ def fake_checkpoint(root: Path, state: dict, cfg) -> Path:
         torch.save(tensors, tag / part)
     for part, tensors in split_by_layer({k: v for k, v in state.items() if is_expert(k)}).items():
         torch.save(tensors, tag / f"experts_{part.removesuffix('.pt')}_00000.pt")
-    config = OmegaConf.to_container(cfg, resolve=True)
-    (tag / checkpoint.TRAINER_STATE).write_text(json.dumps({"step": 1, "config": config}))
+    (tag / checkpoint.TRAINER_STATE).write_text(json.dumps({"step": 1, "config": plain(config)}))
     manifest.write(tag)
     return tag
 
@@ -329,10 +334,10 @@ def test_released_import_export_is_byte_identical(release, tmp_path):
     vision tensors, the shard of every tensor and config.json's fields. Planted and caught: the export recomputing
     every scale (keep= ignored), fp4 nibbles swapped on the way out, a plain bf16 tensor written as fp32."""
     directory, args, layout, *_ = release
-    init = InitFrom(run_cfg(directory))
+    init = opened(run_config(directory))
     model = Transformer(args, layout, run_dspark=True)  # fp32, as the trainer's master weights
     load_stage(model, init.source, set(init.match.loaded))
-    tag = fake_checkpoint(tmp_path / "ckpt", model.state_dict(), run_cfg(directory))
+    tag = fake_checkpoint(tmp_path / "ckpt", model.state_dict(), run_config(directory))
     files, report = export_deepseek(str(tag), tmp_path / "out")
     assert all(entry["exact"] and entry["blocks_rescaled"] == 0 for entry in report.values())
     assert stored_bytes(tmp_path / "out") == stored_bytes(directory)
@@ -346,19 +351,18 @@ def test_a_trained_tensor_is_requantised_and_reported(release, tmp_path):
     """A changed matrix comes out requantised (its error in the report, the others exact); without a source the
     export is our own layout and reads back to the same values (the module's scales are idempotent)."""
     directory, args, layout, *_ = release
-    init = InitFrom(run_cfg(directory))
+    init = opened(run_config(directory))
     model = Transformer(args, layout, run_dspark=True)
     load_stage(model, init.source, set(init.match.loaded))
     state = model.state_dict()
     state["layers.3.attn.wq_b.weight"] = state["layers.3.attn.wq_b.weight"] * 1.01
-    cfg = run_cfg(directory)
-    tag = fake_checkpoint(tmp_path / "ckpt", state, cfg)
+    config = run_config(directory)
+    tag = fake_checkpoint(tmp_path / "ckpt", state, config)
     _, report = export_deepseek(str(tag), tmp_path / "out")
     inexact = {n for n, v in report.items() if not v["exact"]}
     assert inexact == {"layers.3.attn.wq_b.weight"}
     assert 0 < report["layers.3.attn.wq_b.weight"]["rel_rms_error"] < 0.05
-    OmegaConf.update(cfg, "train.init_from", None)
-    tag2 = fake_checkpoint(tmp_path / "ckpt2", state, cfg)
+    tag2 = fake_checkpoint(tmp_path / "ckpt2", state, apply(config, {"train.init_from": None}))
     export_deepseek(str(tag2), tmp_path / "fresh")
     again = ReleasedWeights(tmp_path / "fresh")
     first = ReleasedWeights(tmp_path / "out")

@@ -18,9 +18,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import open_dict
 
 from model.accounting import account
-from model.cli import CONF_DIR, compose
+from model.cli import CONF_DIR, compose, resolved
 from model.config import ModelArgs
 from model.layout import Layout, layout_from_config
+from parallel.job import plan
 from train import distributed
 from train.metrics import MetricsLogger, read_rows
 from train.report import find_runs, main, newest_sweep, report
@@ -190,13 +191,13 @@ def test_wandb_run_is_grouped_and_tagged_by_layout(hydra_job, monkeypatch, tmp_p
     calls = []
     monkeypatch.setattr(wandb, "init", lambda **kwargs: calls.append(kwargs))
     distributed.init(torch.device("cpu"))
-    MetricsLogger(cfg, tmp_path, start_step=0, enabled=True)
+    MetricsLogger(plan(resolved(cfg), 1, torch.device("cpu")), tmp_path, start_step=0, enabled=True)
     (kwargs,) = calls
     assert kwargs["group"] == "no_reindex decoder.reindex_every=8"  # the preset and its knob: one layout
     assert kwargs["tags"] == ["ablation", "no_reindex", "tiny"]
-    plan = kwargs["config"]["layout_plan"]
-    assert plan["index_source_layer_ids"] == [2, 8, 14, 20, 28, 36] and plan["reindex"] == 2
+    layout_plan = kwargs["config"]["layout_plan"]
+    assert layout_plan["index_source_layer_ids"] == [2, 8, 14, 20, 28, 36] and layout_plan["reindex"] == 2
     constants = kwargs["config"]["run_constants"]
     assert constants["tokens_per_step"] == cfg.data.micro_batch_size * cfg.data.seq_len
     assert constants["kv_bytes_per_token"] == account(ModelArgs.from_config(cfg.model), layout_from_config(
-        cfg.layout), cfg.data.seq_len)["kv_bytes_per_token"]
+        cfg.layout), cfg.data.seq_len)["kv_bytes_per_token"]  # from the composed config, not the job

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.cli import compose
+from tests.pipeline_harness import job_of
 from train import distributed, routing
 from train.engine import build_engine
 
@@ -19,10 +19,10 @@ MICROBATCHES = 2
 def step():
     """One training step of v41_mini (every MoE: 10 layers and the draft head's), the inputs of every MoE and its
     gate's weight and bias as each forward saw them."""
-    cfg = compose(["model=v41_mini", "train.dspark_loss_coef=1.0", "data.seq_len=64", "data.micro_batch_size=2",
-                   f"train.grad_accum_steps={MICROBATCHES}"])
     distributed.init(torch.device("cpu"))
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    job = job_of(["model=v41_mini", "train.dspark_loss_coef=1.0", "data.seq_len=64", "data.micro_batch_size=2",
+                  f"train.grad_accum_steps={MICROBATCHES}"])
+    engine = build_engine(job)
     moes = engine.module.stage.model.experts()
     seen = {name: [] for name in moes}
     for name, moe in moes.items():
@@ -34,7 +34,7 @@ def step():
     ids = [torch.randint(0, 256, (2, 65), generator=g) for _ in range(MICROBATCHES)]
     data = iter([((x[:, :-1], torch.zeros(2, 64, dtype=torch.long)), x[:, 1:]) for x in ids])
     engine.train_batch(data)
-    return engine, moes, seen, bias_before, float(cfg.model.moe.bias_update_rate)
+    return engine, moes, seen, bias_before, job.args.moe.bias_update_rate
 
 
 def hand_loads(moe, inputs) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.cli import compose
-from train.data import DataConfig, build_loader, synthetic_tasks
+from train.data import DataConfig, build_loader, data_config, synthetic_tasks
 from train.loss import IGNORE_INDEX, lm_loss
 from train.synthetic import (TASKS, SyntheticConfig, SyntheticLoader, SyntheticTasks, add_hits, count_keys,
                              distance_bucket, synthetic_metrics)
@@ -161,10 +161,10 @@ def test_default_distances_lie_beyond_the_relay_of_stacked_windows():
     ({"filler": " a"}, "share token ids"),
     ({"markers": "#"}, "two symbols"),
     ({"pairs": [1, 20]}, "needs as many distinct keys"),
-    ({"align": 0}, "align must be >= 1"),
+    ({"align": 0}, "data.synthetic.align=0 is out of range — set a whole number >= 1"),
     ({"pairs": [3, 1]}, "range"),
     ({"tasks": {"recall": 1.0}}, "tasks must map"),
-    ({"window": 3}, "unknown data.synthetic setting"),
+    ({"window": 3}, r"unknown setting\(s\) \['data.synthetic.window'\]"),
 ])
 def test_bad_settings_are_errors(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -177,8 +177,8 @@ def test_task_that_does_not_fit_is_an_error():
 
 
 def synthetic_data(**overrides) -> DataConfig:
-    return DataConfig(**{"seq_len": 64, "micro_batch_size": 2, "synthetic_fraction": 1.0,
-                         "synthetic": {"tasks": ALL, "copy_length": [4, 12]}, **overrides})
+    return data_config({"seq_len": 64, "micro_batch_size": 2, "synthetic_fraction": 1.0,
+                        "synthetic": {"tasks": ALL, "copy_length": [4, 12]}, **overrides})
 
 
 def take(loader, n):
@@ -236,7 +236,7 @@ def test_training_loss_counts_the_answers_or_every_token(loss):
 
 def test_unknown_loss_is_an_error():
     with pytest.raises(ValueError, match="data.synthetic.loss"):
-        SyntheticConfig(loss="values")
+        SyntheticConfig.from_mapping({"loss": "values"})
 
 
 def test_ranks_split_the_global_stream():

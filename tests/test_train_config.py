@@ -5,10 +5,11 @@ import pytest
 import torch
 from hydra.errors import HydraException
 
-from model.cli import compose
+from model.cli import compose, compose_checked, job_config
+from parallel.job import resolve_precision
 from train.__main__ import strip_launcher_args
-from train.preflight import check_config
-from train.engine import deepspeed_config, resolve_precision, warmup_cosine
+from train.engine import deepspeed_config, warmup_cosine
+from train.preflight import planned
 
 
 def test_defaults_and_overrides_compose():
@@ -17,17 +18,18 @@ def test_defaults_and_overrides_compose():
     assert (cfg.model.name, cfg.layout.name) == ("tiny", "all_full")
     assert cfg.train.max_steps == 7 and cfg.train.resume == "auto" and cfg.data.seq_len == 512
     assert cfg.logger.mode == "disabled" and cfg.parallel.pipeline_stages == 2 and cfg.parallel.cuts == [4]
-    check_config(cfg)
+    job, _ = planned(cfg, world_size=2)
+    assert job.split.plan.cuts == [4] and job.batch.stages == 2 and job.layout.n_layers == 40
 
 
-def test_deepspeed_config_follows_hydra():
-    cfg = compose(["data.micro_batch_size=3", "train.grad_clip=0.5", "train.lr=1e-3"])
-    ds = deepspeed_config(cfg, microbatches=2)
+def test_deepspeed_config_follows_the_settings():
+    train = job_config(["train.grad_clip=0.5", "train.lr=1e-3"]).train
+    ds = deepspeed_config(train, micro_batch=3, microbatches=2, zero_stage=1)
     assert ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 0.5 and "bf16" not in ds  # bf16 is autocast over fp32 master weights
     assert ds["optimizer"]["type"] == "AdamW" and ds["optimizer"]["params"]["torch_adam"] is True
     assert ds["optimizer"]["params"]["lr"] == 1e-3 and "fused" not in ds["optimizer"]["params"]
-    assert deepspeed_config(cfg, microbatches=2, fused_adam=True)["optimizer"]["params"]["fused"] is True
+    assert deepspeed_config(train, 3, 2, 1, fused_adam=True)["optimizer"]["params"]["fused"] is True
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
 
 
@@ -65,7 +67,7 @@ def test_invalid_override_is_a_hydra_error(override):
 ])
 def test_bad_settings_fail_before_training(overrides, message):
     with pytest.raises(ValueError, match=message):
-        check_config(compose(overrides))
+        planned(compose_checked(overrides), world_size=1)
 
 
 def test_launcher_local_rank_moves_to_env(monkeypatch):

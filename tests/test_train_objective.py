@@ -3,6 +3,7 @@ import torch
 
 from model import build_model
 from model.cli import compose
+from tests.pipeline_harness import job_of
 from train import distributed, engine as engine_module
 from train.engine import build_engine, train_step
 from train.loss import IGNORE_INDEX, Loss, compute_loss, lm_loss
@@ -63,9 +64,8 @@ def test_all_padding_batch_is_zero_not_nan():
 
 def test_non_finite_step_is_skipped(monkeypatch):
     """A NaN loss leaves weights (and the schedule) untouched and is reported; the next good step trains."""
-    cfg = compose(["data.micro_batch_size=2"])
     distributed.init(torch.device("cpu"))
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    engine = build_engine(job_of(["data.micro_batch_size=2"]))
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     lr = engine.get_lr()[0]
 

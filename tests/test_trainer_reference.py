@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelArgs, layout_from_config
-from model.cli import compose
+from model.cli import compose, resolved
 from model.diagnostics import index_recall
 from model.transformer import Transformer
+from parallel.job import plan
 from train import checkpoint, distributed
 from train.engine import build_engine, train_step
 
@@ -89,7 +90,7 @@ def reference_training(cfg, data: list[dict]) -> list[dict]:
 def engine_training(cfg, data: list[dict]) -> list[dict]:
     """The same steps through ``train/engine.py`` (DeepSpeed pipeline engine, one stage, one process)."""
     distributed.init(torch.device("cpu"))
-    engine = build_engine(cfg, "fp32", torch.device("cpu"))
+    engine = build_engine(plan(resolved(cfg), 1, torch.device("cpu")))
     stage = engine.module.stage.model
     clip, clipped = engine._clip_gradients, {}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from model.cli import compose
-from train.preflight import check_config
+from train.preflight import planned
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,9 +20,10 @@ REPO = Path(__file__).resolve().parent.parent
     ("model.engram.layers=[1,12]", "model.engram.layers=[1, 12] names layer(s) [12] outside the stack's layers 0..9"),
     ("model.dspark.target_layers=[7,8,10]", "model.dspark.target_layers=[7, 8, 10] names layer(s) [10] outside the "
                                             "stack's layers 0..9"),
-    ("model.hc_mult=0", "model.hc_mult=0: use 1 (no hyper-connections) or more copies"),
-    ("model.moe.bias_update_rate=-0.001", "model.moe.bias_update_rate=-0.001: use a rate >= 0"),
-    ("model.moe.score_func=relu", "model.moe.score_func='relu': use one of sqrtsoftplus, softmax, sigmoid"),
+    ("model.hc_mult=0", "model.hc_mult=0 is out of range — set a whole number >= 1"),
+    ("model.moe.bias_update_rate=-0.001", "model.moe.bias_update_rate=-0.001 is out of range — set a number >= 0"),
+    ("model.moe.score_func=relu", "model.moe.score_func='relu' is not a choice — use one of sqrtsoftplus, softmax, "
+                                  "sigmoid"),
     ("model.dspark.noise_token_id=300", "model.dspark.noise_token_id=300 is outside the vocabulary [0, "
                                         "model.vocab_size=259)"),
     ("model.engram.pad_id=259", "model.engram.pad_id=259 is outside the vocabulary"),
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 ])
 def test_an_inconsistent_model_is_one_line_naming_the_setting(override, message):
     with pytest.raises(ValueError) as error:
-        check_config(compose(["model=v41_mini", override]))
+        planned(compose(["model=v41_mini", override]), world_size=1)
     assert str(error.value).startswith(message) and "\n" not in str(error.value), str(error.value)
 
 

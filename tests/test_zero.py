@@ -22,14 +22,13 @@ CLIP = 5e-5  # below the trunk's and the indexer's gradient norms at every step:
 
 
 def _engine(stages: int, zero_stage: int):
-    from model.cli import compose
     from train.engine import build_engine
 
-    cfg = compose([f"parallel.pipeline_stages={stages}", "parallel.cuts=[8]" if stages == 2 else "parallel.cuts=null",
-                   f"parallel.zero_stage={zero_stage}", f"data.seq_len={harness.SEQ_LEN}",
-                   f"data.micro_batch_size={harness.MICRO_BATCH}", f"train.grad_accum_steps={MICROBATCHES}",
-                   "train.warmup_steps=1", f"train.grad_clip={CLIP}"])
-    return build_engine(cfg, "fp32", torch.device("cpu")), cfg.model.vocab_size
+    job = harness.job_of([f"parallel.pipeline_stages={stages}", "parallel.cuts=[8]" if stages == 2 else
+                          "parallel.cuts=null", f"parallel.zero_stage={zero_stage}", f"data.seq_len={harness.SEQ_LEN}",
+                          f"data.micro_batch_size={harness.MICRO_BATCH}", f"train.grad_accum_steps={MICROBATCHES}",
+                          "train.warmup_steps=1", f"train.grad_clip={CLIP}"])
+    return build_engine(job), job.args.vocab_size
 
 
 def _data(engine, vocab: int, skip_steps: int = 0):

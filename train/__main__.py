@@ -4,9 +4,9 @@ Launchers speak argparse, Hydra does not: the ``deepspeed`` launcher appends ``-
 launchers pass ``--local-rank N``), which Hydra would reject as an override. The rank moves into the
 ``LOCAL_RANK`` environment variable, where ``torchrun`` puts it anyway, before Hydra parses the rest.
 
-The overrides are checked before Hydra starts (``model.cli.compose_checked``): a key the config does not have,
-``+key=`` ones included, is refused with the nearest valid names. Errors and interrupts end as one line on
-stderr with an exit status (``train/errors.py``).
+The overrides are checked before Hydra starts (``model.cli.job_config``): a key the config does not have,
+``+key=`` ones included, is refused with the nearest valid names, and a value of another type or out of its
+range with what to give. Errors and interrupts end as one line on stderr with an exit status (``train/errors.py``).
 
 Only rank 0 writes the run directory's Hydra files and logs: the other ranks log errors only, to stdout, and the
 job itself writes into rank 0's directory (Hydra's timestamped default may differ by a second across ranks).
@@ -63,10 +63,9 @@ if __name__ == "__main__":
     from train.quiet import name_the_accelerator
 
     with reported():
-        from model.cli import compose_checked
+        from model.cli import job_config
 
-        cfg = compose_checked(config_overrides(argv))
-        name_the_accelerator(cfg.train.device)
+        name_the_accelerator(job_config(config_overrides(argv)).train.device)
         sys.argv[1:] = argv + rank_overrides()
         from train.app import main
 

@@ -26,11 +26,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from model import ModelArgs, layout_from_config
+from model.cli import CONF_DIR  # importing model.cli registers the schema conf/config.yaml names first
+from model.config import JobConfig, plain
 from model.flops import training_flops
+from parallel.job import Job
 from train import checkpoint, distributed, routing
 from train.data import build_loader
-from train.engine import build_engine, train_step, trains_dspark
+from train.engine import build_engine, train_step
 from train.errors import ReportedError, reported
 from train.evaluate import Evaluator, data_tokenizer
 from train.health import ActivationStats
@@ -41,7 +43,6 @@ from train.probes import chance_levels
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # absolute: Hydra reads a relative one as a package
 HYDRA_FILES = {".hydra", "app.log"}  # what Hydra writes into a run directory before the job starts
 
 
@@ -76,12 +77,12 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         with Interrupts(announce=rank0) as interrupts:
             datasets.disable_progress_bars()  # one progress bar: the training loop's
             checked = preflight(cfg, run_dir, launched_world_size())
-            distributed.init(checked.device)
+            distributed.init(checked.job.device)
             own_dir, run_dir = run_dir, Path(distributed.from_rank0(str(run_dir)))
             if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
                 own_dir.rmdir()  # Hydra's directory of another rank, a second off rank 0's: unused
-            trainer = _trainer(cfg, run_dir, checked)
-            logger = MetricsLogger(cfg, run_dir, trainer.state["step"], enabled=rank0,
+            trainer = _trainer(run_dir, checked)
+            logger = MetricsLogger(checked.job, run_dir, trainer.state["step"], enabled=rank0,
                                    run_id=checked.saved.get("wandb_id"))
             try:
                 with interrupts.deferred():
@@ -100,8 +101,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
             raise Interrupted(error.signum, trainer.interrupted_line(error.signum)) from None
         raise
     if rank0:
-        chance = chance_levels(data_tokenizer(cfg.data)) if checked.probes else {}
-        print(summary_table(final, cfg, chance))
+        config = checked.job.config
+        chance = chance_levels(data_tokenizer(config.data)) if checked.probes else {}
+        print(summary_table(final, config, chance))
         print(closing_line(trainer, time.perf_counter() - started, run_dir), flush=True)
     return final
 
@@ -131,21 +133,23 @@ def _holds_a_run(run_dir: Path) -> bool:
     return run_dir.is_dir() and any(p.name not in HYDRA_FILES for p in run_dir.iterdir())
 
 
-def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
+def _trainer(run_dir: Path, checked: Checked) -> "Trainer":
     """The engine, data and evaluator of this process, restored from the checkpoint to resume if any."""
+    job = checked.job
+    config = job.config
     if distributed.rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    seed_everything(cfg.train.seed)
-    engine = build_engine(cfg, checked.precision, checked.device, checked.split, checked.memory_line)
-    loader = build_loader(cfg.data, rank=engine.replica_id, world_size=engine.replicas,
-                          vocab_size=cfg.model.vocab_size, documents=checked.train_documents)
-    evaluator = Evaluator(cfg, checked.device, engine, checked.heldout_documents, checked.probes)
+        OmegaConf.save(OmegaConf.create(plain(config)), run_dir / "config.yaml")
+    seed_everything(config.train.seed)
+    engine = build_engine(job, checked.memory_line)
+    loader = build_loader(config.data, rank=engine.replica_id, world_size=engine.replicas,
+                          vocab_size=job.args.vocab_size, documents=checked.train_documents)
+    evaluator = Evaluator(job, engine, checked.heldout_documents, checked.probes)
     log.info("%s model (%.2fM trained parameters on this stage), %s layout, %s on %s, %d process(es); run dir %s",
-             cfg.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, cfg.layout.name,
-             checked.precision, checked.device.type, distributed.world_size(), run_dir)
+             config.model.name, sum(p.numel() for p in engine.module.owned_parameters()) / 1e6, config.layout.name,
+             job.precision, job.device.type, distributed.world_size(), run_dir)
     log.info("%s", checked.data_line)
-    crowded = shared_cpu_warning(checked.device)
+    crowded = shared_cpu_warning(job.device)
     if crowded:
         log.warning("%s", crowded)
     ref, saved = checked.resume, checked.saved
@@ -158,9 +162,9 @@ def _trainer(cfg: DictConfig, run_dir: Path, checked: Checked) -> "Trainer":
         checkpoint.set_rng_state(resume_state["rng"])
         loader.load_state_dict(resume_state["loader"])
         log.info("resumed from %s at step %d%s", ref.path, saved["step"],
-                 f" (train.init_from={cfg.train.init_from} is not used: train.resume wins)"
-                 if cfg.train.init_from and not checked.warm_start else "")
-    return Trainer(cfg, engine, loader, evaluator, checkpoint_dir(cfg, run_dir), checked.device,
+                 f" (train.init_from={config.train.init_from} is not used: train.resume wins)"
+                 if config.train.init_from and not checked.warm_start else "")
+    return Trainer(job, engine, loader, evaluator, checkpoint_dir(config.train, run_dir),
                    {key: saved.get(key, 0) for key in ("step", "bad_streak", "skipped")}, run_dir)
 
 
@@ -168,27 +172,27 @@ class Trainer:
     """The step loop: train, log, evaluate and checkpoint from ``state["step"]`` to ``train.stop_at`` (or
     ``max_steps``). ``state`` (step, bad_streak, skipped) is what a checkpoint records of the loop itself."""
 
-    def __init__(self, cfg: DictConfig, engine, loader, evaluator: Evaluator, checkpoint_dir: Path,
-                 device: torch.device, state: dict[str, int], run_dir: Path):
-        self.cfg, self.engine, self.loader, self.evaluator = cfg, engine, loader, evaluator
-        self.checkpoint_dir, self.device, self.state, self.run_dir = checkpoint_dir, device, state, run_dir
+    def __init__(self, job: Job, engine, loader, evaluator: Evaluator, checkpoint_dir: Path, state: dict[str, int],
+                 run_dir: Path):
+        self.job, self.engine, self.loader, self.evaluator = job, engine, loader, evaluator
+        self.train_config, self.device = job.config.train, job.device
+        self.checkpoint_dir, self.state, self.run_dir = checkpoint_dir, state, run_dir
         self.saved_step = state["step"]  # newest checkpoint of this run (0: none)
         self.steps_run = 0  # optimizer steps of this process (a resumed job starts at 0)
         self.wandb_id = None
-        self.flops_per_step = self._flops_per_step() if device.type == "cuda" else None
+        self.flops_per_step = self._flops_per_step() if job.on_gpu else None
         self.activations = ActivationStats(engine.module.stage.model, scope=engine.module.stage)
-        self.routed = cfg.model.ffn == "moe" or trains_dspark(cfg)  # the same on every rank: gathers are collective
+        self.routed = job.args.ffn == "moe" or job.trains_dspark  # the same on every rank: gathers are collective
         self.expert_loads: dict[str, list[float]] = {}  # of the last logged step (experts.jsonl)
 
     def _flops_per_step(self) -> float:
         """Model FLOPs of one optimizer step over all GPUs (``model/flops.py``): the MFU numerator."""
-        cfg, engine = self.cfg, self.engine
-        per_microbatch = training_flops(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout),
-                                        int(cfg.data.seq_len), int(cfg.data.micro_batch_size), trains_dspark(cfg))
-        return per_microbatch * engine.micro_batches * engine.replicas
+        job, data = self.job, self.job.config.data
+        per_microbatch = training_flops(job.args, job.layout, data.seq_len, data.micro_batch_size, job.trains_dspark)
+        return per_microbatch * self.engine.micro_batches * self.engine.replicas
 
     def train(self, logger: MetricsLogger, interrupts: Interrupts) -> None:
-        train = self.cfg.train
+        train = self.train_config
         stop = train.stop_at or train.max_steps
         self.wandb_id = logger.run_id
         bar = tqdm(total=stop, initial=self.state["step"], unit="step", dynamic_ncols=True,
@@ -217,7 +221,7 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         """One optimizer step; returns its ``metrics.jsonl`` row."""
-        logged = step % self.cfg.train.log_every == 0
+        logged = step % self.train_config.log_every == 0
         start = time.perf_counter()
         with self.activations.recording(logged):
             result = train_step(self.engine, [next(self.loader) for _ in range(self.engine.micro_batches)])
@@ -236,7 +240,7 @@ class Trainer:
                "skipped": result.bad, "skipped_total": self.state["skipped"]}
         if self.flops_per_step is not None:  # per GPU, against one GPU's peak
             tflops = self.flops_per_step / seconds / distributed.world_size() / 1e12
-            row.update(tflops=tflops, mfu=tflops / float(self.cfg.train.peak_tflops))
+            row.update(tflops=tflops, mfu=tflops / self.train_config.peak_tflops)
         if logged:
             pipe = self.engine.grid.get_pipe_parallel_group()
             row.update(self.activations.collect(pipe))
@@ -258,13 +262,13 @@ class Trainer:
         """The job's last line after a signal: where it stopped, its newest checkpoint, the command that resumes."""
         name, step = signal.Signals(signum).name, self.state["step"]
         if not self.saved_step:
-            why = " (train.checkpoint_every=0)" if not self.cfg.train.checkpoint_every else ""
+            why = " (train.checkpoint_every=0)" if not self.train_config.checkpoint_every else ""
             return f"stopped by {name} after step {step}; there is no checkpoint{why}, nothing to resume"
         return (f"stopped by {name} after step {step}; newest checkpoint: step {self.saved_step} — resume with: "
                 f"{resume_command(self.run_dir)}")
 
     def stop_if_diverged(self) -> None:
-        streak, limit = self.state["bad_streak"], self.cfg.train.max_bad_steps
+        streak, limit = self.state["bad_streak"], self.train_config.max_bad_steps
         if streak < limit:
             return
         step = self.state["step"]
@@ -275,11 +279,10 @@ class Trainer:
                                "train.resume=auto continues from that checkpoint")
 
     def save(self) -> None:
-        trainer_state = {**self.state, "wandb_id": self.wandb_id,
-                         "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        trainer_state = {**self.state, "wandb_id": self.wandb_id, "config": plain(self.job.config)}
         resume_state = {"rng": checkpoint.rng_state(), "loader": self.loader.state_dict()}
         checkpoint.save(self.engine, self.checkpoint_dir, self.state["step"], trainer_state, resume_state,
-                        self.cfg.train.keep_checkpoints)
+                        self.train_config.keep_checkpoints)
         self.saved_step = self.state["step"]
 
 
@@ -294,10 +297,10 @@ def resume_command(run_dir: Path) -> str:
     return " ".join([launcher, *map(shlex.quote, kept), shlex.quote(f"hydra.run.dir={run_dir}"), "train.resume=auto"])
 
 
-def summary_table(final: dict[str, float], cfg: DictConfig, chance: dict[str, float] | None = None) -> str:
+def summary_table(final: dict[str, float], config: JobConfig, chance: dict[str, float] | None = None) -> str:
     """The closing evaluation summary, one metric per line; probe accuracies with their chance level."""
     chance = chance or {}
-    lines = [f"evaluation after {final['step']} steps ({cfg.model.name} model, {cfg.layout.name} layout)"]
+    lines = [f"evaluation after {final['step']} steps ({config.model.name} model, {config.layout.name} layout)"]
     for key, value in final.items():
         if key in ("step", "lm_loss_se"):
             continue
@@ -312,15 +315,14 @@ def summary_table(final: dict[str, float], cfg: DictConfig, chance: dict[str, fl
 
 def closing_line(trainer: Trainer, seconds: float, run_dir: Path) -> str:
     """Steps of this job, wall time, tokens trained and where everything is."""
-    last, steps = trainer.state["step"], trainer.steps_run
-    tokens = steps * trainer.engine.micro_batches * trainer.engine.replicas * \
-        int(trainer.cfg.data.micro_batch_size) * int(trainer.cfg.data.seq_len)
+    last, steps, data = trainer.state["step"], trainer.steps_run, trainer.job.config.data
+    tokens = steps * trainer.engine.micro_batches * trainer.engine.replicas * data.micro_batch_size * data.seq_len
     minutes, secs = divmod(round(seconds), 60)
     span = f"steps {last - steps + 1}-{last}" if steps else f"no steps (already at step {last})"
     return f"done: {span} in {minutes}m{secs:02d}s wall time, {tokens:,} tokens trained; run dir {run_dir}"
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")  # CONF_DIR is absolute
 def main(cfg: DictConfig) -> None:
     with reported():
         run(cfg, Path(HydraConfig.get().runtime.output_dir))

@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
+from model.config import JobConfig, plain
 from train import manifest
 from train.errors import ReportedError
 
@@ -163,7 +163,7 @@ def _flatten(node, prefix: str) -> dict:
     return {prefix: node}
 
 
-def check_compatible(ref: CheckpointRef, cfg: DictConfig) -> dict:
+def check_compatible(ref: CheckpointRef, config: JobConfig) -> dict:
     """The checkpoint's trainer state, after checking it was trained with this run's model and layout.
 
     Compared before any weight is loaded, so a mismatch reads as the config keys that differ instead of a
@@ -173,7 +173,7 @@ def check_compatible(ref: CheckpointRef, cfg: DictConfig) -> dict:
     saved, current = {}, {}
     for group in ("model", "layout"):
         saved.update(_flatten(state["config"][group], group))
-        current.update(_flatten(OmegaConf.to_container(cfg[group], resolve=True), group))
+        current.update(_flatten(plain(getattr(config, group)), group))
     differences = [f"{key}: checkpoint {saved.get(key, '<missing>')!r}, this run {current.get(key, '<missing>')!r}"
                    for key in sorted(set(saved) | set(current))
                    if key not in RUNTIME_ONLY_KEYS and saved.get(key) != current.get(key)]

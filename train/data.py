@@ -47,49 +47,17 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
+from model.config import SAMPLE_BY, DataConfig, build
 from train import sft
 from train.bad_rows import Rows, check_rows, row_problem, unreadable
 from train.rows import RankRows
-from train.synthetic import SyntheticConfig, SyntheticLoader, SyntheticTasks
+from train.synthetic import SyntheticLoader, SyntheticTasks
 from train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 IGNORE_INDEX = -100
-SAMPLE_BY = ("auto", "document", "paragraph", "line")
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """The `data` config group (conf/data/*.yaml); unknown keys are rejected to catch typos."""
-
-    source: str = "stdlib"  # "stdlib": Python sources under `path`; "hf": a `datasets` source
-    path: str | None = None  # stdlib: root of *.py files (None: this interpreter's stdlib); hf: files or a name
-    name: str | None = None  # hf: dataset config name
-    split: str = "train"  # hf: split to read
-    text_field: str = "text"  # hf: column holding the document text
-    sample_by: str = "auto"  # hf text files: "document" (one per file), "paragraph", "line"; "auto": one per
-    # file, but one file alone is split by paragraph (by line when it has no blank line)
-    format: str = "auto"  # hf: text | chat | prompt_response | auto (train/sft.py: SFT data, loss on responses only)
-    messages_field: str = "messages"  # hf chat data: column of [{role, content}, ...]
-    prompt_field: str = "prompt"  # hf prompt/response data: the two text columns
-    response_field: str = "response"
-    streaming: bool = False  # read through an IterableDataset
-    shuffle_buffer: int = 10_000  # streaming: documents in the shuffle buffer
-    tokenizer: str | None = None  # None: byte-level; else a `tokenizers` JSON file
-    bos_token: str | None = None  # special token names in that file (None: guessed from common names)
-    eos_token: str | None = None
-    pad_token: str | None = None
-    seq_len: int = 2048
-    micro_batch_size: int = 4
-    shuffle_seed: int = 0
-    heldout_fraction: float = 0.05  # documents whose key hashes below this are held out
-    pack_buffer: int = 256  # rows' worth of tokens packed together; larger: less padding, more memory
-    pack_carry: int = 64  # least-full rows of a buffer held back and refilled by the next buffer
-    synthetic_fraction: float = 0.0  # share of rows that are synthetic retrieval tasks (train/synthetic.py)
-    synthetic: dict | None = None  # the tasks (train.synthetic.SyntheticConfig); None: its defaults
 
 
 # ---------------------------------------------------------------------------------------------- sources
@@ -534,7 +502,7 @@ class PackedLoader(RankRows):
 
 def build_loader(cfg, *, rank: int = 0, world_size: int = 1, heldout: bool = False,
                  vocab_size: int | None = None, documents=None) -> PackedLoader | SyntheticLoader:
-    """The loader of `cfg` (the `data` config group: a DictConfig, a mapping or a DataConfig).
+    """The loader of `cfg` (the `data` group: a DataConfig, or a mapping of its settings: `data_config`).
 
     `heldout=True` gives the held-out documents (for evaluation: build a fresh loader per evaluation to see
     the same batches each time). `vocab_size` is the model's, if it should bound the token ids. `documents`:
@@ -556,13 +524,10 @@ def build_loader(cfg, *, rank: int = 0, world_size: int = 1, heldout: bool = Fal
 
 def synthetic_tasks(config: DataConfig, tokenizer: Tokenizer | None = None) -> SyntheticTasks | None:
     """The synthetic tasks of `config` (None when `synthetic_fraction` is 0), seeded by `shuffle_seed`."""
-    if not 0 <= config.synthetic_fraction <= 1:
-        raise ValueError(f"data.synthetic_fraction={config.synthetic_fraction} — set a share in [0, 1]")
     if config.synthetic_fraction == 0:
         return None
     tokenizer = tokenizer or load_tokenizer(config.tokenizer, config.bos_token, config.eos_token, config.pad_token)
-    return SyntheticTasks(SyntheticConfig.from_mapping(config.synthetic or {}), tokenizer, config.seq_len,
-                          config.shuffle_seed)
+    return SyntheticTasks(config.synthetic, tokenizer, config.seq_len, config.shuffle_seed)
 
 
 def _packed_loader(config: DataConfig, tokenizer: Tokenizer, heldout: bool, rank: int, world_size: int,
@@ -632,12 +597,7 @@ def set_size(documents, tokenizer: Tokenizer, seq_len: int) -> SetSize:
     return SetSize(total, tokens, True)
 
 
-def data_config(cfg) -> DataConfig:
-    """`cfg` (the `data` group: a DictConfig, a mapping or a DataConfig) as a DataConfig."""
-    return cfg if isinstance(cfg, DataConfig) else DataConfig(**_plain(cfg))
-
-
-def _plain(cfg) -> dict:
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    return dict(cfg)
+def data_config(values) -> DataConfig:
+    """``values`` (a DataConfig, or the ``data`` group as a mapping of plain values: unset keys take DataConfig's
+    defaults) as a DataConfig."""
+    return values if isinstance(values, DataConfig) else build(DataConfig, values, "data")

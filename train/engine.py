@@ -2,61 +2,30 @@
 
 Every job, a single CPU process included, runs on DeepSpeed's pipeline engine (``parallel/engine.py``) with
 ``parallel.pipeline_stages`` stages (1 by default), so pipeline and data parallelism are settings of
-``conf/parallel`` and not other code paths. The DeepSpeed config is generated from Hydra (``deepspeed_config``).
+``conf/parallel`` and not other code paths. The DeepSpeed config is generated from the job (``deepspeed_config``).
 The engine itself clips gradients over all stages and skips a step whose loss is not finite, without touching
 the weights, the optimizer state or the schedule.
 """
 import math
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig, ListConfig
 
-from model import ModelArgs, layout_from_config
+from model.config import DataConfig, ModelArgs, TrainConfig
 from model.dspark import DRAFT_PARTS
-from model.lora import LoRA
 from model.transformer import ModelOutput
-from parallel.balance import Split, split_stages
-from parallel.batch import batch_plan
-from parallel.context import chunk_length
-from parallel.engine import P2P, CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
-from parallel.memory import kept_per_stage
+from parallel.engine import CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
+from parallel.job import Job
 from parallel.plan import describe
 from train import distributed
 from train.loss import chunked_lm_loss, compute_loss
 from train.quiet import prints_to_debug
 
-RECOMPUTE = ("none", "layer", "block")
-INDEX_K = ("shadow", "payload")
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` is the local GPU when there is one (``LOCAL_RANK`` picks it), else the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("train.device=cuda but no GPU is visible")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if name != "cpu":
-        raise ValueError(f"train.device must be auto, cpu or cuda, got {name!r}")
-    return torch.device("cpu")
-
-
-def resolve_precision(name: str, device: torch.device) -> str:
-    """``auto`` is bf16 on GPU and fp32 on CPU (CPU bf16 matmuls are slow and not what we test)."""
-    if name == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
-    if name not in ("bf16", "fp32"):
-        raise ValueError(f"train.precision must be auto, bf16 or fp32, got {name!r}")
-    return name
-
-
-def deepspeed_config(cfg: DictConfig, microbatches: int, fused_adam: bool = False) -> dict:
-    """The DeepSpeed JSON config from ``cfg.train``, the batch size of ``cfg.data`` and the ``microbatches`` per
-    step of ``parallel/batch.py``'s plan.
+def deepspeed_config(train: TrainConfig, micro_batch: int, microbatches: int, zero_stage: int,
+                     fused_adam: bool = False) -> dict:
+    """The DeepSpeed JSON config of ``train``'s optimizer, ``micro_batch`` rows per microbatch and the
+    ``microbatches`` per step of ``parallel/batch.py``'s plan.
 
     AdamW is torch's (``torch_adam``), so no DeepSpeed fused or CPU-Adam extension is built; on a GPU it runs as
     torch's fused kernel (``fused_adam``: at 3.16 B parameters on an H200 the optimizer's multi-tensor kernels took
@@ -68,17 +37,15 @@ def deepspeed_config(cfg: DictConfig, microbatches: int, fused_adam: bool = Fals
     ``zero_optimization.stage`` (``parallel.zero_stage``) are carried out by our engine, not DeepSpeed's
     (``parallel/engine.py``, ``parallel/zero.py``).
     """
-    train = cfg.train
     return {
-        "train_micro_batch_size_per_gpu": int(cfg.data.micro_batch_size),
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": microbatches,
-        "gradient_clipping": float(train.grad_clip),
-        "zero_optimization": {"stage": int(cfg.parallel.zero_stage)},
+        "gradient_clipping": train.grad_clip,
+        "zero_optimization": {"stage": zero_stage},
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": float(train.lr), "betas": [float(b) for b in train.betas], "eps": float(train.eps),
-                       "weight_decay": float(train.weight_decay), "torch_adam": True,
-                       **({"fused": True} if fused_adam else {})},
+            "params": {"lr": train.lr, "betas": list(train.betas), "eps": train.eps,
+                       "weight_decay": train.weight_decay, "torch_adam": True, **({"fused": True} if fused_adam else {})},
         },
         "steps_per_print": 2**62,  # progress is ours (tqdm, metrics.jsonl); DeepSpeed's would interleave
         "wall_clock_breakdown": False,
@@ -93,69 +60,6 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return ratio
-
-
-def check_parallel(parallel: DictConfig) -> None:
-    """The choices of ``conf/parallel`` that need no process group; each message names the setting."""
-    if parallel.recompute not in RECOMPUTE:
-        raise ValueError(f"parallel.recompute={parallel.recompute!r}: use one of {RECOMPUTE}")
-    if parallel.index_k not in INDEX_K:
-        raise ValueError(f"parallel.index_k={parallel.index_k!r}: use one of {INDEX_K}")
-    if parallel.p2p not in P2P:
-        raise ValueError(f"parallel.p2p={parallel.p2p!r}: use one of {P2P}")
-    if parallel.zero_stage not in (0, 1):
-        raise ValueError(f"parallel.zero_stage={parallel.zero_stage!r}: use 0 or 1 (DeepSpeed's pipeline engine "
-                         "refuses the stages that partition gradients or weights)")
-    count = parallel.get("recompute_layers")
-    if parallel.recompute == "block" and (not isinstance(count, int) or count < 1):
-        raise ValueError(f"parallel.recompute=block needs parallel.recompute_layers >= 1 (the leading layers of "
-                         f"each stage to recompute), got {count!r}")
-    keep = parallel.get("keep_attention_layers", 0)
-    counts = list(keep) if isinstance(keep, ListConfig) else [keep]
-    if not all(isinstance(k, int) and k >= 0 for k in counts):
-        raise ValueError(f"parallel.keep_attention_layers={keep!r}: use an integer >= 0 (every stage) or a list "
-                         "of them, one per stage")
-    if isinstance(keep, ListConfig) and len(counts) != parallel.pipeline_stages:
-        raise ValueError(f"parallel.keep_attention_layers={list(keep)} has {len(counts)} entries for "
-                         f"parallel.pipeline_stages={parallel.pipeline_stages}: give one per stage")
-    if any(counts) and parallel.recompute == "none":
-        raise ValueError(f"parallel.keep_attention_layers={keep} keeps the attention outputs of recomputed layers, "
-                         "but parallel.recompute=none recomputes none")
-    chunk = parallel.get("head_chunk", 0)
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
-        raise ValueError(f"parallel.head_chunk={chunk!r}: use an integer >= 0 (tokens per chunk of the LM head and "
-                         "loss; 0: the whole logits at once)")
-    offload = parallel.get("recompute_offload", False)
-    if not isinstance(offload, bool):
-        raise ValueError(f"parallel.recompute_offload={offload!r}: use true or false")
-    if offload and parallel.recompute == "none":
-        raise ValueError("parallel.recompute_offload=true keeps recomputed layers' inputs on the host, but "
-                         "parallel.recompute=none recomputes none: use parallel.recompute=layer (or block)")
-
-
-def recomputed_layers_per_stage(parallel: DictConfig, n_layers: int) -> int:
-    """How many leading layers of every stage run as activation checkpoints.
-
-    ``layer``: all of them. ``block``: the first ``parallel.recompute_layers`` (Megatron's "block" method): under
-    1F1B a stage keeps the activations of up to P microbatches, so recomputing only part of each stage trades
-    memory for time where the full recompute is more than needed."""
-    return {"none": 0, "layer": n_layers, "block": parallel.get("recompute_layers")}[parallel.recompute]
-
-
-def offload_inputs(parallel: DictConfig) -> bool:
-    """Whether the recomputed layers' inputs wait in pinned host memory (``model/offload.py``): bit-identical, the
-    GPU memory of one fp32 stream per recomputed layer freed for the copies' PCIe traffic."""
-    return bool(parallel.get("recompute_offload", False))
-
-
-def kept_attention_layers_per_stage(parallel: DictConfig) -> tuple[int, ...]:
-    """How many of the leading recomputed layers of each stage keep their sparse-attention outputs (out, LSE,
-    selected mass) so that their backward does not re-run attention: a selective checkpoint
-    (``kernels.checkpoint_policy``). Each kept layer holds its attention output until its backward (bf16
-    B x T x 64 x 512: 4.3 GB per layer at T = 65,536) for every microbatch in flight, so this trades memory for
-    the attention forward's time. One integer applies to every stage; a list gives each stage its own count, so
-    that the later stages, which hold fewer microbatches under 1F1B, spend their spare memory on speed."""
-    return kept_per_stage(parallel.get("keep_attention_layers", 0), parallel.pipeline_stages)
 
 
 def param_groups(parameters: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
@@ -208,61 +112,7 @@ class PipelineLoss:
         return loss.total * chunks if chunks > 1 else loss.total
 
 
-def check_experts(cfg: DictConfig, replicas: int) -> None:
-    """``parallel.expert_parallel`` against the world and the model, before any process group: one line naming the
-    values that work."""
-    ep, args = cfg.parallel.expert_parallel, ModelArgs.from_config(cfg.model)
-    if not isinstance(ep, int) or ep < 1:
-        raise ValueError(f"parallel.expert_parallel={ep!r}: use an integer >= 1 (1: no expert parallelism)")
-    if ep == 1:
-        return
-    if args.ffn != "moe":
-        raise ValueError(f"parallel.expert_parallel={ep} needs routed experts: model.ffn={args.ffn} has none (use "
-                         "model.ffn=moe, or parallel.expert_parallel=1)")
-    if replicas % ep:
-        works = [e for e in range(1, replicas + 1) if replicas % e == 0]
-        raise ValueError(f"parallel.expert_parallel={ep} does not divide the {replicas} data-parallel replica(s) of a "
-                         f"stage (processes / parallel.pipeline_stages): use one of {works}, or more processes")
-    counts = [args.moe.n_routed_experts] + ([args.dspark.n_routed_experts] if args.dspark.blocks else [])
-    if any(n % ep for n in counts):
-        works = [e for e in range(1, replicas + 1) if replicas % e == 0 and all(n % e == 0 for n in counts)]
-        raise ValueError(f"parallel.expert_parallel={ep} does not divide the routed experts ({' and '.join(map(str, counts))}"
-                         f"): use one of {works}")
-
-
-def check_context(cfg: DictConfig, args: ModelArgs, layout, run_dspark: bool) -> None:
-    """``parallel.context_parallel`` against the row and the model, and ``parallel.head_chunk`` against the draft
-    head, before any process group (one line each)."""
-    context = cfg.parallel.context_parallel
-    chunk_length(context, int(cfg.data.seq_len), args.window_size, layout.compress_ratios,
-                 layout.candidate_block_size)
-    if context > 1 and run_dspark:
-        raise ValueError(f"parallel.context_parallel={context} cannot train the DSpark draft head (its blocks read the "
-                         "tokens and logits after their anchor, in the next chunk): set train.dspark_loss_coef=0 or "
-                         "parallel.context_parallel=1")
-    if run_dspark and cfg.parallel.get("head_chunk", 0):
-        raise ValueError("parallel.head_chunk cannot train the DSpark draft head (its loss reads the main logits at "
-                         "its anchors): set train.dspark_loss_coef=0 or parallel.head_chunk=0")
-    if context > 1 and args.attention == "dense":
-        raise ValueError(f"parallel.context_parallel={context} splits CSA2 attention only: model.attention=dense "
-                         "needs parallel.context_parallel=1")
-
-
-def lora_settings(cfg: DictConfig) -> LoRA | None:
-    """``train.lora`` checked against the model (None: rank 0, full fine-tuning)."""
-    lora = LoRA.from_config(cfg.train.get("lora"))
-    if lora is not None:
-        lora.check(ModelArgs.from_config(cfg.model))
-    return lora
-
-
-def trains_dspark(cfg: DictConfig) -> bool:
-    """Whether the job trains the draft head: the model has one and ``train.dspark_loss_coef`` > 0 (otherwise it
-    is carried, loaded and exported, but never run)."""
-    return int(cfg.model.dspark.blocks) > 0 and float(cfg.train.dspark_loss_coef) > 0
-
-
-def engram_token_map(cfg: DictConfig, args: ModelArgs):
+def engram_token_map(data: DataConfig, args: ModelArgs):
     """The Engram hashes' normalised token ids, built from the data tokenizer (None without Engram layers). Every
     hash multiplier depends on their count: a model whose tables were hashed with another tokenizer
     (``model.engram.compressed_vocab_size``) is refused."""
@@ -271,57 +121,43 @@ def engram_token_map(cfg: DictConfig, args: ModelArgs):
     from model.engram import compressed_token_map
     from train.evaluate import data_tokenizer
 
-    token_map, size = compressed_token_map(data_tokenizer(cfg.data))
+    token_map, size = compressed_token_map(data_tokenizer(data))
     expected = args.engram.compressed_vocab_size
     if expected is not None and size != expected:
-        raise ValueError(f"the data tokenizer ({cfg.data.tokenizer or 'byte-level'}) normalises to {size} ids for the "
+        raise ValueError(f"the data tokenizer ({data.tokenizer or 'byte-level'}) normalises to {size} ids for the "
                          f"Engram hashes, but model.engram.compressed_vocab_size={expected} (its tables were hashed "
                          "with another tokenizer) — use that tokenizer, or model.engram.compressed_vocab_size=null "
                          "for new tables")
     return token_map, size
 
 
-def build_engine(cfg: DictConfig, precision: str, device: torch.device, split: Split | None = None,
-                 memory_line: str | None = None) -> CSA2PipelineEngine:
-    """This process's pipeline stage of the model, on the engine, with the warmup-cosine schedule.
+def build_engine(job: Job, memory_line: str | None = None) -> CSA2PipelineEngine:
+    """This process's pipeline stage of the job's model, on the engine, with the warmup-cosine schedule.
 
     Prints the pipeline plan (batch and bubble, stages, layers, payload bytes per boundary) and ``memory_line``
-    (the preflight's memory verdict) on rank 0 before training. ``split``: the preflight's stage split (default:
-    computed here, within the GPU's memory)."""
-    parallel = cfg.parallel
-    check_parallel(parallel)
-    batch = batch_plan(cfg, distributed.world_size())
-    args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
-    seq_len, micro_batch = int(cfg.data.seq_len), int(cfg.data.micro_batch_size)
-    check_context(cfg, args, layout, trains_dspark(cfg))
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if split is None:
-        capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, capacity,
-                             cuda=device.type == "cuda")
-    plan = split.plan
+    (the preflight's memory verdict) on rank 0 before training."""
+    config, args, layout, batch, split = job.config, job.args, job.layout, job.batch, job.split
+    parallel, train, data = config.parallel, config.train, config.data
     if distributed.rank() == 0:
-        print(describe(args, layout, plan, micro_batch, seq_len, dtype, parallel.index_k, batch, split.costs,
-                       split.unit, split.peaks), flush=True)
+        print(describe(args, layout, split.plan, data.micro_batch_size, data.seq_len, job.dtype, parallel.index_k,
+                       batch, split.costs, split.unit, split.peaks), flush=True)
         if memory_line:
             print(memory_line, flush=True)
-    context = int(parallel.context_parallel)
-    check_experts(cfg, batch.data_parallel * context)
-    run_dspark = trains_dspark(cfg)
-    head_chunk = int(parallel.get("head_chunk", 0))
-    loss = PipelineLoss(float(cfg.train.indexer_loss_coef), list(layout.index_source_layer_ids),
-                        float(cfg.train.dspark_loss_coef), DRAFT_PARTS if run_dspark else (), head_chunk=head_chunk)
-    with torch.device(device), prints_to_debug():  # DeepSpeed prints seeds, topology and stage split
-        module = CSA2PipelineModule(args, layout, plan, loss, micro_batch, seq_len, dtype, parallel.index_k,
-                                    int(cfg.train.seed), recomputed_layers_per_stage(parallel, layout.n_layers),
-                                    kept_attention_layers_per_stage(parallel), engram_token_map(cfg, args),
-                                    run_dspark, int(parallel.expert_parallel), bool(parallel.expert_overlap),
-                                    context, lora_settings(cfg), offload_inputs(parallel), head_chunk)
+    head_chunk = parallel.head_chunk
+    loss = PipelineLoss(train.indexer_loss_coef, list(layout.index_source_layer_ids), train.dspark_loss_coef,
+                        DRAFT_PARTS if job.trains_dspark else (), head_chunk=head_chunk)
+    with torch.device(job.device), prints_to_debug():  # DeepSpeed prints seeds, topology and stage split
+        module = CSA2PipelineModule(args, layout, split.plan, loss, data.micro_batch_size, data.seq_len, job.dtype,
+                                    parallel.index_k, train.seed, job.recomputed_layers, job.kept_attention_layers,
+                                    engram_token_map(data, args), job.trains_dspark, parallel.expert_parallel,
+                                    parallel.expert_overlap, parallel.context_parallel, job.lora,
+                                    parallel.recompute_offload, head_chunk)
     loss.context, loss.head = module.context, module.stage.head if head_chunk else None
-    schedule = warmup_cosine(int(cfg.train.warmup_steps), int(cfg.train.max_steps), float(cfg.train.min_lr_ratio))
-    groups = param_groups(list(module.optimized_named_parameters().items()), float(cfg.train.weight_decay))
-    return build_pipeline_engine(module, deepspeed_config(cfg, batch.microbatches, fused_adam=device.type == "cuda"),
-                                 model_parameters=groups,
+    schedule = warmup_cosine(train.warmup_steps, train.max_steps, train.min_lr_ratio)
+    groups = param_groups(list(module.optimized_named_parameters().items()), train.weight_decay)
+    ds_config = deepspeed_config(train, data.micro_batch_size, batch.microbatches, parallel.zero_stage,
+                                 fused_adam=job.on_gpu)
+    return build_pipeline_engine(module, ds_config, model_parameters=groups,
                                  lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
                                  p2p=parallel.p2p)
 

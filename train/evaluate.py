@@ -10,10 +10,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
-
+from model.config import DataConfig, JobConfig
+from parallel.job import Job
 from train import distributed
-from train.data import build_loader, data_config, synthetic_tasks
+from train.data import build_loader, synthetic_tasks
 from train.loss import compute_loss, mean_metrics
 from train.probes import mqar_probes, passkey_probes, probe_accuracy
 from train.synthetic import add_hits, count_keys, synthetic_metrics
@@ -22,28 +22,28 @@ from train.tokenizer import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def data_tokenizer(data: DictConfig):
-    """The tokenizer ``cfg.data`` names (byte-level by default)."""
+def data_tokenizer(data: DataConfig):
+    """The tokenizer ``data`` names (byte-level by default)."""
     return load_tokenizer(data.tokenizer, data.bos_token, data.eos_token, data.pad_token)
 
 
-def probe_lengths(cfg: DictConfig) -> list[int]:
+def probe_lengths(config: JobConfig) -> list[int]:
     """``train.eval.probe_lens``, or by default the training length and twice it: retrieval inside the
     context the model was trained on and beyond it."""
-    lengths = cfg.train.eval.probe_lens
-    return [int(n) for n in lengths] if lengths else [cfg.data.seq_len, 2 * cfg.data.seq_len]
+    lengths = config.train.eval.probe_lens
+    return list(lengths) if lengths else [config.data.seq_len, 2 * config.data.seq_len]
 
 
-def build_probes(cfg: DictConfig, stages: int) -> dict[tuple[str, int], list]:
+def build_probes(config: JobConfig, stages: int) -> dict[tuple[str, int], list]:
     """``train.eval.probe_examples`` passkey and MQAR samples at each probe length, keyed by (kind, length). Through
     several pipeline ``stages`` a probe fits in ``data.seq_len`` at most (the stages' buffers): longer ones are
     skipped with a warning."""
-    spec = cfg.train.eval
+    spec = config.train.eval
     if not spec.probe_examples:
         return {}
-    tokenizer = data_tokenizer(cfg.data)
-    lengths = probe_lengths(cfg)
-    max_len = cfg.data.seq_len if stages > 1 else None
+    tokenizer = data_tokenizer(config.data)
+    lengths = probe_lengths(config)
+    max_len = config.data.seq_len if stages > 1 else None
     if max_len is not None and max(lengths) > max_len:
         log.warning("probe lengths %s skipped: through pipeline stages a probe fits in data.seq_len=%d at most",
                     [n for n in lengths if n > max_len], max_len)
@@ -89,19 +89,20 @@ class Evaluator:
     in one place, is not computed.
     """
 
-    def __init__(self, cfg: DictConfig, device: torch.device, engine, documents=None, probes=None):
+    def __init__(self, job: Job, engine, documents=None, probes=None):
         """``documents``, ``probes``: the held-out documents and the probes if already built (``build_documents``,
         ``build_probes``)."""
-        self.cfg, self.device, self.engine = cfg, device, engine
-        self.loader = build_loader(cfg.data, rank=engine.replica_id, world_size=engine.replicas,
-                                   heldout=True, vocab_size=cfg.model.vocab_size, documents=documents)
+        self.config, self.device, self.engine = job.config, job.device, engine
+        self.loader = build_loader(job.config.data, rank=engine.replica_id, world_size=engine.replicas,
+                                   heldout=True, vocab_size=job.args.vocab_size, documents=documents)
         self.loader_start = self.loader.state_dict()
-        self.probes = build_probes(cfg, engine.num_stages) if probes is None else probes
-        tasks = synthetic_tasks(data_config(cfg.data))
+        self.probes = build_probes(job.config, engine.num_stages) if probes is None else probes
+        tasks = synthetic_tasks(job.config.data)
         self.synthetic = {task: tasks.task_examples(task, tasks.config.eval_examples) for task in tasks.tasks} \
             if tasks is not None and tasks.config.eval_examples else {}
         self.chance = {task: tasks.chance(task) for task in self.synthetic}
-        self.pad_id = data_tokenizer(cfg.data).pad_id
+        self.pad_id = data_tokenizer(job.config.data).pad_id
+        self.window = job.args.window_size
 
     def __call__(self, probes: bool) -> dict[str, float]:
         """Held-out numbers and the synthetic tasks' accuracies, and with ``probes`` the probe accuracies; the
@@ -128,7 +129,7 @@ class Evaluator:
         loss function keeps them), averaged over batches and data-parallel replicas."""
         self.loader.load_state_dict(self.loader_start)
         loss_fn, rows = self.engine.module.loss_fn, []
-        for _ in range(self.cfg.train.eval.batches):
+        for _ in range(self.config.train.eval.batches):
             batch = next(self.loader)
             self.engine.eval_batch(iter([((batch["input_ids"], batch["doc_ids"]), batch["labels"])]),
                                    num_micro_batches=1)
@@ -146,7 +147,7 @@ class Evaluator:
         """The whole model's logits of a [micro_batch, L] batch (L <= data.seq_len) through the pipeline stages:
         on the last stage, None on the others. Rows are padded to data.seq_len with a document of their own,
         which no token of the row's documents can see, so the logits of the first L positions are unchanged."""
-        length, pad = input_ids.shape[1], self.cfg.data.seq_len - input_ids.shape[1]
+        length, pad = input_ids.shape[1], self.config.data.seq_len - input_ids.shape[1]
         ids = F.pad(input_ids, (0, pad), value=self.pad_id)
         docs = F.pad(doc_ids, (0, pad), value=int(doc_ids.max()) + 1)
         data = iter([((ids, docs), torch.full_like(ids, -100))])
@@ -170,11 +171,11 @@ class Evaluator:
         """
         self.loader.load_state_dict(self.loader_start)
         rows, recalls = [], {}
-        for _ in range(self.cfg.train.eval.batches):
+        for _ in range(self.config.train.eval.batches):
             batch = {k: v.to(self.device) for k, v in next(self.loader).items()}
             output = model(batch["input_ids"], batch["doc_ids"], collect_recall=True)
-            rows.append(compute_loss(output, batch["labels"], float(self.cfg.train.indexer_loss_coef),
-                                     float(self.cfg.train.dspark_loss_coef)).metrics())
+            rows.append(compute_loss(output, batch["labels"], self.config.train.indexer_loss_coef,
+                                     self.config.train.dspark_loss_coef).metrics())
             for layer, recall in output.index_recall.items():
                 recalls.setdefault(f"index_recall/layer{layer}", []).append(recall.item())
         row = with_squares(rows)
@@ -190,7 +191,7 @@ class Evaluator:
         filled up with samples it does not yield), the same number on every replica, because a pipelined
         evaluation is collective. ``logits_of(input_ids, doc_ids)`` returns None where no logits are (pipeline
         stages before the last), which then yield nothing."""
-        batch_size = self.cfg.data.micro_batch_size
+        batch_size = self.config.data.micro_batch_size
         replica, replicas = self.engine.replica_id, self.engine.replicas
         mine = samples[replica::replicas]
         for start in range(0, -(-len(samples) // replicas), batch_size):
@@ -205,7 +206,7 @@ class Evaluator:
     def synthetic_accuracy(self, logits_of) -> dict[str, float]:
         """``synthetic/<task>_acc`` and its parts by distance (``train.synthetic.synthetic_metrics``), over the
         held-out examples of every synthetic task, summed over the replicas that scored them."""
-        window = self.cfg.model.window_size
+        window = self.window
         counts = count_keys(self.synthetic, window)
         for examples in self.synthetic.values():
             for logits, example in self.scored(examples, logits_of):
@@ -220,7 +221,7 @@ class Evaluator:
         sums = {f"{kind}_acc/len{length}": sum(probe_accuracy(logits, sample)
                                                for logits, sample in self.scored(samples, logits_of))
                 for (kind, length), samples in self.probes.items()}
-        scores = {k: v / self.cfg.train.eval.probe_examples for k, v in distributed.sum_over_ranks(sums).items()}
+        scores = {k: v / self.config.train.eval.probe_examples for k, v in distributed.sum_over_ranks(sums).items()}
         for kind in ("passkey", "mqar"):
             per_length = [v for k, v in scores.items() if k.startswith(f"{kind}_acc/")]
             scores[f"{kind}_acc"] = sum(per_length) / len(per_length)

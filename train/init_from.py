@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from model import ModelArgs, Transformer, layout_from_config
+from model.config import JobConfig, apply
+from model.layout import Layout
+from parallel.job import Job
 from train import checkpoint
 from train.lora import checkpoint_weights
 from train.reference_format import ExportedWeights, is_exported, model_settings, reference_config, write_json
@@ -136,12 +138,10 @@ def _ranges(ids: list[int]) -> str:
 class InitFrom:
     """``train.init_from`` of one run: the source opened and matched against the model before any work."""
 
-    def __init__(self, cfg: DictConfig):
-        train = cfg.train
-        self.path, self.strict = str(train.init_from), bool(train.get("init_strict", True))
+    def __init__(self, path: str, strict: bool, args: ModelArgs, layout: Layout):
+        """``path``: ``train.init_from``; ``strict``: ``train.init_strict``; ``args``, ``layout``: this run's model."""
+        self.path, self.strict, self.args = path, strict, args
         self.source = open_weights(self.path)
-        self.cfg_model = cfg.model
-        args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
         with torch.device("meta"):
             expected = {name: t.shape for name, t in Transformer(args, layout).state_dict().items()}
         self.match = Match.of(expected, self.source.shapes())
@@ -173,7 +173,7 @@ class InitFrom:
         tables), from the source's headers."""
         if not isinstance(self.source, ReleasedWeights):
             return []
-        args = ModelArgs.from_config(self.cfg_model)
+        args = self.args
         loaded = set(self.match.loaded)
         lines = []
         for stage, layers in enumerate(stages):
@@ -274,26 +274,35 @@ def _numel(shape: torch.Size, rows: tuple[int, int] | None) -> int:
     return (rows[1] - rows[0]) * shape[1:].numel() if rows else shape.numel()
 
 
-def adopt_released_config(cfg: DictConfig) -> list[str]:
-    """With ``train.init_from`` a released directory, its ``config.json`` sets the model: every ``model.*`` /
-    ``layout.*`` setting it describes is set from it (the training-only ones, such as the balance rate or frozen
-    tables, stay the run's). Returns ``key: run's -> released`` for what changed (logged)."""
-    path = OmegaConf.select(cfg, "train.init_from")
-    if not path or not is_released(Path(str(path)).expanduser().resolve()):
-        return []
-    location = Path(str(path)).expanduser().resolve()
-    settings = released_settings(json.loads((location / "config.json").read_text()))
-    changed = []
-    for key, value in settings.items():
-        before = OmegaConf.select(cfg, key)
-        if _plain(before) != _plain(value):
-            changed.append(f"{key}: {before!r} -> {value!r}")
-            OmegaConf.update(cfg, key, value, force_add=True)
-    if changed:
-        log.info("train.init_from=%s is DeepSeek's released model: its config.json sets\n  %s", path,
-                 "\n  ".join(changed))
-    return changed
+def released_changes(config: JobConfig) -> dict[str, object]:
+    """With ``train.init_from`` a released directory, the settings its ``config.json`` sets that differ from
+    ``config``'s: every ``model.*`` / ``layout.*`` setting it describes (the training-only ones, such as the balance
+    rate or frozen tables, stay the run's). Empty for any other source."""
+    path = config.train.init_from
+    if not path or not is_released(Path(path).expanduser().resolve()):
+        return {}
+    settings = released_settings(json.loads((Path(path).expanduser().resolve() / "config.json").read_text()))
+    return {key: value for key, value in settings.items() if _plain(_setting(config, key)) != _plain(value)}
 
 
-def from_config(cfg: DictConfig) -> InitFrom | None:
-    return InitFrom(cfg) if OmegaConf.select(cfg, "train.init_from") else None
+def adopt_released_config(config: JobConfig) -> JobConfig:
+    """``config`` with the model of a released ``train.init_from`` (``released_changes``), what changed logged as
+    ``key: run's -> released``."""
+    changes = released_changes(config)
+    if changes:
+        log.info("train.init_from=%s is DeepSeek's released model: its config.json sets\n  %s",
+                 config.train.init_from,
+                 "\n  ".join(f"{key}: {_setting(config, key)!r} -> {value!r}" for key, value in changes.items()))
+    return apply(config, changes)
+
+
+def _setting(config, key: str):
+    for part in key.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def from_job(job: Job) -> InitFrom | None:
+    """The job's ``train.init_from`` opened and matched against its model (None when it has none)."""
+    train = job.config.train
+    return InitFrom(train.init_from, train.init_strict, job.args, job.layout) if train.init_from else None

@@ -12,31 +12,31 @@ keeping, and a checkpoint of one could not name its base.
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from model.lora import LoRA, merge
+from model.config import LoRA, TrainConfig
+from model.lora import merge
 from train import checkpoint
 
 
-def check_run(cfg: DictConfig, lora: LoRA | None) -> None:
+def check_run(train: TrainConfig, lora: LoRA | None) -> None:
     """A LoRA run needs a base to adapt."""
-    if lora is not None and not OmegaConf.select(cfg, "train.init_from"):
+    if lora is not None and not train.init_from:
         raise ValueError(f"train.lora.rank={lora.rank} trains adapters on a frozen base: set train.init_from=<a "
                          "checkpoint or an exported directory> (or train.lora.rank=0 to train every weight)")
 
 
-def check_resume(ref: checkpoint.CheckpointRef, saved_config: dict, cfg: DictConfig) -> None:
+def check_resume(ref: checkpoint.CheckpointRef, saved_config: dict, train: TrainConfig) -> None:
     """A checkpoint resumes under the LoRA settings and the base it was trained with (or both without LoRA)."""
     saved_train = saved_config.get("train", {})
-    saved, current = LoRA.from_config(saved_train.get("lora")), LoRA.from_config(cfg.train.get("lora"))
+    saved, current = LoRA.from_config(saved_train.get("lora")), train.lora if train.lora.rank else None
     if saved != current:
         raise checkpoint.CheckpointError(
             f"checkpoint {ref.path} was trained with train.lora={_describe(saved)}, this run has {_describe(current)}"
             " — resume with the checkpoint's train.lora settings, or start fresh (train.resume=null)")
-    if saved is not None and _where(saved_train.get("init_from")) != _where(cfg.train.init_from):
+    if saved is not None and _where(saved_train.get("init_from")) != _where(train.init_from):
         raise checkpoint.CheckpointError(
             f"checkpoint {ref.path} holds adapters of the base train.init_from={saved_train.get('init_from')}, this "
-            f"run names train.init_from={cfg.train.init_from} — resume on the checkpoint's base")
+            f"run names train.init_from={train.init_from} — resume on the checkpoint's base")
 
 
 def _describe(lora: LoRA | None) -> str:

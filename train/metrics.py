@@ -16,10 +16,10 @@ import json
 import math
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
-from model import ModelArgs, layout_from_config
 from model.accounting import account
+from model.config import plain
+from model.layout import Layout
+from parallel.job import Job
 from train import dashboards, routing
 
 METRICS_FILE = "metrics.jsonl"
@@ -36,13 +36,13 @@ def read_rows(path: Path) -> list[dict]:
 class MetricsLogger:
     """Appends rows to ``metrics.jsonl`` and mirrors them to wandb (``logger.mode``: offline|online|disabled)."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, start_step: int, enabled: bool, run_id: str | None = None):
+    def __init__(self, job: Job, run_dir: Path, start_step: int, enabled: bool, run_id: str | None = None):
         """``run_id``: the wandb run to continue (a resumed job's, from its checkpoint); None starts a new one."""
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.plot_path = run_dir / PLOT_FILE
         self.experts_path = run_dir / routing.EXPERTS_FILE
-        self.window = int(cfg.model.window_size)
+        self.window = job.args.window_size
         self.wandb_run = None
         self.once = {}
         if not enabled:
@@ -50,12 +50,12 @@ class MetricsLogger:
         for path in (self.path, self.experts_path):
             kept = [row for row in read_rows(path) if row["step"] <= start_step]
             path.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        constants = run_constants(cfg)
+        constants = run_constants(job)
         self.once = constants if start_step == 0 else {}  # a resumed run kept its first row
-        if cfg.logger.mode != "disabled":
-            self.wandb_run = _start_wandb(cfg, run_dir, constants, run_id)
+        if job.config.logger.mode != "disabled":
+            self.wandb_run = _start_wandb(job, run_dir, constants, run_id)
             if start_step == 0 and self.wandb_run is not None:
-                dashboards.log_layout_table(self.wandb_run, layout_from_config(cfg.layout))
+                dashboards.log_layout_table(self.wandb_run, job.layout)
 
     @property
     def run_id(self) -> str | None:
@@ -117,51 +117,46 @@ def _finite_or_none(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def run_constants(cfg: DictConfig) -> dict:
+def run_constants(job: Job) -> dict:
     """KV-cache bytes and indexer FLOPs per token of the layout (at ``data.seq_len``), and the tokens of one
     optimizer step over all data-parallel ranks (step time = ``tokens_per_step / tokens_per_s``)."""
-    from parallel.batch import batch_plan
-    from train import distributed  # here, so that readers of metrics.jsonl (train.report) do not load DeepSpeed
-
-    figures = account(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), int(cfg.data.seq_len))
-    tokens = batch_plan(cfg, distributed.world_size()).global_batch * int(cfg.data.seq_len)
+    seq_len = job.config.data.seq_len
+    figures = account(job.args, job.layout, seq_len)
     return {"kv_bytes_per_token": figures["kv_bytes_per_token"],
-            "indexer_flops_per_token": figures["indexer_flops_per_token"], "tokens_per_step": tokens}
+            "indexer_flops_per_token": figures["indexer_flops_per_token"],
+            "tokens_per_step": job.batch.global_batch * seq_len}
 
 
-def layout_group(cfg: DictConfig) -> str:
+def layout_group(layout_name: str) -> str:
     """The layout's name and this Hydra job's ``layout.*`` overrides (e.g. ``v41_scaled decoder.reindex_every=4``):
     the runs of one layout share a wandb group whatever else a sweep varies."""
     from hydra.core.hydra_config import HydraConfig
 
     task = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
-    return " ".join([cfg.layout.name, *(o.removeprefix("layout.") for o in task if o.startswith("layout."))])
+    return " ".join([layout_name, *(o.removeprefix("layout.") for o in task if o.startswith("layout."))])
 
 
-def layout_plan(cfg: DictConfig) -> dict:
+def layout_plan(layout: Layout) -> dict:
     """The layout as the model builds it (the canonical lists the knobs generate, and the layers per mode)."""
-    layout = layout_from_config(cfg.layout)
     return {"kv_source_layer_ids": list(layout.kv_source_layer_ids),
             "index_source_layer_ids": list(layout.index_source_layer_ids),
             "candidate_source_layer_id": layout.candidate_source_layer_id,
             **{mode.value: n for mode, n in layout.counts().items()}}
 
 
-def _start_wandb(cfg: DictConfig, run_dir: Path, constants: dict, run_id: str | None):
+def _start_wandb(job: Job, run_dir: Path, constants: dict, run_id: str | None):
     import wandb
 
-    if cfg.logger.mode not in ("offline", "online"):
-        raise ValueError(f"logger.mode must be offline, online or disabled, got {cfg.logger.mode!r}")
-    tags = list(dict.fromkeys([*cfg.logger.tags, cfg.layout.name, cfg.model.name]))
+    config = job.config
+    logger, model, layout = config.logger, config.model.name, config.layout.name
     return wandb.init(
-        mode=cfg.logger.mode,
-        project=cfg.logger.project,
-        entity=cfg.logger.entity,
-        name=cfg.logger.name or f"{cfg.model.name}-{cfg.layout.name}-{run_dir.name}",
-        group=cfg.logger.group or layout_group(cfg),
-        tags=tags,
-        config={**OmegaConf.to_container(cfg, resolve=True), "layout_plan": layout_plan(cfg),
-                "run_constants": constants},
+        mode=logger.mode,
+        project=logger.project,
+        entity=logger.entity,
+        name=logger.name or f"{model}-{layout}-{run_dir.name}",
+        group=logger.group or layout_group(layout),
+        tags=list(dict.fromkeys([*logger.tags, layout, model])),
+        config={**plain(config), "layout_plan": layout_plan(job.layout), "run_constants": constants},
         dir=str(run_dir),
         id=run_id,
         resume="allow" if run_id else None,

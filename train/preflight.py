@@ -1,11 +1,12 @@
 """Every check a job can make without the engine, run first so that bad input fails in seconds, before the
-process group, the engine or the run directory exist: config values, layout (and that it pairs with the model),
-tokenizer, device and precision, the batch against the stages and launched processes, the stage split and its
-memory (every stage's estimated peak against the GPU's memory, or the host's RAM: ``parallel/plan.py``), the
-probes, the data (path, format, text field, every row's type, both parts non-empty, the chat template), the
-checkpoint to resume (manifest: sizes and SHA-256) or else the weights of ``train.init_from`` (matched tensor by
-tensor against the model; a released directory first sets the model from its config.json, so the memory verdict
-is the released model's, and what each rank will read of it is printed).
+process group, the engine or the run directory exist. The composed config is resolved here, once, into the job
+(``planned``: every value against its range, then ``parallel.job.Job``); nothing below reads the config itself. The
+checks: config values, layout (and that it pairs with the model), tokenizer, device and precision, the batch against
+the stages and launched processes, the stage split and its memory (every stage's estimated peak against the GPU's
+memory, or the host's RAM: ``parallel/plan.py``), the probes, the data (path, format, text field, every row's type,
+both parts non-empty, the chat template), the checkpoint to resume (manifest: sizes and SHA-256) or else the weights
+of ``train.init_from`` (matched tensor by tensor against the model; a released directory first sets the model from
+its config.json, so the memory verdict is the released model's, and what each rank will read of it is printed).
 
 What the checks build (documents, probes, the checkpoint) is kept for the job, so nothing is read twice.
 """
@@ -13,30 +14,25 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from model import LayoutError, ModelArgs, layout_from_config
-from parallel.balance import Split, split_stages
-from parallel.batch import BatchPlan, batch_plan
-from parallel.plan import check_memory, device_memory
+from model import LayoutError
+from model.cli import resolved
+from model.config import JobConfig, TrainConfig
+from model.layout import CandidateCapacityError, layout_from_config
+from parallel.job import Job, plan, resolve_device
+from parallel.plan import check_memory, device_memory, split_capacity
 from train import checkpoint, init_from, lora as lora_runs, sft
-from train.data import SetSize, build_documents, data_config, set_size, synthetic_tasks
-from train.engine import (check_experts, check_parallel, engram_token_map, lora_settings, resolve_device,
-                          resolve_precision)
+from train.data import SetSize, build_documents, set_size, synthetic_tasks
+from train.engine import engram_token_map
 from train.evaluate import build_probes, data_tokenizer
-
-LOGGER_MODES = ("offline", "online", "disabled")
 
 
 @dataclass
 class Checked:
     """What the checks found and built, for the job to use."""
 
-    device: torch.device
-    precision: str  # bf16 | fp32
-    batch: BatchPlan
-    split: Split  # the stages, their costs and estimated peaks
+    job: Job  # the settings, model, layout, device, precision, batch and stage split
     memory_line: str  # the memory verdict of the split (it fits: else preflight fails)
     train_documents: object  # train.data.MapDocuments | StreamingDocuments; None: data.synthetic_fraction=1
     heldout_documents: object
@@ -48,50 +44,38 @@ class Checked:
     # a LoRA run: its frozen base)
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Fail before any work on settings that cannot run; each message names the setting."""
-    check_pairing(cfg)
-    ModelArgs.from_config(cfg.model).check_stack(layout_from_config(cfg.layout).n_layers)
-    if OmegaConf.is_missing(cfg.data, "path"):
-        raise ValueError(f"data.source={cfg.data.source} needs data.path — set data.path=<a file, a directory of "
-                         "files, or a dataset name>")
-    tokenizer = data_tokenizer(cfg.data)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer ({cfg.data.tokenizer or 'byte-level'}) has {tokenizer.vocab_size} tokens but "
-                         f"model.vocab_size={cfg.model.vocab_size} — set model.vocab_size>={tokenizer.vocab_size}")
-    synthetic_tasks(data_config(cfg.data), tokenizer)  # data=synthetic: its symbols, and that every task fits
-    train = cfg.train
-    for key in ("max_steps", "log_every", "max_bad_steps", "eval.batches"):
-        value = OmegaConf.select(train, key)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"train.{key}={value!r} — set an integer >= 1")
-    if not isinstance(train.checkpoint_every, int) or train.checkpoint_every < 0:
-        raise ValueError(f"train.checkpoint_every={train.checkpoint_every!r} — set an integer >= 0 (0: no checkpoints)")
-    if train.stop_at is not None and not 1 <= train.stop_at <= train.max_steps:
+def check_config(job: Job) -> None:
+    """Fail before any work on settings that cannot run together (each value's own range was checked when the
+    config was resolved, the model and parallel settings when the job was planned); each message names the
+    setting."""
+    config, data = job.config, job.config.data
+    if data.source == "hf" and data.path is None:
+        raise ValueError("data.source=hf needs data.path — set data.path=<a file, a directory of files, or a dataset "
+                         "name>")
+    tokenizer = data_tokenizer(data)
+    if tokenizer.vocab_size > job.args.vocab_size:
+        raise ValueError(f"the tokenizer ({data.tokenizer or 'byte-level'}) has {tokenizer.vocab_size} tokens but "
+                         f"model.vocab_size={job.args.vocab_size} — set model.vocab_size>={tokenizer.vocab_size}")
+    synthetic_tasks(data, tokenizer)  # data=synthetic: its symbols, and that every task fits
+    train = config.train
+    if train.stop_at is not None and train.stop_at > train.max_steps:
         raise ValueError(f"train.stop_at={train.stop_at} is outside 1..train.max_steps={train.max_steps} — set a step "
                          "in that range, or null")
-    check_parallel(cfg.parallel)
-    lora_runs.check_run(cfg, lora_settings(cfg))
-    if cfg.logger.mode not in LOGGER_MODES:
-        raise ValueError(f"logger.mode={cfg.logger.mode!r} — use one of {', '.join(LOGGER_MODES)}")
+    lora_runs.check_run(train, job.lora)
 
 
-def check_pairing(cfg: DictConfig) -> None:
-    """The layout's candidate blocks hold a selection of the model's ``index_topk``. When they do not, the message
-    first says which model and layout were paired and names the layout presets with candidate blocks that do hold
-    it: a model preset without its layout (``model=v41_flash`` on the default ``v41_scaled``) is the usual cause,
-    and more blocks or a smaller top-k would only hide it."""
-    index_topk = ModelArgs.from_config(cfg.model).index_topk
-    try:
-        layout_from_config(cfg.layout).check_candidate_capacity(index_topk)
-    except LayoutError as error:
-        suited = [name for name in layout_presets() if _holds(name, index_topk)]
-        fix = f"layout={' or layout='.join(suited)}, or a preset without candidate blocks" if suited else \
-            "a layout without candidate blocks (layout.candidates=false)"
-        raise LayoutError(f"model={cfg.model.name} (index_topk={index_topk}) is paired with layout={cfg.layout.name}, "
-                          f"whose candidate blocks hold too few entries: {error} — pair the model with a layout whose "
-                          f"candidate blocks hold its top-k: {fix}; or change the blocks or the top-k as said"
-                          ) from None
+def pairing_error(config: JobConfig, error: CandidateCapacityError) -> LayoutError:
+    """A layout whose candidate blocks cannot hold the model's ``index_topk``, said as the pairing it usually is: a
+    model preset without its layout (``model=v41_flash`` on the default ``v41_scaled``), with the layout presets
+    whose candidate blocks do hold it (more blocks or a smaller top-k would only hide the cause)."""
+    index_topk = config.model.index_topk
+    suited = [name for name in layout_presets() if _holds(name, index_topk)]
+    fix = f"layout={' or layout='.join(suited)}, or a preset without candidate blocks" if suited else \
+        "a layout without candidate blocks (layout.candidates=false)"
+    return LayoutError(f"model={config.model.name} (index_topk={index_topk}) is paired with layout="
+                       f"{config.layout.name}, whose candidate blocks hold too few entries: {error} — pair the model "
+                       f"with a layout whose candidate blocks hold its top-k: {fix}; or change the blocks or the top-k "
+                       "as said")
 
 
 def layout_presets() -> list[str]:
@@ -103,7 +87,7 @@ def layout_presets() -> list[str]:
 def _holds(preset: str, index_topk: int) -> bool:
     """Whether layout preset ``preset`` (as Hydra composes it) restricts selections to candidate blocks that
     hold ``index_topk`` entries."""
-    layout = layout_from_config(_compose([f"layout={preset}"]).layout)
+    layout = layout_from_config(resolved(_compose([f"layout={preset}"])).layout)
     try:
         layout.check_candidate_capacity(index_topk)
     except LayoutError:
@@ -129,8 +113,8 @@ def local_processes(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
-def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    return Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
+def checkpoint_dir(train: TrainConfig, run_dir: Path) -> Path:
+    return Path(train.checkpoint_dir or run_dir / "checkpoints")
 
 
 def launched_world_size() -> int:
@@ -138,58 +122,64 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def planned(cfg: DictConfig, world_size: int) -> tuple[Job, str]:
+    """The job of the composed ``cfg`` on ``world_size`` processes, resolved once (``model.cli.resolved``: every
+    value in its range; ``parallel.job.plan``: the model, layout, batch and split) and checked as a whole, and its
+    memory verdict line: every check of the settings, before any data, weights or process group."""
+    config = init_from.adopt_released_config(resolved(cfg))  # a released train.init_from sets the model first
+    device = resolve_device(config.train.device)
+    memory = device_memory(device.type == "cuda", local_processes(world_size))
+    try:
+        job = plan(config, world_size, device, split_capacity(device, memory))
+    except CandidateCapacityError as error:
+        raise pairing_error(config, error) from None
+    check_config(job)
+    return job, check_memory(job, memory)
+
+
 def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
-    init_from.adopt_released_config(cfg)  # a released train.init_from sets the model, before anything checks it
-    check_config(cfg)
-    device = resolve_device(cfg.train.device)
-    precision = resolve_precision(cfg.train.precision, device)
-    batch = batch_plan(cfg, world_size)
-    check_experts(cfg, batch.data_parallel)
-    on_gpu, dtype = device.type == "cuda", torch.bfloat16 if precision == "bf16" else torch.float32
-    memory = device_memory(on_gpu, local_processes(world_size))
-    split = split_stages(cfg, dtype, batch.microbatches, batch.data_parallel, memory.capacity if on_gpu else None,
-                         cuda=on_gpu)
-    memory_line = check_memory(cfg, world_size, split, batch, dtype, on_gpu, memory)
-    engram_token_map(cfg, ModelArgs.from_config(cfg.model))  # the data tokenizer against the Engram tables
-    probes = build_probes(cfg, batch.stages)
-    data = data_config(cfg.data)
+    """The job (``planned``) and what its checks build: the probes, the documents, the checkpoint to resume or the
+    weights to start from."""
+    job, memory_line = planned(cfg, world_size)
+    config, data, train = job.config, job.config.data, job.config.train
+    engram_token_map(data, job.args)  # the data tokenizer against the Engram tables
+    probes = build_probes(config, job.batch.stages)
     reads_text = data.synthetic_fraction < 1  # all-synthetic rows never read the text source
     train_documents = build_documents(data) if reads_text else None
     heldout_documents = build_documents(data, heldout=True) if reads_text else None
     if train_documents is not None and train_documents.format == "chat":
-        sft.check_template(data_tokenizer(cfg.data))
-    sizes = [set_size(d, data_tokenizer(cfg.data), data.seq_len) if d is not None else None
+        sft.check_template(data_tokenizer(data))
+    sizes = [set_size(d, data_tokenizer(data), data.seq_len) if d is not None else None
              for d in (train_documents, heldout_documents)]
-    ref = checkpoint.find(cfg.train.resume, checkpoint_dir(cfg, run_dir))
-    saved = checkpoint.check_compatible(ref, cfg) if ref else {}
+    ref = checkpoint.find(train.resume, checkpoint_dir(train, run_dir))
+    saved = checkpoint.check_compatible(ref, config) if ref else {}
     if ref:
-        lora_runs.check_resume(ref, saved["config"], cfg)
-    warm_start = None if ref and lora_settings(cfg) is None else init_from.from_config(cfg)
+        lora_runs.check_resume(ref, saved["config"], train)
+    warm_start = None if ref and job.lora is None else init_from.from_job(job)
     if warm_start is not None:  # what each rank will read, printed before anything is read
-        warm_start.describe_ranks(split.plan.stages, batch.data_parallel, int(cfg.parallel.expert_parallel))
-    return Checked(device, precision, batch, split, memory_line, train_documents, heldout_documents,
-                   data_line(cfg, batch, *sizes), probes, ref, saved, warm_start)
+        warm_start.describe_ranks(job.split.plan.stages, job.batch.data_parallel, config.parallel.expert_parallel)
+    return Checked(job, memory_line, train_documents, heldout_documents, data_line(job, *sizes), probes, ref, saved,
+                   warm_start)
 
 
-def data_line(cfg: DictConfig, batch: BatchPlan, train: SetSize | None, heldout: SetSize | None) -> str:
+def data_line(job: Job, train: SetSize | None, heldout: SetSize | None) -> str:
     """``data: training set <documents, tokens> (<what the run reads of it: epochs>); held-out set <...> (<what an
     evaluation reads: how many times over>)``, and the synthetic tasks when the rows are (partly) synthetic. A
     held-out set smaller than an evaluation repeats within it: its loss is then that of a few documents."""
-    data, seq_len = data_config(cfg.data), int(cfg.data.seq_len)
+    data, steps, batch = job.config.data, job.config.train.max_steps, job.batch
     parts = []
     if train is not None:
-        reads = int(cfg.train.max_steps) * batch.global_batch * seq_len * (1 - data.synthetic_fraction)
+        reads = steps * batch.global_batch * data.seq_len * (1 - data.synthetic_fraction)
         part = f"training set {train.describe()}"
         if train.tokens:
-            part += (f" ({cfg.train.max_steps} steps read {reads:,.0f} positions of it: "
-                     f"{reads / train.tokens:.2g} epochs)")
+            part += f" ({steps} steps read {reads:,.0f} positions of it: {reads / train.tokens:.2g} epochs)"
         parts.append(part)
     tasks = synthetic_tasks(data)
     if tasks is not None:
         parts.append(f"synthetic rows ({data.synthetic_fraction:.0%}): {', '.join(tasks.tasks)}, drawn afresh every "
                      f"step, {tasks.config.eval_examples} held-out examples per task")
     if heldout is not None:
-        reads = int(cfg.train.eval.batches) * int(cfg.data.micro_batch_size) * seq_len * batch.data_parallel
+        reads = job.config.train.eval.batches * data.micro_batch_size * data.seq_len * batch.data_parallel
         part = f"held-out set {heldout.describe()} (an evaluation reads {reads:,} positions"
         if heldout.tokens and reads > heldout.tokens:
             part += (f": the set {reads / heldout.tokens:.1f} times over; its loss is that of these documents, a "

@@ -34,17 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from model.config import SYNTHETIC_TASKS as TASKS, SyntheticConfig, span
 from train.loss import IGNORE_INDEX
 from train.rows import FIELDS, RankRows
 from train.tokenizer import Tokenizer
 
-TASKS = ("mqar", "passkey", "copy")
-LOSSES = ("answers", "all")  # data.synthetic.loss: the tokens whose prediction the training loss counts
 SPLITS = ("train", "heldout", "eval")  # each draws from its own random stream
 
 
@@ -80,67 +79,6 @@ class Example:
         return np.zeros(len(self.tokens) - 1, dtype=np.int64)
 
 
-def _span(value, name: str) -> tuple[int, int]:
-    """``[lo, hi]`` (or one int, meaning ``[n, n]``) as an inclusive range of non-negative ints."""
-    lo, hi = (value, value) if isinstance(value, int) else tuple(value)
-    if not 0 <= lo <= hi:
-        raise ValueError(f"data.synthetic.{name} must be an int or a range [lo, hi] with 0 <= lo <= hi, got {value}")
-    return int(lo), int(hi)
-
-
-@dataclasses.dataclass(frozen=True)
-class SyntheticConfig:
-    """``data.synthetic`` (conf/data/synthetic.yaml); unknown keys are rejected to catch typos."""
-
-    tasks: Mapping[str, float] = dataclasses.field(default_factory=lambda: {"mqar": 1.0})  # task -> share of rows
-    eval_examples: int = 256  # held-out examples per task scored at every evaluation
-    keys: Sequence[str] = "abcdefghijklmnop"  # symbols (one token each): MQAR keys, copy symbols
-    values: Sequence[str] = "ABCDEFGHIJKLMNOP"  # MQAR values, copy symbols
-    digits: Sequence[str] = "0123456789"  # passkey digits
-    filler: Sequence[str] = " "  # drawn uniformly between facts
-    markers: Sequence[str] = "#="  # the start of a fact (passkey needle, copy block) and of its repeat
-    pairs: Sequence[int] | int = (12, 16)  # mqar: keys per example (distinct; their values drawn independently)
-    spacing: Sequence[int] | int = 0  # mqar: filler tokens before each record
-    distance: Sequence[int] | int = (12, 64)  # mqar: a question's key was last written this many tokens back
-    align: int = 2  # mqar: records start at multiples of this position (2: one per ratio-2 compressed entry)
-    passkey_digits: int = 5  # passkey: digits of the key
-    copy_length: Sequence[int] | int = (8, 48)  # copy: symbols per block
-    loss: str = "answers"  # the training loss counts: answers | all (every next token)
-
-    def __post_init__(self):
-        unknown = sorted(set(self.tasks) - set(TASKS))
-        if unknown or not self.tasks or min(self.tasks.values()) < 0 or sum(self.tasks.values()) <= 0:
-            raise ValueError(f"data.synthetic.tasks must map some of {TASKS} to non-negative shares with a "
-                             f"positive sum, got {dict(self.tasks)}")
-        if self.loss not in LOSSES:
-            raise ValueError(f"data.synthetic.loss must be one of {LOSSES}, got {self.loss!r}")
-        if self.eval_examples < 0:
-            raise ValueError(f"data.synthetic.eval_examples must be >= 0, got {self.eval_examples}")
-        if self.align < 1:
-            raise ValueError(f"data.synthetic.align must be >= 1, got {self.align}")
-        if self.passkey_digits < 1:
-            raise ValueError(f"data.synthetic.passkey_digits must be >= 1, got {self.passkey_digits}")
-        for name in ("pairs", "spacing", "distance", "copy_length"):
-            _span(getattr(self, name), name)
-        if _span(self.pairs, "pairs")[0] < 1 or _span(self.copy_length, "copy_length")[0] < 1:
-            raise ValueError("data.synthetic.pairs and data.synthetic.copy_length must be at least 1")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping) -> SyntheticConfig:
-        """From ``data.synthetic`` (plain containers); an unknown key is an error that names it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown data.synthetic setting(s) {unknown}; known: {sorted(known)}")
-        return cls(**{k: dict(v) if k == "tasks" else v if isinstance(v, (str, int)) else tuple(v)
-                      for k, v in values.items()})
-
-    @property
-    def active_tasks(self) -> list[str]:
-        """Tasks with a positive share, in ``TASKS`` order."""
-        return [task for task in TASKS if self.tasks.get(task, 0) > 0]
-
-
 class SyntheticTasks:
     """The tasks of one ``SyntheticConfig`` at ``seq_len`` with the symbols' token ids; makes examples on demand.
 
@@ -159,8 +97,8 @@ class SyntheticTasks:
         self.keys, self.values, self.digits = symbols["keys"], symbols["values"], symbols["digits"]
         self.filler, (self.open_id, self.repeat_id) = symbols["filler"], symbols["markers"]
         self.copy_symbols = np.concatenate([self.keys, self.values])
-        self.pairs, self.spacing = _span(config.pairs, "pairs"), _span(config.spacing, "spacing")
-        self.distance, self.copy_length = _span(config.distance, "distance"), _span(config.copy_length, "copy_length")
+        self.pairs, self.spacing = span(config.pairs, "pairs"), span(config.spacing, "spacing")
+        self.distance, self.copy_length = span(config.distance, "distance"), span(config.copy_length, "copy_length")
         self.tasks = config.active_tasks
         shares = np.array([config.tasks[t] for t in self.tasks], dtype=np.float64)
         self.shares = shares / shares.sum()
