@@ -14,7 +14,7 @@ from typing import Any, Union, get_args, get_origin
 
 from omegaconf import DictConfig, OmegaConf
 
-from model.config import JobConfig, SettingError, build, field_type, schema_field
+from model.config import JobConfig, SettingError, build, schema_field
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 USAGE_ERROR = 2  # exit status of a bad config, override or input (the shell convention for misuse)
@@ -133,8 +133,8 @@ def resolved(cfg: DictConfig) -> JobConfig:
     error naming the setting."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        spec = schema_field(missing[0])
-        hint = f" ({spec.metadata['doc']})" if spec is not None else ""
+        found = schema_field(missing[0])
+        hint = f" ({found[0].metadata['doc']})" if found is not None else ""
         raise SettingError(f"{missing[0]} has no value — set {missing[0]}=<value>{hint}")
     return build(JobConfig, OmegaConf.to_container(cfg, resolve=True), "")
 
@@ -171,9 +171,10 @@ def _optional(annotation) -> bool:
 def _type_problem(key: str, value, default, cls=JobConfig) -> str | None:
     """What is wrong with ``value`` for ``key`` (a dotted path under ``cls``), as ``is <what> — give <what>``;
     None when nothing is (or the schema does not know the key: the unknown-key check names it)."""
-    spec, annotation = schema_field(key, cls), field_type(key, cls)
-    if spec is None or _interpolated(value):
+    found = schema_field(key, cls)
+    if found is None or _interpolated(value):
         return None
+    spec, annotation = found
     if value is None:
         return None if _optional(annotation) else f"is null — give {_wanted(annotation, spec)}"
     if spec.metadata.get("one_or_list"):

@@ -27,6 +27,7 @@ LORA_ATTENTION = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 LORA_TARGETS = (*LORA_ATTENTION, "shared_experts", "experts", "dense_ffn")
 SYNTHETIC_TASKS = ("mqar", "passkey", "copy")
 SAMPLE_BY = ("auto", "document", "paragraph", "line")  # data.sample_by
+P2P = ("overlap", "deepspeed")  # parallel.p2p: the engine's boundary transfers (parallel/engine.py)
 
 
 class SettingError(ValueError):
@@ -492,7 +493,7 @@ class ParallelConfig:
     index_k: str = setting("shadow: later stages recompute index keys with replicas of wk/k_norm; payload: send them",
                            choices=("shadow", "payload"))
     p2p: str = setting("boundary transfers: overlap (asynchronous, batched, own process groups, parallel/p2p.py) or "
-                       "deepspeed (blocking)", choices=("overlap", "deepspeed"))
+                       "deepspeed (blocking)", choices=P2P)
     recompute: str = setting("none, layer (activation checkpointing of every layer) or block (of the first "
                              "recompute_layers layers of every stage)", choices=("none", "layer", "block"))
     recompute_layers: int | None = setting("recompute=block: leading layers of each stage that recompute", ge=1)
@@ -603,23 +604,17 @@ def plain(config) -> dict:
     return convert(dataclasses.asdict(config))
 
 
-def schema_field(key: str, cls=JobConfig) -> dataclasses.Field | None:
-    """The field of a dotted setting (``train.eval.every``), None when the schema has none."""
+def schema_field(key: str, cls=JobConfig) -> tuple[dataclasses.Field, Any] | None:
+    """The field of a dotted setting (``train.eval.every``) and its annotated type; None when the schema has
+    none."""
     head, _, rest = key.partition(".")
     found = {f.name: f for f in fields(cls)}.get(head)
-    if found is None or not rest:
-        return found
-    kind = get_type_hints(cls)[head]
-    return schema_field(rest, kind) if is_dataclass(kind) else None
-
-
-def field_type(key: str, cls=JobConfig):
-    """The annotated type of a dotted setting (None when the schema has none)."""
-    head, _, rest = key.partition(".")
-    types = get_type_hints(cls)
-    if head not in types:
+    if found is None:
         return None
-    return field_type(rest, types[head]) if rest and is_dataclass(types[head]) else None if rest else types[head]
+    kind = get_type_hints(cls)[head]
+    if not rest:
+        return found, kind
+    return schema_field(rest, kind) if is_dataclass(kind) else None
 
 
 def _key(where: str, name: str) -> str:

@@ -177,7 +177,7 @@ class Transformer(nn.Module):
         ``input_ids`` are the whole rows'."""
         if context is not None and (self.run_dspark or self.args.attention == "dense"):
             raise ValueError("a forward over one chunk of each row (context) runs CSA2 attention without the draft "
-                             "head only (train/engine.py's check_context says why)")
+                             "head only (parallel/checks.py's check_context says why)")
         state = SharedState(self.layout, doc_ids, self.args.window_size, collect_recall, context)
         state.input_ids = input_ids
         if self.engram_hash is not None:  # look-back reaches into earlier chunks: hash the row, keep the chunk

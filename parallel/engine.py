@@ -36,7 +36,7 @@ from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from deepspeed.runtime.sparse_tensor import SparseTensor
 from deepspeed.utils import groups as ds_groups
 
-from model.config import ModelArgs
+from model.config import P2P, ModelArgs
 from model.groups import CLIP_GROUPS, GROUPS, clip_group, param_group
 from model.layout import Layout
 from parallel.context import context_shard
@@ -230,9 +230,6 @@ def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.
             part = "embed.pt" if name.startswith("embed.") else "head.pt"
         parts.setdefault(part, {})[name] = tensor
     return parts
-
-
-P2P = ("overlap", "deepspeed")
 
 
 class CSA2PipelineEngine(PipelineEngine):
