@@ -1,6 +1,6 @@
 """A job planned once: the model and layout its config describes, the device and precision it runs in, the batch
 and the stage split, every ``parallel`` setting checked (``parallel/checks.py``). ``train/preflight.py`` plans the
-job it runs and ``python -m parallel.plan`` the job it prints (``parallel.plan.plan_job`` adds the memory verdict);
+job it runs and ``python -m parallel.plan`` the job it prints (``parallel.plan.check_memory`` judges its memory);
 everything below them reads the ``Job``, not the config.
 """
 import os
@@ -31,8 +31,7 @@ class Job:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The compute dtype: bf16 autocast over fp32 masters, or fp32."""
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        return compute_dtype(self.precision)
 
     @property
     def on_gpu(self) -> bool:
@@ -40,8 +39,6 @@ class Job:
 
     @property
     def trains_dspark(self) -> bool:
-        """The model has a draft head and ``train.dspark_loss_coef`` > 0 (otherwise it is carried, loaded and
-        exported, but never run)."""
         return trains_dspark(self.args, self.config)
 
     @property
@@ -62,6 +59,8 @@ class Job:
 
 
 def trains_dspark(args: ModelArgs, config: JobConfig) -> bool:
+    """The model has a draft head and ``train.dspark_loss_coef`` > 0 (otherwise it is carried, loaded and exported,
+    but never run)."""
     return args.dspark.blocks > 0 and config.train.dspark_loss_coef > 0
 
 
@@ -82,6 +81,11 @@ def planned_device(name: str) -> torch.device:
     """``train.device`` as a plan reads it: ``auto`` is ``cuda`` when this machine has a GPU; a plan may name
     ``cuda`` on a machine without one (planning a GPU job elsewhere)."""
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype a job computes in: bf16 (autocast over fp32 master weights) or fp32."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
@@ -108,7 +112,6 @@ def plan(config: JobConfig, world_size: int, device: torch.device, capacity: flo
     check_context(parallel, data.seq_len, args, layout, trains_dspark(args, config))
     check_experts(parallel.expert_parallel, args, batch.data_parallel * batch.context)
     precision = resolve_precision(config.train.precision, device)
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    split = split_stages(args, layout, parallel, data.seq_len, data.micro_batch_size, dtype, batch.microbatches,
-                         batch.data_parallel, capacity, cuda=device.type == "cuda", lora=lora)
+    split = split_stages(args, layout, parallel, data.seq_len, data.micro_batch_size, compute_dtype(precision),
+                         batch.microbatches, batch.data_parallel, capacity, cuda=device.type == "cuda", lora=lora)
     return Job(config, args, layout, lora, device, precision, world_size, batch, split)

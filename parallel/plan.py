@@ -27,10 +27,10 @@ from parallel.batch import BatchPlan
 from parallel.checks import check_experts
 from parallel.context import chunk_length
 from parallel.experts import leaving, routed_bytes
+from parallel.job import Job, plan, planned_device
 from parallel.memory import context_bytes, layer_parameters, lora_counts
 from parallel.partition import StagePlan, layer_costs
 from parallel.payload import boundary_fields
-from parallel.job import Job, plan, planned_device
 from parallel.stage import shadow_sources
 
 

@@ -131,11 +131,14 @@ def test_a_number_out_of_range_is_one_line_naming_it(key, defaults):
     """In process, as the preflight resolves the config: a ValueError whose line names the setting and the range to
     set; nothing after the resolution runs (planting a range-free field, or a check that skips list elements or
     mappings, fails here)."""
-    cfg = defaults.copy()
-    value = outside(key)
-    OmegaConf.update(cfg, key, value, merge=False)
-    with pytest.raises(ValueError) as refused:
-        planned(cfg, world_size=1)
+    kept = OmegaConf.select(defaults, key)
+    kept = OmegaConf.to_container(kept) if OmegaConf.is_config(kept) else kept
+    OmegaConf.update(defaults, key, outside(key), merge=False)
+    try:
+        with pytest.raises(ValueError) as refused:
+            planned(defaults, world_size=1)
+    finally:  # the next case starts from the defaults again (cheaper than a copy per case)
+        OmegaConf.update(defaults, key, kept, merge=False)
     line = error_line(refused.value)
     assert line.startswith(f"error: {key}=") and " — set " in line and "\n" not in line, line
     assert str(SETTINGS[key][1]["range"]) in line, line
@@ -157,20 +160,18 @@ def test_the_values_of_issue_57_are_refused_in_one_line(overrides, line):
     assert error_line(refused.value) == line
 
 
-@pytest.mark.parametrize("override", ["data.seq_len=0", "train.betas=[0.9,1.5]"])
-def test_train_prints_the_line_alone_and_exits_2(override, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "train", override, f"hydra.run.dir={tmp_path / 'run'}"],
+def test_train_prints_the_line_alone_and_exits_2(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "train", "train.betas=[0.9,1.5]", f"hydra.run.dir={tmp_path / 'run'}"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == USAGE_ERROR and done.stdout == "", done.stdout + done.stderr
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"error: {override.split('=')[0]}="), done.stderr
+    assert done.stderr == "error: train.betas=[0.9,1.5] has element 2 = 1.5, out of range — set each to a number in " \
+                          "[0, 1)\n", done.stderr
     assert not (tmp_path / "run").exists()
 
 
-def test_a_nan_is_out_of_every_range(defaults):
-    cfg = defaults.copy()
-    OmegaConf.update(cfg, "train.lr", math.nan)
+def test_a_nan_is_out_of_every_range():
     with pytest.raises(ValueError, match="train.lr=nan is out of range"):
-        planned(cfg, world_size=1)
+        planned(compose(["train.lr=nan"]), world_size=1)
 
 
 def test_any_is_only_a_number_or_a_list_of_them():
