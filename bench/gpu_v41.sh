@@ -4,6 +4,7 @@
 #   CSA2_CODE=<commit> OUT=<dir> bash bench/gpu_v41.sh      # from the repository root; BUDGET seconds (default 540)
 #   SMOKE=1 OUT=<dir> bash bench/gpu_v41.sh                 # the same sequence on the CPU at tiny shapes
 #   ONLY="slice slice_base" OUT=<dir> bash bench/gpu_v41.sh # only the named stages
+#   SEQ=32768 ...                                           # rows of 32K tokens (default 64K)
 #   BASE=<dir> BASE_CODE=<commit> ...                       # the *_base stages run the tree in <dir> (an older
 #                                                           # commit's kernels/ model/ parallel/ train/ bench/ conf/,
 #                                                           # e.g. `git archive <commit> ... | tar -x -C <dir>`):
@@ -55,11 +56,11 @@ if [ "$SMOKE" = 1 ]; then  # the CPU: v41_mini at 64 tokens, the PyTorch kernels
   T=64
 else
   SCALE=1
-  MOE=(model=small_moe layout=v41)
+  T=${SEQ:-65536}  # tokens of the row (SEQ=32768 fits an H100's 78 GiB)
+  MOE=(model=small_moe layout=v41 data.seq_len=$T)
   FFN=()
-  SLICE=(--splits own_tokens,uniform --modes layer)
+  SLICE=(--splits own_tokens,uniform --modes layer --tokens $T)
   KB=(python3 bench/bench_kernels.py)
-  T=65536
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total,temperature.gpu \
     --format=csv | tee "$OUT/gpu.txt"
 fi
