@@ -575,7 +575,7 @@ def check_moe_layer():
                 moe_step(moe, x, grad)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message)[:200] for w in caught]
+        syncs = [str(w.message)[:200] for w in caught if "prototype feature" not in str(w.message)]  # its own notice
     RESULTS["moe_layer"] = {"rel_err": err, "empty_experts_load": moe.take_load()[[3, 17]].tolist(),
                             "host_syncs": syncs, "pass": not syncs and all(e < 1e-2 for e in err.values())}
 

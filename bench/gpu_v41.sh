@@ -93,8 +93,8 @@ MOE_CHECKS=check_moe_swiglu,check_moe_permute,check_moe_cast,check_moe_gate,chec
 stage check 150 "${KB[@]}" check --only "check_hyper,$MOE_CHECKS" --out "$OUT/check.json"
 stage kernels 90 "${KB[@]}" bench --only bench_hyper,bench_moe --out "$OUT/kernels_bench.json"
 STEP=(python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1)
-stage train_small_moe 240 "${STEP[@]}" --kernel-table --out "$OUT/train_step_small_moe_$T.json" "${MOE[@]}"
-stage train_small_moe_base 200 "${BASE_RUN[@]}" "${STEP[@]}" --out "$OUT/train_step_small_moe_${T}_base.json" "${MOE[@]}"
+stage train_small_moe 300 "${STEP[@]}" --kernel-table --out "$OUT/train_step_small_moe_$T.json" "${MOE[@]}"
+stage train_small_moe_base 260 "${BASE_RUN[@]}" "${STEP[@]}" --out "$OUT/train_step_small_moe_${T}_base.json" "${MOE[@]}"
 stage moe_ffn 100 python3 bench/moe_ffn.py "${FFN[@]}" --out "$OUT/moe_ffn.json"
 stage slice 260 python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice.json"
 stage slice_base 260 "${BASE_RUN[@]}" python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice_base.json"

@@ -196,8 +196,8 @@ def specs() -> list[KernelSpec]:
         projection = dict(stream, BLOCK_D=hyper.BLOCK_D, MIX=24, MIX_P=32, BLOCK_N=hyper.BLOCK_N)
         sinkhorn = dict(HC=4, HC_P=4, MIX=24, STEPS=39, ROWS=hyper.SINKHORN_ROWS)
         out.append(KernelSpec(untuned(hyper._pre_fwd, num_warps=hyper.WARPS),
-                              dict(X=bf, PRE_IN=f32, FN=f32, H=bf, MRAW=f32, RSTD=f32, n_rows=i32, norm_eps="fp32"),
-                              projection))
+                              dict(X=bf, PRE_IN=f32, FN=bf, H=bf, MRAW=f32, RSTD=f32, n_rows=i32, norm_eps="fp32"),
+                              dict(projection, SPLIT_FN=True)))
         out.append(KernelSpec(untuned(hyper._pre_bwd, num_warps=hyper.WARPS),
                               dict(X=bf, PRE_IN=f32, FN=f32, DH=bf, DMRAW=f32, COEF=f32, STASH=bf, DX=bf, DFN=f32,
                                    DPRE=f32, n_rows=i32, tiles_per_split=i32),

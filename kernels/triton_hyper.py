@@ -5,11 +5,13 @@ A sublayer reads the stream X [N, hc, D] (bf16 under bf16 autocast, as the refer
 projection ``X fn^T`` with one RMS statistic, the collapse ``sum_c pre_c X_c`` into its input, and the expand ``out_k =
 post_k y + sum_j comb[j,k] X_j`` of its output. Everything here is bound by the stream's bytes; the arithmetic (a
 [N, hc D] x [hc D, (2+hc) hc] projection, the Sinkhorn iterations on hc x hc per token) is small. So:
-- forward, ``_pre_fwd``: one read of X makes the projection (tensor cores, tf32x3: fp32 accuracy), the statistic and
-  the collapse, then ``_sinkhorn_fwd`` turns the projection into pre, post and comb: all ``iters`` Sinkhorn rounds of
-  a token in registers, one launch (PyTorch runs them as ~300 launches of [N, hc, hc] elementwise ops per sublayer);
+- forward, ``_pre_fwd``: one read of X makes the projection (tensor cores: a bf16 stream against fn's two bf16
+  parts, ~2^-16 of fp32; an fp32 stream in tf32x3), the statistic and the collapse, then ``_sinkhorn_fwd`` turns
+  the projection into pre, post and comb: all ``iters`` Sinkhorn rounds of a token in registers, one launch
+  (PyTorch runs them as ~300 launches of [N, hc, hc] elementwise ops per sublayer);
   ``_expand_fwd`` reads X and y once and writes the new stream.
-- backward: ``_expand_bwd`` reads X and the output gradient once (dX, dy, and dpost, dcomb summed in registers);
+- backward: ``_expand_bwd`` reads X and the output gradient once (dX, dy, and dpost, dcomb summed elementwise in
+  registers, reduced once);
   ``_sinkhorn_bwd`` runs the Sinkhorn rounds again, keeping each round's matrix in a scratch buffer, and goes back
   through them; ``_pre_bwd`` reads X once more and writes dX = the collapse's, the projection's and the statistic's
   gradients **plus the expand's**, which ``hc_post``'s backward left in the ``StreamMix``'s ``stream_grad`` instead
@@ -35,29 +37,38 @@ WARPS = 8  # of _pre_fwd and _pre_bwd (64 x 64 tiles at 8 warps: no spills, ptxa
 
 @triton.jit
 def _pre_fwd(X, PRE_IN, FN, H, MRAW, RSTD, n_rows, norm_eps, D: tl.constexpr, HC: tl.constexpr,
-             MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+             MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             SPLIT_FN: tl.constexpr):
     """For the program's tokens: H = sum_c PRE_IN[c] X_c, MRAW = X_flat FN^T (unscaled), RSTD = rsqrt(mean(X_flat^2)
-    + norm_eps). Column block outer, copy inner, so that H's block is complete before it is stored."""
+    + norm_eps). Column block outer, copy inner, so that H's block is complete before it is stored. The squares are
+    summed elementwise and reduced once at the end. ``SPLIT_FN`` (a 16-bit stream): FN is [2, MIX, HC D] in X's dtype,
+    fn's high and low parts (``_split``), so the projection is two 16-bit MMAs on X as it is, exact to ~2^-16 of
+    fn; else (fp32) one tf32x3 MMA, fp32's accuracy."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < n_rows
     rows64 = rows.to(tl.int64)
     mixes = tl.arange(0, MIX_P)
     m = tl.zeros((BLOCK_N, MIX_P), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for start in range(0, D, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         inside = live[:, None] & (cols[None, :] < D)
         h = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for c in tl.static_range(HC):
-            x = tl.load(X + rows64[:, None] * (HC * D) + c * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+            stored = tl.load(X + rows64[:, None] * (HC * D) + c * D + cols[None, :], mask=inside, other=0.0)
+            x = stored.to(tl.float32)
             h += tl.load(PRE_IN + rows64 * HC + c, mask=live, other=0.0)[:, None] * x
-            squares += tl.sum(x * x, axis=1)
-            fn_t = tl.load(FN + mixes[None, :] * (HC * D) + c * D + cols[:, None],
-                           mask=(mixes[None, :] < MIX) & (cols[:, None] < D), other=0.0)  # [BLOCK_D, MIX_P]
-            m = tl.dot(x, fn_t, m, input_precision="tf32x3")
+            squares += x * x
+            fn_t = FN + mixes[None, :] * (HC * D) + c * D + cols[:, None]  # [BLOCK_D, MIX_P] of fn^T
+            fn_in = (mixes[None, :] < MIX) & (cols[:, None] < D)
+            if SPLIT_FN:
+                m = tl.dot(stored, tl.load(fn_t + MIX * HC * D, mask=fn_in, other=0.0), m)
+                m = tl.dot(stored, tl.load(fn_t, mask=fn_in, other=0.0), m)
+            else:
+                m = tl.dot(x, tl.load(fn_t, mask=fn_in, other=0.0), m, input_precision="tf32x3")
         tl.store(H + rows64[:, None] * D + cols[None, :], h.to(H.dtype.element_ty), mask=inside)
     tl.store(MRAW + rows64[:, None] * MIX + mixes[None, :], m, mask=live[:, None] & (mixes[None, :] < MIX))
-    tl.store(RSTD + rows64, 1.0 / tl.sqrt(squares / (HC * D) + norm_eps), mask=live)
+    tl.store(RSTD + rows64, 1.0 / tl.sqrt(tl.sum(squares, axis=1) / (HC * D) + norm_eps), mask=live)
 
 
 @triton.jit
@@ -274,8 +285,8 @@ def _expand_bwd(X, Y, POST, COMB, G, DX, DY, DPOST, DCOMB, D: tl.constexpr, HC: 
     row = tl.program_id(0).to(tl.int64)
     copies = tl.arange(0, HC_P)
     post, comb = _coefficients(POST, COMB, row, copies, HC)
-    dcomb = tl.zeros((HC_P, HC_P), dtype=tl.float32)
-    dpost = tl.zeros((HC_P,), dtype=tl.float32)
+    dcomb = tl.zeros((HC_P, HC_P, BLOCK_D), dtype=tl.float32)  # products summed elementwise, reduced at the end
+    dpost = tl.zeros((HC_P, BLOCK_D), dtype=tl.float32)
     for start in range(0, D, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
         offsets, inside = _rows(row * HC * D, copies, cols, HC, D)
@@ -284,8 +295,9 @@ def _expand_bwd(X, Y, POST, COMB, G, DX, DY, DPOST, DCOMB, D: tl.constexpr, HC: 
         y = tl.load(Y + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
         tl.store(DX + offsets, tl.sum(comb[:, :, None] * g[None, :, :], axis=1).to(DX.dtype.element_ty), mask=inside)
         tl.store(DY + row * D + cols, tl.sum(post[:, None] * g, axis=0).to(DY.dtype.element_ty), mask=cols < D)
-        dcomb += tl.sum(x[:, None, :] * g[None, :, :], axis=2)
-        dpost += tl.sum(g * y[None, :], axis=1)
+        dcomb += x[:, None, :] * g[None, :, :]
+        dpost += g * y[None, :]
+    dcomb, dpost = tl.sum(dcomb, axis=2), tl.sum(dpost, axis=1)
     valid = copies < HC
     tl.store(DPOST + row * HC + copies, dpost, mask=valid)
     tl.store(DCOMB + row * HC * HC + copies[:, None] * HC + copies[None, :], dcomb,
@@ -327,6 +339,13 @@ def _launch(x: torch.Tensor) -> tuple[int, dict]:
                                          BLOCK_D=min(TOKEN_BLOCK_D, triton.next_power_of_2(dim)))
 
 
+def _split(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fn's high and low parts in a 16-bit ``dtype``, stacked [2, ...]: hi = fn rounded, lo = the rest rounded, so
+    hi + lo holds ~16 of fp32's 24 significant bits (its own products with a 16-bit x are exact in fp32)."""
+    hi = fn.to(dtype)
+    return torch.stack([hi, (fn - hi.float()).to(dtype)])
+
+
 class StreamGrad:
     """Where ``hc_post``'s backward leaves the stream's gradient for the ``hc_pre`` backward of the same stream."""
     __slots__ = ("grad",)
@@ -344,9 +363,12 @@ class _Pre(torch.autograd.Function):
         h = new_output((*x.shape[:-2], dim), x.dtype, x.device)
         mraw = new_output((rows, mix), torch.float32, x.device)
         rstd = new_output((rows,), torch.float32, x.device)
-        _pre_fwd[(triton.cdiv(rows, BLOCK_N),)](x, pre_in, fn, h, mraw, rstd, rows, norm_eps, D=dim, HC=hc, MIX=mix,
+        split = x.dtype != torch.float32
+        _pre_fwd[(triton.cdiv(rows, BLOCK_N),)](x, pre_in, _split(fn, x.dtype) if split else fn, h, mraw, rstd, rows,
+                                                norm_eps, D=dim, HC=hc, MIX=mix,
                                                 MIX_P=max(16, triton.next_power_of_2(mix)), BLOCK_N=BLOCK_N,
-                                                BLOCK_D=min(BLOCK_D, triton.next_power_of_2(dim)), num_warps=WARPS)
+                                                BLOCK_D=min(BLOCK_D, triton.next_power_of_2(dim)), SPLIT_FN=split,
+                                                num_warps=WARPS)
         pre, post = (new_output(x.shape[:-1], torch.float32, x.device) for _ in range(2))
         comb = new_output((*x.shape[:-1], hc), torch.float32, x.device)
         _sinkhorn_fwd[(triton.cdiv(rows, SINKHORN_ROWS),)](mraw, rstd, scale, base, pre, post, comb, rows, hc_eps,
