@@ -22,8 +22,8 @@
 #   slice             v41_slice.json: bench/v41_slice.py, layers 20-23 and 24-27 at V4.1 width, splits own_tokens
 #                     and uniform                                                                    -> v41_slice/
 #   slice_base        the same on the BASE tree                                      -> v41_slice/v41_slice_base.json
-#   train_small_moe_lora  train_step_small_moe_lora_65536.json: the step with LoRA rank 16 (the memory model's
-#                     measured LoRA peak)                                                              -> finetune/
+#   train_small_moe_full, train_small_moe_lora  train_step_small_moe_{full,lora}_65536.json: the step (its timing
+#                     and peak only) in full and with LoRA rank 16: the memory model's measured peaks  -> finetune/
 # Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt (a device call returns
 # at most 8 files: choose the stages with ONLY).
 # Each stage runs under `timeout`, capped by what is left of BUDGET. CSA2_CODE=<commit> (required on the GPU) labels
@@ -98,7 +98,8 @@ stage train_small_moe_base 260 "${BASE_RUN[@]}" "${STEP[@]}" --out "$OUT/train_s
 stage moe_ffn 100 python3 bench/moe_ffn.py "${FFN[@]}" --out "$OUT/moe_ffn.json"
 stage slice 260 python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice.json"
 stage slice_base 260 "${BASE_RUN[@]}" python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice_base.json"
-stage train_small_moe_lora 150 "${STEP[@]}" --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \
+stage train_small_moe_full 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_full_$T.json" "${MOE[@]}"
+stage train_small_moe_lora 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \
   train.lora.rank=16 "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]"
 echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"
 for log in "$OUT"/*.log; do echo "==== $(basename "$log")"; cat "$log"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log

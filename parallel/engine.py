@@ -200,12 +200,14 @@ class CSA2PipelineModule(PipelineModule):
         self.stage.load_owned_state_dict(state)
 
 
-def _squares(grad: torch.Tensor | None) -> torch.Tensor:
-    """The squared norm of a gradient, dense or sparse, as a CPU fp32 scalar (0 for none)."""
-    if grad is None:
-        return torch.zeros(())
-    values = grad.coalesce().values() if grad.is_sparse else grad
-    return values.float().pow(2).sum().cpu()
+def _squares(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """The squared norms of gradients, dense or sparse, as an fp32 vector on the device (0 for none): the dense ones
+    in one pass (torch's foreach norm), no host sync. A tensor's value depends on it alone, not on the others."""
+    dense = iter(torch._foreach_norm([g for g in grads if g is not None and not g.is_sparse]) if grads else ())
+    zero = torch.zeros((), device=device)
+    return torch.stack([zero if g is None else
+                        g.coalesce().values().float().pow(2).sum() if g.is_sparse else next(dense).float().square()
+                        for g in grads]) if grads else torch.zeros(0, device=device)
 
 
 def is_expert(name: str) -> bool:
@@ -474,34 +476,52 @@ class CSA2PipelineEngine(PipelineEngine):
         The per-tensor squared norms of all stages are gathered and summed in the full model's parameter order,
         so each norm (and every clipped gradient) is bitwise the single-stage one. Runs after the data-parallel
         reduction, so every replica of a stage sees the same norms. ``grad_norm`` is the trunk's;
-        ``group_grad_norms`` splits the same squares by parameter role (training-health diagnostics)."""
+        ``group_grad_norms`` splits the same squares by parameter role (training-health diagnostics). The norms
+        stay on the device and the gradients are scaled by group (foreach): no host sync on one stage; several
+        stages gather their squares on the host once."""
         owned = self.owned_named_parameters()
         named = [(n, p.grad) for n, p in owned.items() if p.grad is not None or n in self.tables]  # tables: on
-        group_ids = torch.tensor([GROUPS.index(param_group(n)) for n, _ in named], dtype=torch.long)  # every rank
-        local = torch.stack([_squares(g) for _, g in named]) if named else torch.zeros(0)
+        group_ids = [GROUPS.index(param_group(n)) for n, _ in named]  # every rank
+        local = _squares([g for _, g in named], self.device)
         # A table's shards hold other rows on every data-parallel replica, an expert range other experts on every
-        # member of its expert-parallel group: their squares are the sums of theirs (on the device: NCCL has no CPU)
+        # member of its expert-parallel group: their squares are the sums of theirs
         for sharded, group in ((self.tables, self.grid.get_data_parallel_group()),
                                (self.experts, self.module.expert_groups and self.module.expert_groups.dispatch.group)):
             if sharded and dist.get_world_size(group) > 1:
                 at = torch.tensor([i for i, (n, _) in enumerate(named) if n in sharded])
-                summed = local[at].to(self.device)
+                at = at.to(self.device, non_blocking=True)
+                summed = local[at]
                 dist.all_reduce(summed, group=group)
-                local[at] = summed.cpu()
-        per_stage = [None] * self.num_stages
-        dist.all_gather_object(per_stage, (local, group_ids), group=self.grid.get_pipe_parallel_group())
-        squares, all_group_ids = (torch.cat(parts) for parts in zip(*per_stage))
-        self.group_grad_norms = {group: squares[all_group_ids == i].sum().sqrt() for i, group in enumerate(GROUPS)
-                                 if (all_group_ids == i).any()}
-        clip_of = torch.tensor([CLIP_GROUPS.index(clip_group(group)) for group in GROUPS])[all_group_ids]
-        norms = {group: squares[clip_of == i].sum().sqrt() for i, group in enumerate(CLIP_GROUPS)}
+                local[at] = summed
+        if self.num_stages > 1:
+            per_stage = [None] * self.num_stages
+            dist.all_gather_object(per_stage, (local.cpu(), group_ids), group=self.grid.get_pipe_parallel_group())
+            squares = torch.cat([part for part, _ in per_stage]).to(self.device)
+            all_group_ids = [i for _, ids in per_stage for i in ids]
+        else:
+            squares, all_group_ids = local, group_ids
+        ids = torch.tensor(all_group_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        clip_of = torch.tensor([CLIP_GROUPS.index(clip_group(group)) for group in GROUPS]).to(
+            self.device, non_blocking=True)[ids]
+
+        def norm_where(mask):  # a fixed-length sum in parameter order: bitwise the same on every split
+            return torch.where(mask, squares, 0.0).sum().sqrt()
+
+        self.group_grad_norms = {group: norm_where(ids == i) for i, group in enumerate(GROUPS)
+                                 if i in all_group_ids}
+        norms = {group: norm_where(clip_of == i) for i, group in enumerate(CLIP_GROUPS)}
         self.grad_norm, self.indexer_grad_norm = norms["trunk"], norms["indexer"]
         if self.max_grad_norm <= 0:
             return
-        scales = {k: torch.clamp(self.max_grad_norm / (v + 1e-6), max=1.0) for k, v in norms.items()}
-        for (_, g), group_id in zip(named, group_ids.tolist()):
-            if g is not None:
-                g.mul_(scales[clip_group(GROUPS[group_id])].to(g.device, g.dtype))
+        for clip in CLIP_GROUPS:
+            grads = [g for (_, g), i in zip(named, group_ids) if g is not None and clip_group(GROUPS[i]) == clip]
+            scale = torch.clamp(self.max_grad_norm / (norms[clip] + 1e-6), max=1.0)
+            dense = [g for g in grads if not g.is_sparse]
+            if dense:
+                torch._foreach_mul_(dense, scale)
+            for g in grads:
+                if g.is_sparse:
+                    g.mul_(scale)
 
     def _train_schedule(self):
         inner = super()._train_schedule()
