@@ -101,14 +101,15 @@ def test_lora_keeps_the_frozen_base_without_state(mini):
 
 
 def test_lora_and_full_memory_against_the_measured_small_moe_steps():
-    """The committed one-GPU steps of small_moe at 64K (bench/results/finetune/, full fine-tuning and LoRA rank 16 on
-    the attention projections, the shared and the routed experts, in one call): each estimate within 10%."""
+    """The committed one-GPU steps of small_moe at 16K (bench/results/finetune/, full fine-tuning and LoRA rank 16 on
+    the attention projections, the shared and the routed experts, in one call on an H100, with the bf16 stream):
+    each estimate within 10%."""
     cfg = compose(["model=small_moe", "layout=v41"])
     args, layout = ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout)
     lora = LoRA(16, 16.0, ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts"))
     for name, settings in (("full", None), ("lora", lora)):
-        measured = json.loads((ROOT / f"bench/results/finetune/train_step_small_moe_{name}_65536.json").read_text())
-        memory = estimate(args, layout, 1, 65536, torch.bfloat16, layout.n_layers, lora=settings)
+        measured = json.loads((ROOT / f"bench/results/finetune/train_step_small_moe_{name}_16384.json").read_text())
+        memory = estimate(args, layout, 1, 16384, torch.bfloat16, layout.n_layers, lora=settings)
         peak = memory.peaks((range(layout.n_layers),), 1)[0] / 2 ** 30
         assert peak == pytest.approx(measured["peak_alloc_gib"], rel=0.10), name
 
