@@ -36,8 +36,9 @@ Per-layer times (seconds, forward; backward with the recomputed forward), ``deri
 - V4.1's MoE per layer at E: the routed GEMMs (18 x rows x dim x inter, rows = T x 6 on average on every rank:
   a rank receives as many rows as its tokens send out) at the grouped-GEMM rate ``moe_ffn.json`` measured at the
   tokens per expert of that E (T x 6 / (384 / E): 1,024 E; interpolated in log tokens, the last measured, 4,096,
-  held above it), the shared expert at the dense rate, the gate's extra experts (384 instead of the benchmark's 24,
-  fp32) at ``FP32_TFLOPS``, and the rest (gate, sort, gathers, combine) per token from ``moe_ffn.json``'s whole
+  held above it), the shared expert at the dense rate, the gate's extra experts (384 instead of the benchmark's 24)
+  at the split-bf16 gate's rate ``moe_ffn.json`` measured (``gate_tflops``), and the rest (gate, sort,
+  permutations, combine) per token from ``moe_ffn.json``'s whole
   layer (its ms less its routed and shared parts); a third of each forward, two thirds backward, plus the
   recomputed forward;
 - the LM head's FLOPs at the dense rate on the last layer; the step's remainder (optimizer, embedding, loss) per
@@ -84,7 +85,6 @@ FULL_FT = ROOT / "bench/results/finetune/train_step_small_moe_full_65536.json"
 LORA_FT = ROOT / "bench/results/finetune/train_step_small_moe_lora_65536.json"
 LORA_TARGETS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts")  # those LORA_FT measured
 NAME = "v41_flash"
-FP32_TFLOPS = 50.0  # the gate's fp32 GEMM (no TF32), ~75% of the H200's 67 TFLOP/s fp32 peak: assumed
 ALLTOALL_NVLINK_GBPS = 350.0  # of 450 GB/s per direction (900 bidirectional): the low end of the 350-400 brief
 IB_GBPS = 50.0  # 8 x 400 Gb/s per node / 8 GPUs, per direction
 ALLTOALL_IB_FRACTION, ALLREDUCE_IB_FRACTION = 0.7, 0.8
@@ -136,6 +136,13 @@ def routed_tflops(moe_ffn: dict, tokens_per_expert: float) -> float:
     return cases[-1][1]
 
 
+def gate_tflops(moe_ffn: dict) -> float:
+    """The gate's rate, forward + backward counted as 6 x tokens x dim x experts: ``moe_ffn.json``'s split-bf16 GEMMs
+    (``model/split_gemm.py``) at V4.1's 384 experts."""
+    gate = moe_ffn["gate"]
+    return 6 * gate["tokens"] * moe_ffn["shape"]["dim"] * gate["experts"] / (gate["split_bf16"]["fwd_bwd_ms"] / 1e3) / 1e12
+
+
 def moe_seconds(moe_ffn: dict, expert_parallel: int, dense_tflops: float, chunk: int = T) -> dict:
     """V4.1's MoE layer on one rank at E, forward + backward without recompute (seconds), by part, for a row of T
     tokens of which a rank routes ``chunk`` (T / C under context parallelism), at the grouped GEMM's rate for the
@@ -152,7 +159,7 @@ def moe_seconds(moe_ffn: dict, expert_parallel: int, dense_tflops: float, chunk:
         routed_tflops(moe_ffn, layer["tokens_per_expert"]) * 1e12)
     bench_shared = 18 * layer["tokens"] * dim * moe.inter_dim / (dense_tflops * 1e12)
     rest = max(0.0, layer["ms"] / 1e3 - bench_routed - bench_shared) * T / layer["tokens"]
-    gate = 6 * T * dim * (moe.n_routed_experts - moe_ffn["shape"]["local_experts"]) / (FP32_TFLOPS * 1e12)
+    gate = 6 * T * dim * (moe.n_routed_experts - moe_ffn["shape"]["local_experts"]) / (gate_tflops(moe_ffn) * 1e12)
     return {"routed": routed, "shared": shared, "rest": rest, "gate": gate, "tokens_per_expert": per_expert,
             "routed_tflops": routed_tflops(moe_ffn, per_expert)}
 
@@ -430,8 +437,8 @@ def markdown(result: dict) -> str:
         "bandwidth measured: published link figures. Routing uniform: each exchange moves a rank's tokens x 6 x "
         "5120 x 2 B x (E-1)/E, six exchanges a layer and microbatch under recompute. \"Overlapped\" hides the "
         "all-to-alls behind the shared expert of the same pass, up to its time (an optimistic bound). Dense matmuls "
-        f"at {a['matmul_efficiency']:.0%} of the measured bf16 rate, the gate in fp32 at {a['fp32_tflops']:.0f} "
-        "TFLOP/s (assumed), the hyper-connections' time x 5 and Engram's x 10 of small_moe's.", "",
+        f"at {a['matmul_efficiency']:.0%} of the measured bf16 rate, the gate at the {a['gate_tflops']:.0f} "
+        "TFLOP/s its split-bf16 GEMMs measured, the hyper-connections' time x 5 and Engram's x 10 of small_moe's.", "",
         "## What fits", "",
         "Every (P x E x D) that fits, by C, with its estimated peak GiB per GPU (the largest stage); \"none\": the "
         "least any configuration of that C needs; \"-\": no configuration (too few rows a step for D replicas of P "
@@ -594,7 +601,8 @@ def main(argv=None) -> dict:
                               "alltoall_ib_gbps": ALLTOALL_IB_FRACTION * IB_GBPS,
                               "allreduce_ib_gbps": ALLREDUCE_IB_FRACTION * IB_GBPS,
                               "p2p_nvlink_gbps": Cluster.p2p_gbps, "matmul_efficiency": MATMUL_EFFICIENCY,
-                              "fp32_tflops": FP32_TFLOPS, "mhc_scale": MHC_SCALE, "engram_scale": ENGRAM_SCALE,
+                              "gate_tflops": gate_tflops(moe_ffn), "mhc_scale": MHC_SCALE,
+                              "engram_scale": ENGRAM_SCALE,
                               "gpu_gib": GPU_BYTES / 2 ** 30, "routing": "uniform", "draft_head": "held, not trained"},
               "rows": rows, "best": chosen}
     out = Path(opts.out)
