@@ -23,27 +23,13 @@
 # compared the two dKV kernels (check_dkv_step, cut off; capped at 200 s, 230 since the Triton-dq case: 183 s
 # before it), CSA2 118 s, dense 70 s, kept 41 s, attention bench 46 s. 2026-12-01 (the indexer bench's chunk-size
 # sweep and both scoring kernels): bench ~190 s.
-# The caps keep the first four within BUDGET whatever happens; CSA2_CODE=<commit> (required on the GPU) labels the
-# result files.
-# The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are installed first when present.
+# The caps keep the first four within BUDGET whatever happens (the runner: bench/gpu_stages.sh); CSA2_CODE=<commit>
+# (required on the GPU) labels the result files.
 set -uo pipefail
-: "${OUT:?set OUT to the directory for the results}"
 cd "$(dirname "$0")/.."
-mkdir -p "$OUT"
+source bench/gpu_stages.sh
 SMOKE=${SMOKE:-0}
-BUDGET=${BUDGET:-530}
 KEEP=${KEEP:-4}
-if [ "$SMOKE" != 1 ] && [ -z "${CSA2_CODE:-}" ]; then  # the GPU copy's .git can be stale (bench/result_meta.py)
-  echo "error: set CSA2_CODE=<commit> so that the result files name the code they measured" >&2
-  exit 2
-fi
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} OUT
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
 
 if [ "$SMOKE" = 1 ]; then  # the interpreter and the CPU take longer: limits x 10
   SCALE=10
@@ -55,27 +41,8 @@ else
   KERNELS=()
   TRAIN=()
   T=65536
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total,temperature.gpu \
-    --format=csv | tee "$OUT/gpu.txt"
 fi
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-
-stage() {  # name cap_seconds command...: run under the smaller of cap and the budget left; log rc and seconds
-  local name=$1 cap=$(( $2 * SCALE )); shift 2
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  local left=$(( BUDGET - SECONDS ))
-  local limit=$(( cap < left ? cap : left ))
-  if [ "$limit" -lt 20 ]; then
-    echo "$name skipped: ${left}s left of ${BUDGET}s" | tee -a "$OUT/stages.txt"
-    return
-  fi
-  echo "== $name (limit ${limit}s): $*"
-  local start=$SECONDS
-  timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n 3 "$OUT/$name.log"
-  echo "$name rc=$rc ${limit}s-limit $(( SECONDS - start ))s" | tee -a "$OUT/stages.txt"
-}
+stages_begin 530
 
 stage check 230 python3 bench/bench_kernels.py check "${KERNELS[@]}" --out "$OUT/check.json"
 stage bench 230 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench.json" \
@@ -89,6 +56,4 @@ stage train_csa2_keep 80 python3 bench/train_step.py --variant csa2 --steps 1 --
 stage bench_attention 150 python3 bench/bench_kernels.py bench "${KERNELS[@]}" --out "$OUT/bench_attention.json" \
   --only bench_matmul,bench_attention,bench_dkv_step,bench_sdpa_cudnn
 stage ncu_attention 150 python3 bench/ncu_attention.py "${KERNELS[@]}" --out "$OUT"
-echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"
-# A device call returns at most 8 files: the stage logs go into one (2026-12-01, a call lost its step files to them).
-for log in "$OUT"/*.log; do echo "==== $(basename "$log")"; cat "$log"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
+stages_end

@@ -26,26 +26,12 @@
 #                     and peak only) in full and with LoRA rank 16: the memory model's measured peaks  -> finetune/
 # Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt (a device call returns
 # at most 8 files: choose the stages with ONLY).
-# Each stage runs under `timeout`, capped by what is left of BUDGET. CSA2_CODE=<commit> (required on the GPU) labels
-# the result files (BASE_CODE the baseline's). The carried wheels (.whl/, for deepspeed, hydra-core, omegaconf) are
-# installed first when present.
+# Each stage runs under `timeout`, capped by what is left of BUDGET (bench/gpu_stages.sh). CSA2_CODE=<commit>
+# (required on the GPU) labels the result files (BASE_CODE the baseline's).
 set -uo pipefail
-: "${OUT:?set OUT to the directory for the results}"
 cd "$(dirname "$0")/.."
-mkdir -p "$OUT"
+source bench/gpu_stages.sh
 SMOKE=${SMOKE:-0}
-BUDGET=${BUDGET:-540}
-if [ "$SMOKE" != 1 ] && [ -z "${CSA2_CODE:-}" ]; then  # the GPU copy's .git can be stale (bench/result_meta.py)
-  echo "error: set CSA2_CODE=<commit> so that the result files name the code they measured" >&2
-  exit 2
-fi
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} CSA2_KERNEL_POISON=0 OUT
-SITE=
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  SITE=/tmp/site:
-fi
-export PYTHONPATH=$SITE$PWD
 
 if [ "$SMOKE" = 1 ]; then  # the CPU: v41_mini at 64 tokens, the PyTorch kernels, fp32; limits x 4
   SCALE=4
@@ -61,27 +47,9 @@ else
   FFN=()
   SLICE=(--splits own_tokens,uniform --modes layer --tokens $T)
   KB=(python3 bench/bench_kernels.py)
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total,temperature.gpu \
-    --format=csv | tee "$OUT/gpu.txt"
 fi
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-
-stage() {  # name cap_seconds command...: run under the smaller of cap and the budget left; log rc and seconds
-  local name=$1 cap=$(( $2 * SCALE )); shift 2
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  local left=$(( BUDGET - SECONDS ))
-  local limit=$(( cap < left ? cap : left ))
-  if [ "$limit" -lt 30 ]; then
-    echo "$name skipped: ${left}s left of ${BUDGET}s" | tee -a "$OUT/stages.txt"
-    return
-  fi
-  echo "== $name (limit ${limit}s): $*"
-  local start=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  grep -v -i -e warn -e USDT "$OUT/$name.log" | tail -n 12
-  echo "$name rc=$rc ${limit}s-limit $(( SECONDS - start ))s" | tee -a "$OUT/stages.txt"
-}
+stages_begin 540
+export CSA2_KERNEL_POISON=0
 
 BASE_RUN=(false)  # a command prefix: run in the BASE tree, its results labelled BASE_CODE
 if [ -n "${BASE:-}" ]; then
@@ -101,5 +69,4 @@ stage slice_base 260 "${BASE_RUN[@]}" python3 bench/v41_slice.py "${SLICE[@]}" -
 stage train_small_moe_full 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_full_$T.json" "${MOE[@]}"
 stage train_small_moe_lora 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \
   train.lora.rank=16 "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]"
-echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"
-for log in "$OUT"/*.log; do echo "==== $(basename "$log")"; cat "$log"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
+stages_end
