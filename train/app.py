@@ -87,6 +87,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
             try:
                 with interrupts.deferred():
                     trainer.train(logger, interrupts)
+                log.info("evaluating: %d held-out micro-batches%s", checked.job.config.train.eval.batches,
+                         ", then the retrieval probes" if checked.probes else "")
                 final = {"step": trainer.state["step"], **trainer.evaluator(probes=True)}
                 logger.log_eval(final)
                 logger.summarize({f"eval/{k}": v for k, v in final.items()})
