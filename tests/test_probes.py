@@ -114,3 +114,18 @@ def test_chance_level_of_the_probes():
     assert chance_accuracy(WholeNumberTokenizer(), MQAR_VALUES) == pytest.approx(1 / 9_000)
     key = passkey_probes(BYTE, 256, 1)[0].answer_ids
     assert int(bytes(key.tolist()).decode()) in PASSKEY_KEYS  # the probes draw from the ranges chance is taken on
+
+
+def test_the_summary_says_what_the_probes_guessing_level_means():
+    """Each probe accuracy is printed beside the accuracy of guessing, and one line says why a model trained on
+    other text scores below it (issue 57: the default run's 0s sat beside "chance" unexplained); no probes, no line."""
+    from model.cli import compose
+    from train.app import PROBES_NOTE, summary_table
+
+    config = compose([])
+    final = {"step": 3, "lm_loss": 2.5, "passkey_acc/len256": 0.0, "mqar_acc": 0.25}
+    lines = summary_table(final, config, chance_levels(ByteTokenizer())).splitlines()
+    assert lines[2].endswith(f"(guessing {chance_levels(ByteTokenizer())['passkey_acc']:.4f})")
+    assert lines[3].endswith(f"(guessing {chance_levels(ByteTokenizer())['mqar_acc']:.4f})")
+    assert lines[-1] == PROBES_NOTE and "zero-shot" in PROBES_NOTE and "below it" in PROBES_NOTE
+    assert PROBES_NOTE not in summary_table({"step": 3, "lm_loss": 2.5}, config, {})

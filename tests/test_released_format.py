@@ -465,18 +465,23 @@ def test_unsupported_quantisation_is_a_one_line_error(release):
         reference_fields(config)
 
 
-def test_score_of_a_released_directory(release, tmp_path, capsys):
+def test_score_of_a_released_directory(release, tmp_path, capsys, monkeypatch):
     """``python -m train.score <released dir> --tokens`` prints each document's perplexity and writes log-probs and
-    logits that equal the oracle's on the decoded weights (fp32: relative 1e-5)."""
+    logits (beside the input file, whatever the current directory: issue 57) that equal the oracle's on the decoded
+    weights (fp32: relative 1e-5)."""
     from train.score import main
 
     directory, *_, ids, doc, (logits, _, _) = release
     docs = ids[0, :30].tolist(), ids[1, :13].tolist()  # row 0's first and row 1's documents: doc_ids 0 throughout
     (tmp_path / "docs.json").write_text(json.dumps(docs))
-    main([str(directory), "--tokens", str(tmp_path / "docs.json"), "--out", str(tmp_path / "s.safetensors"),
-          "--logits", "--device", "cpu"])
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # without --out the scores go beside the input, not into the current directory
+    main([str(directory), "--tokens", str(tmp_path / "docs.json"), "--logits", "--device", "cpu"])
     printed = capsys.readouterr().out
-    with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as handle:
+    written = tmp_path / "docs.json.score.safetensors"
+    assert printed.splitlines()[-1] == f"wrote {written} (2 documents)" and list(elsewhere.iterdir()) == []
+    with safe_open(str(written), framework="pt") as handle:
         got = {k: handle.get_tensor(k) for k in handle.keys()}
     for i, (row, n) in enumerate(((0, 30), (1, 13))):
         want = logits[row, :n].double()

@@ -207,7 +207,22 @@ def test_command_line_entry_point(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parent.parent, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "evaluation after 2 steps" in done.stdout
+    assert done.stdout.startswith("starting: the overrides are valid; loading torch")  # the first line, in a second
+    assert "evaluating: " in done.stdout.split("evaluation after 2 steps")[0]  # the silent part at the end announced
     assert "done: steps 1-2 in " in done.stdout and f"256 tokens trained; run dir {tmp_path}" in done.stdout
     assert (tmp_path / ".hydra" / "config.yaml").is_file() and (tmp_path / "config.yaml").is_file()
     assert [r["step"] for r in _train_rows(tmp_path)] == [1, 2]
+
+
+def test_a_cpu_group_builds_no_deepspeed_op():
+    """DeepSpeed's CPU comm backend would JIT-compile its shared-memory op with g++ (minutes, silent: issue 57);
+    ``distributed.init`` on CPU leaves it unbuilt (planting the removal of ``skip_shm_comm_build`` loads or builds
+    it, and the backend holds it)."""
+    code = ("import torch; from train import distributed; distributed.init(torch.device('cpu')); "
+            "from deepspeed.comm import comm; print('shm op:', comm.cdb.shm_comm_op)")
+    launcher_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars} | {"DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "shm op: None", done.stdout[-2000:]

@@ -57,6 +57,14 @@ def config_overrides(argv: list[str]) -> list[str]:
     return known.overrides
 
 
+def announce_start() -> None:
+    """Rank 0's first line, a second into the run, once the overrides are known to be valid (bad input prints its
+    one line alone): torch, DeepSpeed and datasets take seconds to import, several on a loaded CPU, and a new user
+    should not wonder whether anything runs (issue 57)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("starting: the overrides are valid; loading torch, DeepSpeed and datasets, then the plan", flush=True)
+
+
 if __name__ == "__main__":
     argv = strip_launcher_args(sys.argv[1:])
     from train.errors import reported
@@ -66,6 +74,7 @@ if __name__ == "__main__":
         from model.cli import job_config
 
         name_the_accelerator(job_config(config_overrides(argv)).train.device)
+        announce_start()
         sys.argv[1:] = argv + rank_overrides()
         from train.app import main
 

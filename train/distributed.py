@@ -31,8 +31,24 @@ def init(device: torch.device) -> None:
         os.environ["MASTER_PORT"] = str(free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with prints_to_debug():  # DeepSpeed announces its CPU comm op
+    else:
+        skip_shm_comm_build()
+    with prints_to_debug():
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+
+
+def skip_shm_comm_build() -> None:
+    """Keep DeepSpeed's CPU communication backend from JIT-compiling its shared-memory op with g++.
+
+    On the CPU accelerator DeepSpeed's comm backend builds ``deepspeed_shm_comm`` on first use: minutes of silent
+    compilation on a small machine (issue 57), rebuilt whenever the compile flags differ (a one-process run and a
+    torchrun run alternated between two). The op serves only ``inference_all_reduce`` (AutoTP inference); training
+    reduces through torch.distributed's gloo group either way. DeepSpeed builds it only where its table of
+    compatible ops (``deepspeed.ops.__compatible_ops__``, probed once and kept, so that an edit holds) says it can,
+    so the op is marked incompatible there."""
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def close() -> None:

@@ -1,5 +1,6 @@
 """``python -m train.generate <checkpoint | export> --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T]
-[--top-p P] [--seed S] [--device auto|cpu|cuda]``: text sampled from trained weights, to judge a run by reading it.
+[--top-k K] [--top-p P] [--seed S] [--device auto|cpu|cuda]``: text sampled from trained weights, to judge a run by
+reading it.
 
 The weights are a checkpoint of ours (a checkpoint directory or one step directory) or an exported directory
 (``python -m train.export``), read as ``train.init_from`` reads them; the model and layout are the ones saved with
@@ -7,9 +8,9 @@ them and the tokenizer the run's (a checkpoint's ``data.tokenizer``; an export's
 byte-level one). The prompt starts with BOS, as every training document does; with ``--chat`` it is one user
 message in the run's chat format (``train/sft.py``: its template, or the default ``<|user|>`` / ``<|assistant|>``
 markers) and the answer is generated. Sampling stops at EOS or after ``--max-new-tokens``: greedy at temperature 0
-(the default), else from the softmax at ``--temperature``, cut to the smallest set of tokens whose probability
-reaches ``--top-p`` (nucleus sampling), seeded by ``--seed``. Only the tokenizer's own ids are sampled, never BOS or
-PAD.
+(the default), else from the softmax at ``--temperature``, cut to the ``--top-k`` most probable tokens, then to the
+smallest set of tokens whose probability reaches ``--top-p`` (nucleus sampling), seeded by ``--seed``. Only the
+tokenizer's own ids are sampled, never BOS or PAD.
 
 There is no KV cache: every new token runs the whole prefix through the model's forward,
 ``Transformer(args, layout)(input_ids, doc_ids).logits``, so a sequence of n tokens costs n forwards of up to n
@@ -67,22 +68,35 @@ def prompt_tokens(tokenizer: Tokenizer, prompt: str, chat: bool, max_tokens: int
     return torch.as_tensor(ids, dtype=torch.long)
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Greedy at temperature 0; else a draw from the nucleus: the most probable tokens whose probabilities first
-    reach ``top_p`` (at least one), renormalised."""
-    if temperature == 0:
-        return int(logits.argmax())
+def sampling_probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
+                           top_k: int = 0) -> torch.Tensor:
+    """The distribution a token is drawn from at ``temperature`` > 0 (float64, summing to 1): the softmax of
+    ``logits / temperature``, cut to the ``top_k`` most probable tokens (0: no cut), then to the nucleus, the most
+    probable tokens whose probabilities first reach ``top_p`` (at least one), renormalised. Its own function so that
+    tests can compare it with distributions computed by hand."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     ordered, order = probs.sort(descending=True)
-    keep = (ordered.cumsum(0) - ordered) < top_p  # a token joins while the ones before it fall short of top_p
-    keep[0] = True
+    if top_k:
+        ordered = ordered * (torch.arange(len(ordered)) < top_k)
+        ordered = ordered / ordered.sum()
+    before = ordered.cumsum(0).roll(1)  # the sum of the tokens before each one (not cumsum - p: that rounds)
+    before[0] = 0.0
+    keep = before < top_p  # a token joins while the ones before it fall short of top_p; the first always does
     nucleus = ordered * keep
-    return int(order[torch.multinomial(nucleus / nucleus.sum(), 1, generator=generator)])
+    return torch.zeros_like(probs).scatter(0, order, nucleus / nucleus.sum())
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
+               top_k: int = 0) -> int:
+    """Greedy at temperature 0; else a draw from ``sampling_probabilities``."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(sampling_probabilities(logits, temperature, top_p, top_k), 1, generator=generator))
 
 
 @torch.no_grad()
 def generate(model: Transformer, tokenizer: Tokenizer, prompt: torch.Tensor, max_new_tokens: int,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[int]:
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, top_k: int = 0) -> list[int]:
     """The tokens after ``prompt`` (1-D ids), up to EOS (not included) or ``max_new_tokens``; on a GPU under bf16
     autocast over the fp32 weights, as training runs there."""
     device = next(model.parameters()).device
@@ -94,7 +108,7 @@ def generate(model: Transformer, tokenizer: Tokenizer, prompt: torch.Tensor, max
     for _ in range(max_new_tokens):
         with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):  # as training computes on a GPU
             logits = model(ids, torch.zeros_like(ids)).logits[0, -1].masked_fill(banned, float("-inf"))
-        token = next_token(logits.float().cpu(), temperature, top_p, generator)
+        token = next_token(logits.float().cpu(), temperature, top_p, generator, top_k)
         if token == tokenizer.eos_id:
             break
         new.append(token)
@@ -113,6 +127,8 @@ def parser() -> argparse.ArgumentParser:
                          help="0 (default): greedy; else sample from softmax(logits / T)")
     command.add_argument("--top-p", type=_probability, default=1.0, metavar="P",
                          help="sample only from the most probable tokens whose probabilities reach P (default 1)")
+    command.add_argument("--top-k", type=_count, default=0, metavar="K",
+                         help="sample only from the K most probable tokens (default 0: all), before --top-p")
     command.add_argument("--seed", type=int, default=0, help="the sampling seed (temperature > 0)")
     command.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                          help="auto (default): the GPU if there is one")
@@ -122,6 +138,12 @@ def parser() -> argparse.ArgumentParser:
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
     return int(text)
 
 
@@ -156,7 +178,7 @@ def main(argv: list[str]) -> None:
         print(error_line(error), file=sys.stderr)
         raise SystemExit(USAGE_ERROR) from None
     new = generate(model, tokenizer, prompt, options.max_new_tokens, options.temperature, options.top_p,
-                   options.seed)
+                   options.seed, options.top_k)
     print(tokenizer.decode(new), flush=True)
 
 

@@ -1,6 +1,6 @@
 """A job's console: rank 0 speaks, libraries only when something is wrong.
 
-DeepSpeed announces itself with ``print`` (layer seeds, topology, the stage split, its comm op build) and warns
+DeepSpeed announces itself with ``print`` (layer seeds, topology, the stage split, an op it built) and warns
 when it has to guess the accelerator; none of that is a problem, so it goes to the DEBUG log. Ranks other than
 0 log errors only (``train/__main__.py``): they would repeat rank 0's lines.
 """

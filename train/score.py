@@ -4,11 +4,13 @@
 The weights are read as ``train.generate`` reads them (a checkpoint of ours or an export), or DeepSeek's released
 directory (``train/released_format.py``: its config.json gives the model, its FP8 / FP4 tensors are dequantised;
 its ``tokenizer.json`` tokenizes and gives Engram its normalised ids; without one the byte-level tokenizer
-tokenizes and Engram hashes the ids unnormalised). ``--text``: every non-empty line is a document, tokenized with
-BOS in front as training does; ``--tokens``: a JSON list of documents, each a list of token ids, scored as given.
-Each document runs through the model's forward alone (fp32, no KV cache); the per-document perplexity ``exp(mean -log p)`` over
-its predicted tokens is printed, and ``--out`` (default ``score.safetensors``) receives ``doc<i>.tokens``,
-``doc<i>.logprobs`` (the log-probability of every token after the first) and with ``--logits`` ``doc<i>.logits``.
+tokenizes and Engram hashes the ids unnormalised). ``--text``: every non-empty line is a document (a paragraph over
+several lines is several documents: put each document on one line), tokenized with BOS in front as training does;
+``--tokens``: a JSON list of documents, each a list of token ids, scored as given. Each document runs through the
+model's forward alone (fp32, no KV cache); the per-document perplexity ``exp(mean -log p)`` over its predicted tokens
+is printed, and ``--out`` (default: beside the input, ``<FILE>.score.safetensors``, not the current directory)
+receives ``doc<i>.tokens``, ``doc<i>.logprobs`` (the log-probability of every token after the first) and with
+``--logits`` ``doc<i>.logits``, written atomically; the last line prints its absolute path.
 The quickest check that an import matches its source: score both and compare.
 """
 import argparse
@@ -70,7 +72,8 @@ def main(argv: list[str]) -> None:
     given = parser.add_mutually_exclusive_group(required=True)
     given.add_argument("--text", help="a text file: one document per non-empty line")
     given.add_argument("--tokens", help="a JSON file: a list of documents, each a list of token ids")
-    parser.add_argument("--out", type=Path, default=Path("score.safetensors"))
+    parser.add_argument("--out", type=Path, help="where the log-probs go (default: <FILE>.score.safetensors "
+                                                 "beside the --text or --tokens file)")
     parser.add_argument("--logits", action="store_true", help="also write every position's logits")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     options = parser.parse_args(argv)
@@ -88,8 +91,11 @@ def main(argv: list[str]) -> None:
         if options.logits:
             out[f"doc{i}.logits"] = logits
         print(f"doc {i}: {len(doc)} tokens, perplexity {math.exp(-logprobs.double().mean().item()):.4f}")
-    save_file(out, str(options.out))
-    print(f"wrote {options.out} ({len(docs)} documents)")
+    target = (options.out or Path(f"{options.text or options.tokens}.score.safetensors")).resolve()
+    partial = target.with_name(f".{target.name}.tmp")
+    save_file(out, str(partial))
+    partial.replace(target)  # atomic: a reader never sees half a file
+    print(f"wrote {target} ({len(docs)} documents)")
 
 
 if __name__ == "__main__":

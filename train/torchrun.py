@@ -1,0 +1,40 @@
+"""``python -m train.torchrun [torchrun's arguments]``: ``torchrun``, ending a failed job with its workers' own exit
+status and one line instead of the launcher's traceback (``launch/torchrun.sh`` runs it).
+
+When a worker exits non-zero, torchrun's ``main`` (decorated with ``@record``) prints a ``ChildFailedError``
+traceback and a failure table, some 38 lines after the worker's one ``error:`` line, and exits 1 whatever the
+workers' status: a bad setting, documented as status 2, read as status 1 (issue 57). torch offers no switch for
+either, so this runs torchrun's own ``parse_args`` and ``run`` (the same launch, rendezvous and restarts) and catches
+the ``ChildFailedError`` that ``main`` would have printed: the job ends with the first failed worker's status (1 for
+a worker killed by a signal), after one line naming each failed worker's status. A worker's own output (a Python
+traceback included) goes to the terminal as under torchrun.
+"""
+import logging
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+
+def failure_line(failed: ChildFailedError) -> str:
+    """One line: each failed worker's global rank and exit status (or signal)."""
+    statuses = ", ".join(f"rank {rank}: " + (f"signal {failure.signal_name()}" if failure.exitcode < 0 else
+                                               f"status {failure.exitcode}")
+                         for rank, failure in sorted(failed.failures.items()))
+    return f"torchrun: {failed.name} failed ({statuses})"
+
+
+def main(argv: list[str]) -> None:
+    # The agent's ERROR record of each failed worker repeats failure_line; its warnings (OMP_NUM_THREADS, SIGTERM
+    # sent to the other workers) stay.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as failed:
+        print(failure_line(failed), file=sys.stderr, flush=True)
+        _, first = failed.get_first_failure()
+        raise SystemExit(first.exitcode if first.exitcode > 0 else 1) from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
