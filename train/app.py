@@ -231,8 +231,9 @@ class Trainer:
         if result.bad:
             self.state["bad_streak"] += 1
             self.state["skipped"] += 1
-            log.warning("step %d: non-finite loss or gradients (loss %s), update skipped (%d in a row)",
-                        step, result.metrics["loss"], self.state["bad_streak"])
+            log.warning("step %d: non-finite %s (loss %s, grad_norm %s), update skipped (%d in a row)", step,
+                        result.cause or "loss", result.metrics["loss"], result.metrics["grad_norm"],
+                        self.state["bad_streak"])
         else:
             self.state["bad_streak"] = 0
         row = {"step": step, **result.metrics, "tokens_per_s": result.tokens / seconds,
