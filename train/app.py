@@ -152,7 +152,9 @@ def _trainer(run_dir: Path, checked: Checked) -> "Trainer":
     crowded = shared_cpu_warning(job.device)
     if crowded:
         log.warning("%s", crowded)
-    ref, saved = checked.resume, checked.saved
+    ref, saved = checkpoint.agree(config.train.resume, checkpoint_dir(config.train, run_dir)), checked.saved
+    if ref != checked.resume:  # a file the preflight's size check passed has the wrong digest: an older one
+        saved = checkpoint.check_compatible(ref, config)
     if checked.warm_start:  # a fresh run's weights, or the frozen base of a LoRA run (its checkpoints: adapters)
         checked.warm_start.load_into(engine)
         if distributed.rank() == 0:
