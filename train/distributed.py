@@ -31,8 +31,24 @@ def init(device: torch.device) -> None:
         os.environ["MASTER_PORT"] = str(free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    with prints_to_debug():  # DeepSpeed announces its CPU comm op
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        _init_attempt(backend)
+    with prints_to_debug():  # DeepSpeed announces its CPU comm op (and joins a group already made as it is)
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def _init_attempt(backend: str) -> None:
+    """The group of one torchrun attempt, its keys apart from earlier attempts'. After a restart (``--max-restarts``)
+    the workers join the same store, where a dead attempt's ranks left their addresses under the same keys: a new
+    rank read one before its peer overwrote it and gloo tried to connect to a dead port ("Connection refused", every
+    restart failing). Prefixing the keys with the attempt (``TORCHELASTIC_RESTART_COUNT``) keeps the attempts apart."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store)
+    attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
+    dist.init_process_group(backend, store=attempt, rank=rank, world_size=world)
 
 
 def close() -> None:
