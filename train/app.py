@@ -78,7 +78,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         with Interrupts(announce=rank0) as interrupts:
             datasets.disable_progress_bars()  # one progress bar: the training loop's
             checked = preflight(cfg, run_dir, launched_world_size())
-            distributed.init(checked.job.device, checked.job.config.train.startup_timeout_s)
+            distributed.init(checked.job.device, checked.job.config.train.startup_timeout_s, run_dir)
             own_dir, run_dir = run_dir, Path(distributed.from_rank0(str(run_dir)))
             if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
                 own_dir.rmdir()  # Hydra's directory of another rank, a second off rank 0's: unused

@@ -14,11 +14,19 @@ from parallel.local import free_port
 from train.quiet import prints_to_debug
 
 
-def init(device: torch.device, timeout_s: float = 1800) -> None:
+def flight_recorder(run_dir) -> dict[str, str]:
+    """NCCL's flight recorder (torch's): the last collectives of every rank kept in a ring buffer and, when a
+    collective times out, dumped to ``<run dir>/nccl_trace_rank_<r>`` (``torch.distributed.flight_recorder``'s
+    analyser reads them and says which rank did not join which collective). Variables already set win."""
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": os.path.join(str(run_dir), "nccl_trace_rank_")}
+
+
+def init(device: torch.device, timeout_s: float = 1800, run_dir=None) -> None:
     """Join the group the launcher (``torchrun``/``deepspeed``) describes, or create a world of one.
 
-    gloo on CPU, NCCL on GPU; ``timeout_s``: how long a collective may wait (``set_timeout`` changes it). A second
-    call in the same process (tests) is a no-op.
+    gloo on CPU, NCCL on GPU (with its flight recorder dumping into ``run_dir``); ``timeout_s``: how long a collective
+    may wait (``set_timeout`` changes it). A second call in the same process (tests) is a no-op.
     """
     if dist.is_initialized():
         return
@@ -33,6 +41,8 @@ def init(device: torch.device, timeout_s: float = 1800) -> None:
         os.environ["MASTER_PORT"] = str(free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        for key, value in flight_recorder(run_dir or os.getcwd()).items():
+            os.environ.setdefault(key, value)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
