@@ -384,6 +384,11 @@ class TrainConfig:
     init_strict: bool = setting("false: keep the seeded init of tensors the source lacks, ignore those this model "
                                 "lacks (listed)")
     max_bad_steps: int = setting("stop after this many non-finite steps in a row (each one is skipped)", ge=1)
+    startup_timeout_s: float = setting("seconds any collective may wait until the first step is done (start-up, "
+                                       "loading a checkpoint, the first step's compilation)", gt=0)
+    collective_timeout_s: float = setting("seconds any collective may wait from the second step on: a stopped or "
+                                          "stuck rank then ends the job with a line naming the step and the rank "
+                                          "that waited", gt=0)
     lora: LoRA = setting("LoRA fine-tuning (model/lora.py)", LoRA())
 
 

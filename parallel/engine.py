@@ -9,7 +9,8 @@ switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
   counts only the first stage's gradients), the indexer's and the draft head's parameters each clipped by their
   own norm so that their losses never change how far the trunk moves (SPEC §2: the indexer learns only from its
   KL; §5.4: the draft head only from its own loss);
-- a non-finite loss skips the whole step on every rank (no parameter, optimizer or schedule change);
+- a non-finite loss or gradient norm skips the whole step on every rank (no parameter, optimizer or schedule
+  change; ``parallel/step_guard.py``);
 - the MoE layers' auxiliary-loss-free balance: after every applied step each routing bias moves against its
   expert loads summed over the step's microbatches and the stage's data-parallel replicas, so every replica keeps
   the same bias (``Transformer.balance_experts``);
@@ -45,6 +46,7 @@ from parallel.experts import expert_groups
 from parallel.partition import StagePlan
 from parallel.rows import RowExchange, join_rows, rows_file, saved_rows
 from parallel.stage import PipelineStage, owner_name, shadow_sources
+from parallel.step_guard import StepGuard
 from parallel.zero import OptimizerShards, Shard, rows_of_state
 
 class CSA2PipelineModule(PipelineModule):
@@ -248,11 +250,15 @@ class CSA2PipelineEngine(PipelineEngine):
         self.max_grad_norm = max_grad_norm
         self.grad_norm = self.indexer_grad_norm = None  # global norms of the last step, before clipping
         self.group_grad_norms: dict[str, torch.Tensor] = {}  # the same per parameter group (model/groups.py)
-        self.nonfinite_steps = 0  # consecutive skipped steps
+        self.clip_norms: dict[str, torch.Tensor] = {}  # each clipping group's norm of the last step (CLIP_GROUPS)
         self.expert_loads: dict[str, torch.Tensor] = {}  # MoE layer -> expert loads of the last step, all replicas
-        self.last_step_skipped = False
+        self.guard = StepGuard()  # whether the last step was applied (parallel/step_guard.py)
         self._shadow_links = self._link_shadows()
         self._replica_links = self._link_draft_embedding()
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.guard.skipped
 
     @property
     def context_parallel(self) -> int:
@@ -420,15 +426,14 @@ class CSA2PipelineEngine(PipelineEngine):
                 offset += t.numel()
 
     def _guarded_optimizer_step(self, lr_kwargs=None):
-        bad = torch.zeros(1, device=self.device)
-        if self.is_last_stage() and not torch.isfinite(self.total_loss).all():
-            bad.fill_(1)
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        self.last_step_skipped = bool(bad.item())
+        """The step, or on a non-finite loss or gradient norm (``StepGuard``) nothing on any rank: no parameter,
+        optimizer, routing-bias or schedule change, the gradients dropped and the step counted as skipped."""
+        self._clip_gradients()  # the norms (equal on every rank), then the scaling (dropped by a skip)
+        skip = self.guard.check(self.total_loss if self.is_last_stage() else None, self.clip_norms.values(),
+                                self.device)
         self.expert_loads = self.module.stage.model.balance_experts(
-            partial(dist.all_reduce, group=self.grid.get_data_parallel_group()), apply=not self.last_step_skipped)
-        if self.last_step_skipped:
-            self.nonfinite_steps += 1
+            partial(dist.all_reduce, group=self.grid.get_data_parallel_group()), apply=not skip)
+        if skip:
             self.optimizer.zero_grad()
             self.zero_grad()
             self._clear_table_grads()
@@ -436,8 +441,6 @@ class CSA2PipelineEngine(PipelineEngine):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             return
-        self.nonfinite_steps = 0
-        self._clip_gradients()
         if self.table_optimizer is not None:  # first: DeepSpeed's step below clears every module gradient
             for group in self.table_optimizer.param_groups:
                 group["lr"] = self.optimizer.param_groups[0]["lr"]  # this step's, as the dense one's
@@ -509,7 +512,7 @@ class CSA2PipelineEngine(PipelineEngine):
 
         self.group_grad_norms = {group: norm_where(ids == i) for i, group in enumerate(GROUPS)
                                  if i in all_group_ids}
-        norms = {group: norm_where(clip_of == i) for i, group in enumerate(CLIP_GROUPS)}
+        self.clip_norms = norms = {group: norm_where(clip_of == i) for i, group in enumerate(CLIP_GROUPS)}
         self.grad_norm, self.indexer_grad_norm = norms["trunk"], norms["indexer"]
         if self.max_grad_norm <= 0:
             return

@@ -29,8 +29,9 @@ def _wait_for(condition, timeout: float, what: str):
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGUSR1, 143)])
 def test_a_signal_saves_the_step_and_says_how_to_resume(tmp_path, sig, code):
+    """SIGUSR1 (Slurm's warning before pre-emption) is a SIGTERM: without a handler it would kill the job unsaved."""
     run_dir = tmp_path / "run"
     job = subprocess.Popen([sys.executable, "-m", "train", *SMALL, "train.max_steps=1000",
                             "train.checkpoint_every=1000", "parallel.cuts=null", f"hydra.run.dir={run_dir}"],
@@ -44,7 +45,8 @@ def test_a_signal_saves_the_step_and_says_how_to_resume(tmp_path, sig, code):
     assert job.returncode == code, err[-3000:]
     last = _train_rows(run_dir)[-1]["step"]  # the step it finished after the signal
     line = err.strip().splitlines()[-1]
-    assert line.startswith(f"stopped by {signal.Signals(sig).name} after step {last}; newest checkpoint: step {last} "
+    name = "SIGTERM" if sig == signal.SIGUSR1 else signal.Signals(sig).name
+    assert line.startswith(f"stopped by {name} after step {last}; newest checkpoint: step {last} "
                            "— resume with: python -m train "), line
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step{last:08d}"
     assert "Traceback" not in err

@@ -37,6 +37,7 @@ from train.errors import ReportedError, reported
 from train.evaluate import Evaluator, data_tokenizer
 from train.health import ActivationStats
 from train.interrupt import Interrupted, Interrupts
+from train.timeouts import collective_timeout
 from train.metrics import MetricsLogger
 from train.preflight import Checked, checkpoint_dir, launched_world_size, preflight
 from train.probes import chance_levels
@@ -77,7 +78,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict[str, float]:
         with Interrupts(announce=rank0) as interrupts:
             datasets.disable_progress_bars()  # one progress bar: the training loop's
             checked = preflight(cfg, run_dir, launched_world_size())
-            distributed.init(checked.job.device)
+            distributed.init(checked.job.device, checked.job.config.train.startup_timeout_s, run_dir)
             own_dir, run_dir = run_dir, Path(distributed.from_rank0(str(run_dir)))
             if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
                 own_dir.rmdir()  # Hydra's directory of another rank, a second off rank 0's: unused
@@ -154,7 +155,9 @@ def _trainer(run_dir: Path, checked: Checked) -> "Trainer":
     crowded = shared_cpu_warning(job.device)
     if crowded:
         log.warning("%s", crowded)
-    ref, saved = checked.resume, checked.saved
+    ref, saved = checkpoint.agree(config.train.resume, checkpoint_dir(config.train, run_dir)), checked.saved
+    if ref != checked.resume:  # a file the preflight's size check passed has the wrong digest: an older one
+        saved = checkpoint.check_compatible(ref, config)
     if checked.warm_start:  # a fresh run's weights, or the frozen base of a LoRA run (its checkpoints: adapters)
         checked.warm_start.load_into(engine)
         if distributed.rank() == 0:
@@ -225,16 +228,19 @@ class Trainer:
         """One optimizer step; returns its ``metrics.jsonl`` row."""
         logged = step % self.train_config.log_every == 0
         start = time.perf_counter()
-        with self.activations.recording(logged):
+        with self.activations.recording(logged), collective_timeout(step, self.train_config.collective_timeout_s):
             result = train_step(self.engine, [next(self.loader) for _ in range(self.engine.micro_batches)])
         seconds = time.perf_counter() - start
+        if self.steps_run == 0:  # start-up and the first step are over: a hang from now on is named sooner
+            distributed.set_timeout(self.train_config.collective_timeout_s)
         self.state["step"] = step
         self.steps_run += 1
         if result.bad:
             self.state["bad_streak"] += 1
             self.state["skipped"] += 1
-            log.warning("step %d: non-finite loss or gradients (loss %s), update skipped (%d in a row)",
-                        step, result.metrics["loss"], self.state["bad_streak"])
+            log.warning("step %d: non-finite %s (loss %s, grad_norm %s), update skipped (%d in a row)", step,
+                        result.cause or "loss", result.metrics["loss"], result.metrics["grad_norm"],
+                        self.state["bad_streak"])
         else:
             self.state["bad_streak"] = 0
         row = {"step": step, **result.metrics, "tokens_per_s": result.tokens / seconds,

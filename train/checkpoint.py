@@ -86,41 +86,41 @@ def step_of(tag_dir: Path) -> int:
     return int(tag_dir.name.removeprefix("step"))
 
 
-def find(resume: str | None, checkpoint_dir: Path) -> CheckpointRef | None:
+def find(resume: str | None, checkpoint_dir: Path, problem=manifest.problem) -> CheckpointRef | None:
     """The intact checkpoint ``train.resume`` points at: None (fresh run), ``auto`` or a path.
 
     ``auto`` and a checkpoint directory give ``latest`` if it is intact, else the newest intact checkpoint there
     (a warning names each one skipped and why); ``auto`` with no checkpoint at all is a fresh start. A tag
     directory gives itself. A path that is none of these, or a choice with no intact checkpoint, is an error
-    naming the damaged file, never a silent fresh start. Every file is checked against the manifest (sizes and
-    SHA-256) before anything loads."""
+    naming the damaged file, never a silent fresh start. Every file is checked against the manifest before anything
+    loads: ``problem(tag dir)`` says why one is damaged (default: sizes and SHA-256 in this process; ``agree``:
+    shared by the ranks)."""
     if resume is None:
         return None
     if resume == "auto":
         if not _tags(checkpoint_dir):
             log.info("train.resume=auto: no checkpoint in %s, starting fresh", checkpoint_dir)
             return None
-        return _newest_intact(checkpoint_dir)
-    return locate(resume, "train.resume")
+        return _newest_intact(checkpoint_dir, problem)
+    return locate(resume, "train.resume", problem)
 
 
-def locate(path: str, setting: str) -> CheckpointRef:
+def locate(path: str, setting: str, problem=manifest.problem) -> CheckpointRef:
     """The intact checkpoint at ``path``, which the setting ``setting`` names (for the messages): a checkpoint
     directory gives ``latest`` if intact, else its newest intact checkpoint; a tag directory gives itself."""
     location = Path(path).expanduser().resolve()
     if _tags(location):
-        return _newest_intact(location)
+        return _newest_intact(location, problem)
     if (location / TRAINER_STATE).is_file() or (location / manifest.MANIFEST).is_file():
-        problem = manifest.problem(location)
-        if problem is None:
+        damage = problem(location)
+        if damage is None:
             return CheckpointRef(location.parent, location.name)
-        intact = [tag for tag in reversed(_tags(location.parent))
-                  if tag != location and manifest.problem(tag) is None]
+        intact = [tag for tag in reversed(_tags(location.parent)) if tag != location and problem(tag) is None]
         verb = "resume from" if setting == "train.resume" else "use"
         hint = (f"{verb} the newest intact one: {setting}={intact[0]}" if intact else
                 "no other intact checkpoint is there" + ("; start fresh with train.resume=null"
                                                          if setting == "train.resume" else ""))
-        raise CheckpointError(f"checkpoint {location} is damaged: {problem} — {hint}")
+        raise CheckpointError(f"checkpoint {location} is damaged: {damage} — {hint}")
     raise NoCheckpoint(f"{setting}={path}: no checkpoint there ({location} is neither a checkpoint directory nor a "
                        "checkpoint tag directory) — point it at <run dir>/checkpoints or one step directory")
 
@@ -132,7 +132,7 @@ def _tags(directory: Path) -> list[Path]:
     return sorted((p for p in directory.glob("step*") if p.is_dir() and p.name[4:].isdigit()), key=step_of)
 
 
-def _newest_intact(directory: Path) -> CheckpointRef:
+def _newest_intact(directory: Path, problem=manifest.problem) -> CheckpointRef:
     """``latest`` if intact, else the newest intact tag; warns about every one skipped on the way."""
     latest_file = directory / LATEST
     latest = directory / latest_file.read_text().strip() if latest_file.is_file() else None
@@ -140,14 +140,67 @@ def _newest_intact(directory: Path) -> CheckpointRef:
         [tag for tag in reversed(_tags(directory)) if tag != latest]
     skipped = [] if latest is None or latest.is_dir() else [(latest.name, f"{LATEST} names it but it is missing")]
     for tag in order:
-        problem = manifest.problem(tag)
-        if problem is None:
+        damage = problem(tag)
+        if damage is None:
             for name, why in skipped:
                 log.warning("skipping checkpoint %s: %s", name, why)
             return CheckpointRef(directory, tag.name)
-        skipped.append((tag.name, problem))
+        skipped.append((tag.name, damage))
     raise CheckpointError(f"no intact checkpoint in {directory}: " + "; ".join(f"{n}: {w}" for n, w in skipped)
                           + " — move the damaged ones away and start fresh (train.resume=null)")
+
+
+def agree(resume: str | None, checkpoint_dir: Path) -> CheckpointRef | None:
+    """``find`` for all ranks at once (collective, once the process group exists): rank 0 picks the checkpoint in its
+    ``checkpoint_dir``, each candidate's files hashed once between the ranks (rank r the r-th of every world-size
+    files: a resume reads the checkpoint once, not once per rank), and broadcasts its choice; every rank asserts that
+    it sees the same checkpoint (its manifest's SHA-256), so that no rank loads another one. Rank 0's errors are
+    every rank's."""
+    if dist.get_world_size() == 1:
+        return find(resume, checkpoint_dir)
+    if dist.get_rank() == 0:
+        try:
+            ref = find(resume, checkpoint_dir, problem=_verify_shared)
+        except Exception as error:
+            _from_rank0(("error", f"rank 0: {error}"))
+            raise
+        _from_rank0(("chosen", ref and str(ref.path)))
+    else:
+        while (message := _from_rank0(None))[0] == "verify":
+            _verify_share(Path(message[1]))
+        if message[0] == "error":
+            raise CheckpointError(message[1])
+        ref = message[1] and CheckpointRef(Path(message[1]).parent, Path(message[1]).name)
+    if ref is None:
+        return None
+    mine = ref.path / manifest.MANIFEST
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, manifest.sha256(mine) if mine.is_file() else "no manifest")
+    others = [r for r, d in enumerate(seen) if d != seen[0]]
+    if others:
+        raise CheckpointError(f"ranks {others} do not see rank 0's checkpoint {ref.path} (its {manifest.MANIFEST} "
+                              "differs or is missing there) — put train.checkpoint_dir on a filesystem every node "
+                              "shares, and pin the run directory (hydra.run.dir)")
+    return ref
+
+
+def _from_rank0(message):
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _verify_shared(tag: Path) -> str | None:
+    """Rank 0's ``problem`` under ``agree``: asks every rank to check its share of ``tag``'s files."""
+    _from_rank0(("verify", str(tag)))
+    return _verify_share(tag)
+
+
+def _verify_share(tag: Path) -> str | None:
+    """This rank's share of ``tag``'s files checked against the manifest; the first problem of any rank."""
+    found = [None] * dist.get_world_size()
+    dist.all_gather_object(found, manifest.problem(tag, share=(dist.get_rank(), dist.get_world_size())))
+    return next((p for p in found if p is not None), None)
 
 
 def read_trainer_state(ref: CheckpointRef) -> dict:

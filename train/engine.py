@@ -3,8 +3,8 @@
 Every job, a single CPU process included, runs on DeepSpeed's pipeline engine (``parallel/engine.py``) with
 ``parallel.pipeline_stages`` stages (1 by default), so pipeline and data parallelism are settings of
 ``conf/parallel`` and not other code paths. The DeepSpeed config is generated from the job (``deepspeed_config``).
-The engine itself clips gradients over all stages and skips a step whose loss is not finite, without touching
-the weights, the optimizer state or the schedule.
+The engine itself clips gradients over all stages and skips a step whose loss or gradient norm is not finite,
+without touching the weights, the optimizer state or the schedule.
 """
 import math
 from collections import OrderedDict
@@ -166,7 +166,8 @@ def build_engine(job: Job, memory_line: str | None = None) -> CSA2PipelineEngine
 class StepResult:
     metrics: dict[str, float]  # loss parts averaged over micro-batches and ranks, lr, grad_norm
     tokens: int  # input tokens of the step, all ranks
-    applied: bool  # False when DeepSpeed skipped the update (non-finite gradients)
+    applied: bool  # False when the engine skipped the update (``parallel/step_guard.py``)
+    cause: str = ""  # what was not finite when skipped: "loss", "gradient norm" or both
 
     @property
     def bad(self) -> bool:
@@ -185,4 +186,4 @@ def train_step(engine: CSA2PipelineEngine, micro_batches: list[dict]) -> StepRes
     metrics.update(lr=lr, grad_norm=norm.item() if norm is not None else math.nan)
     metrics.update({f"grad_norm/{group}": value.item() for group, value in engine.group_grad_norms.items()})
     tokens = sum(b["input_ids"].numel() for b in micro_batches) * engine.replicas  # a row's C ranks: one row
-    return StepResult(metrics, tokens, not engine.last_step_skipped)
+    return StepResult(metrics, tokens, not engine.last_step_skipped, engine.guard.cause)

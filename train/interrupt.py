@@ -2,7 +2,7 @@
 
 Inside the step loop (``Interrupts.deferred``) the first signal only sets a flag; the loop reads it after each
 optimizer step, agreed over all ranks so that every rank saves at the same step. Outside it (building the engine,
-the final evaluation) there is nothing to save and the signal raises ``Interrupted`` at once. A second signal
+the final evaluation) there is nothing to save and the signal raises ``Interrupted`` at once. SIGUSR1 (Slurm's ``--signal``) is taken as SIGTERM. A second signal
 ends the process immediately, without saving; the published checkpoints stay intact (saves are atomic).
 
 One Ctrl-C often arrives twice: the terminal signals the whole foreground process group, and ``torchrun`` /
@@ -17,6 +17,8 @@ import threading
 import time
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + signal number, the shell's convention
+# Slurm's warning before a time limit or pre-emption (sbatch --signal=USR1@<seconds>): a SIGTERM, save then exit 143
+LIKE_SIGTERM = (signal.SIGUSR1,)
 REPEAT_WINDOW_S = 0.5
 
 
@@ -43,7 +45,7 @@ class Interrupts:
 
     def __enter__(self) -> "Interrupts":
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in EXIT_CODES}
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (*EXIT_CODES, *LIKE_SIGTERM)}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -69,6 +71,7 @@ class Interrupts:
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
         name = signal.Signals(signum).name
+        signum = signal.SIGTERM if signum in LIKE_SIGTERM else signum
         if self.signum is not None:
             if now - self._at < REPEAT_WINDOW_S:
                 return  # the same interrupt, delivered again by a launcher

@@ -36,15 +36,17 @@ def write(directory: Path) -> None:
     os.replace(tmp, directory / MANIFEST)
 
 
-def problem(directory: Path, digests: bool = True) -> str | None:
+def problem(directory: Path, digests: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
     """Why ``directory`` is not an intact checkpoint (the first file that is missing, of the wrong size or, with
-    ``digests``, of the wrong SHA-256), or None when it is."""
+    ``digests``, of the wrong SHA-256), or None when it is. ``share=(i, n)``: only the i-th of every n files (in the
+    manifest's order), so that n processes check each file once between them."""
     try:
         entries = json.loads((directory / MANIFEST).read_text())["files"]
     except FileNotFoundError:
         return f"it has no {MANIFEST} (an interrupted save, or written by an older version)"
     except (OSError, ValueError, KeyError) as error:
         return f"its {MANIFEST} is unreadable ({error})"
+    entries = {name: entries[name] for name in list(entries)[share[0]::share[1]]}
     for name, entry in entries.items():
         path = directory / name
         if not path.is_file():

@@ -4,7 +4,8 @@ process group, the engine or the run directory exist. The composed config is res
 checks: config values, layout (and that it pairs with the model), tokenizer, device and precision, the batch against
 the stages and launched processes, the stage split and its memory (every stage's estimated peak against the GPU's
 memory, or the host's RAM: ``parallel/plan.py``), the probes, the data (path, format, text field, every row's type,
-both parts non-empty, the chat template), the checkpoint to resume (manifest: sizes and SHA-256) or else the weights
+both parts non-empty, the chat template), the checkpoint to resume (its manifest's sizes; the SHA-256
+digests once the process group exists, each file hashed by one rank: ``checkpoint.agree``) or else the weights
 of ``train.init_from`` (matched tensor by tensor against the model; a released directory first sets the model from
 its config.json, so the memory verdict is the released model's, and what each rank will read of it is printed).
 
@@ -12,6 +13,7 @@ What the checks build (documents, probes, the checkpoint) is kept for the job, s
 """
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -22,7 +24,7 @@ from model.config import JobConfig, TrainConfig
 from model.layout import CandidateCapacityError, layout_from_config
 from parallel.job import Job, plan, resolve_device
 from parallel.plan import check_memory, device_memory, split_capacity
-from train import checkpoint, init_from, lora as lora_runs, sft
+from train import checkpoint, init_from, lora as lora_runs, manifest, sft
 from train.data import SetSize, build_documents, set_size, synthetic_tasks
 from train.engine import engram_token_map
 from train.evaluate import build_probes, data_tokenizer
@@ -151,7 +153,8 @@ def preflight(cfg: DictConfig, run_dir: Path, world_size: int) -> Checked:
         sft.check_template(data_tokenizer(data))
     sizes = [set_size(d, data_tokenizer(data), data.seq_len) if d is not None else None
              for d in (train_documents, heldout_documents)]
-    ref = checkpoint.find(train.resume, checkpoint_dir(train, run_dir))
+    # sizes only here: the digests are checked once the ranks can share them (checkpoint.agree, in the job)
+    ref = checkpoint.find(train.resume, checkpoint_dir(train, run_dir), partial(manifest.problem, digests=False))
     saved = checkpoint.check_compatible(ref, config) if ref else {}
     if ref:
         lora_runs.check_resume(ref, saved["config"], train)

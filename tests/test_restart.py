@@ -1,0 +1,45 @@
+"""A rank killed with SIGKILL mid-run under ``launch/torchrun.sh`` (2 gloo processes): torchrun restarts the group,
+the pinned run directory and ``train.resume=auto`` continue from the newest checkpoint, and every logged number
+equals the run that was never killed.
+
+Planted bugs it catches: no ``--max-restarts`` (the job ends at the kill), a run directory that is not pinned or no
+``train.resume=auto`` (the restart starts over: the rows before the kill are lost or replayed differently)."""
+import subprocess
+
+import psutil
+
+from tests.test_interrupt import REPO, _env, _wait_for
+from tests.test_train_run import SMALL, _train_rows
+
+STEPS = ["train.max_steps=12", "train.checkpoint_every=4"]
+TIMING = {"tokens_per_s", "memory_mb"}
+
+
+def _launch(run_dir):
+    return subprocess.Popen(["launch/torchrun.sh", *SMALL, *STEPS], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**_env(), "NPROC": "2", "RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"})
+
+
+def _rows(run_dir):
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in _train_rows(run_dir)]
+
+
+def test_a_killed_rank_restarts_and_resumes_as_the_straight_run(tmp_path):
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+    job = _launch(killed)
+    try:
+        _wait_for(lambda: len(_train_rows(killed)) >= 6 or job.poll() is not None, 120, "six training steps")
+        workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "train" in " ".join(p.cmdline())]
+        victim = next(p for p in workers if p.environ().get("RANK") == "1")
+        victim.kill()  # SIGKILL, mid-step: nothing of this step is saved
+        out, err = job.communicate(timeout=180)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err[-3000:]
+    assert "(exitcode: -9) local_rank: 1" in err, err[-3000:]  # the kill happened, and the job went on
+    reference = _launch(straight)
+    out, err = reference.communicate(timeout=180)
+    assert reference.returncode == 0, err[-3000:]
+    assert [r["step"] for r in _rows(killed)] == list(range(1, 13))
+    assert _rows(killed) == _rows(straight)

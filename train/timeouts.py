@@ -1,0 +1,33 @@
+"""A hang named: a collective of a step that waits past ``train.collective_timeout_s`` becomes one line.
+
+The process groups' timeouts are set by ``train.distributed`` (``init``: the start-up one; ``set_timeout``: the shorter
+one after the first step); the backend then raises on the ranks that wait. Its error is a long C++ message, raised
+from deep inside DeepSpeed's schedule: here it becomes a ``ReportedError`` naming the step, the rank that waited and
+the limit, with the backend's own first words (gloo: "Timed out waiting 5000ms for recv operation").
+"""
+import contextlib
+
+from train import distributed
+from train.errors import ReportedError
+
+
+class CollectiveTimeout(ReportedError):
+    """A collective of a step waited longer than ``train.collective_timeout_s``: a rank stopped or hangs."""
+
+    exit_code = 1
+
+
+@contextlib.contextmanager
+def collective_timeout(step: int, seconds: float):
+    """A timed-out collective inside the step as one line: the step, this rank, the limit and the backend's words."""
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error)
+        if "timed out" not in text.lower() and "timeout" not in text.lower():
+            raise
+        first = next((line.strip() for line in text.splitlines() if "time" in line.lower()), text.strip())
+        raise CollectiveTimeout(
+            f"step {step}: rank {distributed.rank()} of {distributed.world_size()} waited more than {seconds:g} s in a "
+            f"collective ({first[:300]}) — another rank stopped or hangs (check the ranks this one did not hear from, "
+            "their hosts and GPUs); train.collective_timeout_s sets the limit") from error
