@@ -83,6 +83,7 @@ from moe_ffn import Timer, case, matmul_rate, routing_counts  # noqa: E402
 from parallel.balance import mode_key  # noqa: E402
 from parallel.experts import ExpertAllToAll, run_received  # noqa: E402
 from parallel.payload import boundary_fields  # noqa: E402
+from parallel.recompute import recompute, run_plainly  # noqa: E402
 from parallel.stage import owner_name, shadow_sources  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 
@@ -265,7 +266,10 @@ class Slice:
     def set_run(self, mode: str, counts: list[int], senders: int) -> None:
         """Recompute ``mode`` in every block; the rank receives ``counts[e]`` rows for held expert e."""
         for block in self.model.layers.values():
-            block.recompute, block.keep_attention = mode != "none", mode == "keep_attention"
+            if mode == "none":
+                run_plainly(block)
+            else:
+                recompute(block, keep_attention=mode == "keep_attention")
         self.dispatch.set_split(counts, senders, self.device)
 
     def step(self, clock: Clock):

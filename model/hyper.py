@@ -134,6 +134,29 @@ def residual_block(module: nn.Module, x: torch.Tensor, pre: torch.Tensor | None,
     return staggered_block(module, x, pre, attn_branch, ffn_branch, iters, norm_eps, hc_eps, backend)
 
 
+PLAIN = StreamMix(None, None, None)  # the plain stream's "mixes": the input is the stream, the output is added
+
+
+def sublayer_input(module: nn.Module, part: str, x: torch.Tensor, pre_in: torch.Tensor | None, iters: int,
+                   norm_eps: float, hc_eps: float, backend: str = "auto") -> tuple[torch.Tensor, StreamMix]:
+    """``hc_pre`` on either stream: the plain stream (``pre_in`` None) is the one-copy case, whose sublayer reads it
+    as it is (``PLAIN``, whose ``pre`` stays None for the next sublayer)."""
+    if pre_in is None:
+        return x, PLAIN
+    return hc_pre(module, part, x, pre_in, iters, norm_eps, hc_eps, backend)
+
+
+def sublayer_output(y: torch.Tensor, x: torch.Tensor, mix: StreamMix, backend: str = "auto") -> torch.Tensor:
+    """``hc_post`` on either stream: the plain stream adds the sublayer output, ``x + y``."""
+    return x + y if mix is PLAIN else hc_post(y, x, mix, backend)
+
+
+def mean_copy(x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+    """The copies' mean [B,T,D] in the mixes' dtype (what the draft head reads of the stream); the plain stream
+    itself."""
+    return x if pre is None else x.mean(2, dtype=pre.dtype)
+
+
 def begin(h: torch.Tensor, hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The stream an embedding starts: itself (``hc`` 1), or its copies in the stream's dtype (``stream_dtype``)
     with the one-hot first pre-mix."""
