@@ -15,7 +15,6 @@ The stream a slice of layers passes on is a pair ``(x, pre)``: ``x`` [B,T,D] (pl
 training, and ``pre`` [B,T,hc] fp32 (None for the plain stream). A pipeline boundary carries both.
 """
 import math
-import zlib
 from functools import partial
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from model.engram import Engram, EngramHash, EngramTable
 from model.layout import Layout, LayerPlan
 from model.moe import ROUTED_WEIGHTS, Expert, MoE, update_bias
 from model.norm import RMSNorm
+from model.seeding import seeded_generator
 from model.state import LayerInputs, SharedState
 
 
@@ -303,11 +303,6 @@ def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int,
                 p.copy_(_normal(p.shape, std, seed, name, device))
             else:
                 _draw_rows(p, *shard, std, seed, name, device)
-
-
-def seeded_generator(seed: int, key: str, device: torch.device) -> torch.Generator:
-    """The generator of the tensor named ``key``: seeded by (seed, name) alone, whatever else a process builds."""
-    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
 
 
 def _normal(shape, std: float, seed: int, name: str, device: torch.device, chunk: int | None = None) -> torch.Tensor:

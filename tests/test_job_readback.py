@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from model import ModelArgs, layout_from_config
 from model.cli import compose, resolved
 from model.config import DSparkArgs, EngramArgs, MoEArgs
-from model.engram import table_rows
+from model.engram_layout import table_rows
 from model.layout import Layout, Mode
 from model.transformer import Transformer
 from tests.pipeline_harness import job_of
