@@ -35,7 +35,8 @@ What runs, and why so:
   gather of the send buffer, the permutation from arrival order (sender, expert) to expert order and back, the
   grouped GEMMs, the combine of every slot into its token, the shared expert.
 - Recomputation: ``layer`` is ``parallel.recompute=layer`` (a non-reentrant checkpoint per layer,
-  ``Block.recompute``); ``keep_attention`` also keeps the sparse attention's outputs (``Block.keep_attention``);
+  ``parallel.recompute.recompute``); ``keep_attention`` also keeps the sparse attention's outputs (its
+  ``keep_attention``);
   ``none`` (only with ``--modes``) recomputes nothing (expected not to fit: the weights with their fp32 gradients
   take 33 GB, and the 4 layers' activations several times the rest of the card).
 - Runs, in this order in each slice: layer x own_tokens, layer x uniform (the measurement: time is kept for them
