@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.reference import StreamMix
 from model import hyper
 from model.attention import Attention, linear
 from model.config import ModelArgs
@@ -52,7 +51,7 @@ def make_ffn(args: ModelArgs, moe=None, dispatch=None) -> nn.Module:
     return FeedForward(args.dim, args.inter_dim, args.kernel_backend)
 
 
-class Block(nn.Module):
+class Block(hyper.HyperConnected, nn.Module):
     """One layer: the Engram update (if any), then attention and FFN, each pre-normed between ``hc_pre`` and
     ``hc_post`` (``model/hyper.py``; the plain stream is the one-copy case). Recomputation and offloading wrap
     ``compute`` from ``parallel/recompute.py``; LoRA adapters are attached to the built model (``model/lora.py``)."""
@@ -91,16 +90,6 @@ class Block(nn.Module):
         h, ffn_mix = self.hc_pre("ffn", x, attn_mix.pre)
         x = self.hc_post(self.ffn(self.ffn_norm(h)), x, ffn_mix)
         return x, ffn_mix.pre, produced | draft
-
-    def hc_pre(self, part: str, x: torch.Tensor, pre: torch.Tensor | None) -> tuple[torch.Tensor, StreamMix]:
-        """The input of sublayer ``part`` ("attn" or "ffn") and the mixes it makes of the stream."""
-        args = self.args
-        return hyper.sublayer_input(self, part, x, pre, args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps,
-                                    args.kernel_backend)
-
-    def hc_post(self, y: torch.Tensor, x: torch.Tensor, mix: StreamMix) -> torch.Tensor:
-        """The stream after a sublayer whose output is ``y``."""
-        return hyper.sublayer_output(y, x, mix, self.args.kernel_backend)
 
     def engram_update(self, x: torch.Tensor, pre: torch.Tensor | None, engram_ids: torch.Tensor) -> torch.Tensor:
         """The stream after this layer's Engram (which reads copies: the plain stream is one)."""
