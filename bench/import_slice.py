@@ -52,9 +52,10 @@ import train.released_format as released  # noqa: E402
 from model import Transformer, layout_from_config  # noqa: E402
 from model.cli import compose, resolved  # noqa: E402
 from model.config import ModelArgs, apply  # noqa: E402
-from model.engram import table_rows  # noqa: E402
+from model.engram_layout import table_rows  # noqa: E402
 from model.quant import dequantize, quantize, scale_shape  # noqa: E402
-from model.transformer import init_std, seeded_generator  # noqa: E402
+from model.seeding import seeded_generator  # noqa: E402
+from model.transformer import init_std  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 from train.export import parse_size  # noqa: E402
 from train.init_from import InitFrom, load_stage, rank_share, released_changes  # noqa: E402

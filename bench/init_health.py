@@ -32,6 +32,7 @@ from result_meta import result_meta  # noqa: E402
 from model.groups import param_group  # noqa: E402
 from model.transformer import Transformer, init_std  # noqa: E402
 from model import layout_from_config  # noqa: E402
+from parallel.recompute import recompute_leading  # noqa: E402
 from train.data import build_loader  # noqa: E402
 from train.engine import param_groups  # noqa: E402
 from train.health import ActivationStats  # noqa: E402
@@ -68,8 +69,8 @@ class Probe:
         with torch.device(device):
             self.model = Transformer(args, layout, seed=0, init=False)
         draw_on_device(self.model, args, layout.n_layers)
-        for block in self.model.layers.values():
-            block.recompute = cfg.parallel.recompute == "layer"
+        if cfg.parallel.recompute == "layer":
+            recompute_leading(self.model.layers.values(), len(self.model.layers))
         self.train_batch, self.heldout = batches
         self.autocast = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
         self.coef = float(cfg.train.indexer_loss_coef)

@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,14 +247,14 @@ def capture_reuse_inputs(model):
         return None
     lid = 21 if 21 in reuse else reuse[0]
     blk = model.layers[str(lid)]
-    orig, cap = blk._compute, {"layer": lid}
+    orig, cap = blk.compute, {"layer": lid}
 
-    def capture(x, pre, geometry, reads, engram_ids, collect_recall):
-        cap.setdefault("args", (x.detach(), None if pre is None else pre.detach(), geometry,
-                                {k: v.detach() for k, v in reads.items()}, engram_ids))
-        return orig(x, pre, geometry, reads, engram_ids, collect_recall)
-    blk._compute = capture
-    cap["restore"] = lambda: blk.__dict__.pop("_compute", None)
+    def capture(x, pre, inputs):
+        cap.setdefault("args", (x.detach(), None if pre is None else pre.detach(),
+                                replace(inputs, reads={k: v.detach() for k, v in inputs.reads.items()})))
+        return orig(x, pre, inputs)
+    blk.compute = capture
+    cap["restore"] = lambda: setattr(blk, "compute", orig)
     return cap
 
 
@@ -346,13 +347,14 @@ def details(a, res, engine, batch, sync, cuda, device, precision, probe, step_s)
         from model import hyper
         cap = capture.pop("cap")
         blk = model.layers[str(cap["layer"])]
-        x, pre, geometry, reads, engram_ids = cap.pop("args")
+        x, pre, inputs = cap.pop("args")
+        geometry, reads = inputs.geometry, inputs.reads
         counts = {}
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             xn = blk.attn_norm(x if pre is None else hyper.collapse(x, pre))
             attention = lambda: blk.attn(xn, geometry, reads)  # noqa: E731
             runs = [("attention", attention, None),
-                    ("block", lambda: blk._compute(x, pre, geometry, reads, engram_ids, False), None)]
+                    ("block", lambda: blk.compute(x, pre, replace(inputs, collect_recall=False)), None)]
             if cuda:  # the same attention forward with cuBLAS (not cuBLASLt) GEMMs: are the memsets the library's?
                 runs.append(("attention_cublas", attention, "cublas"))
                 default_library = torch.backends.cuda.preferred_blas_library()

@@ -35,7 +35,8 @@ What runs, and why so:
   gather of the send buffer, the permutation from arrival order (sender, expert) to expert order and back, the
   grouped GEMMs, the combine of every slot into its token, the shared expert.
 - Recomputation: ``layer`` is ``parallel.recompute=layer`` (a non-reentrant checkpoint per layer,
-  ``Block.recompute``); ``keep_attention`` also keeps the sparse attention's outputs (``Block.keep_attention``);
+  ``parallel.recompute.recompute``); ``keep_attention`` also keeps the sparse attention's outputs (its
+  ``keep_attention``);
   ``none`` (only with ``--modes``) recomputes nothing (expected not to fit: the weights with their fp32 gradients
   take 33 GB, and the 4 layers' activations several times the rest of the card).
 - Runs, in this order in each slice: layer x own_tokens, layer x uniform (the measurement: time is kept for them
@@ -83,6 +84,7 @@ from moe_ffn import Timer, case, matmul_rate, routing_counts  # noqa: E402
 from parallel.balance import mode_key  # noqa: E402
 from parallel.experts import ExpertAllToAll, run_received  # noqa: E402
 from parallel.payload import boundary_fields  # noqa: E402
+from parallel.recompute import recompute, run_plainly  # noqa: E402
 from parallel.stage import owner_name, shadow_sources  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 
@@ -265,7 +267,10 @@ class Slice:
     def set_run(self, mode: str, counts: list[int], senders: int) -> None:
         """Recompute ``mode`` in every block; the rank receives ``counts[e]`` rows for held expert e."""
         for block in self.model.layers.values():
-            block.recompute, block.keep_attention = mode != "none", mode == "keep_attention"
+            if mode == "none":
+                run_plainly(block)
+            else:
+                recompute(block, keep_attention=mode == "keep_attention")
         self.dispatch.set_split(counts, senders, self.device)
 
     def step(self, clock: Clock):

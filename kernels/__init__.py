@@ -14,12 +14,9 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from kernels import reference
+from kernels.op_names import INDEXER_SELECT_OP, SPARSE_ATTENTION_OP
 
 BACKENDS = ("auto", "torch", "triton")
-# The Triton sparse attention and indexer selection are torch custom ops (kernels/triton_attention.py,
-# kernels/triton_ops.py): dispatcher-visible, so a selective checkpoint can keep their outputs.
-SPARSE_ATTENTION_OP = "csa2::sparse_attention"
-INDEXER_SELECT_OP = "csa2::indexer_select"
 
 
 def checkpoint_policy(keep_attention: bool):

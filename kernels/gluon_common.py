@@ -10,8 +10,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import triton_attention as tri
 from kernels.triton_common import rotate_split_pairs as triton_rotate_split_pairs
+from kernels.triton_slots import slot_rows as triton_slot_rows
 
 LOG2E = gl.constexpr(1.4426950408889634)
 BLOCK_H = 64  # heads are the MMA's M: one token's heads fill one wgmma (64 rows)
@@ -19,7 +19,7 @@ FEATURES = gl.constexpr(64)  # features per TMA box of a token's head rows: one 
 
 # The Triton helpers that only compute (row offsets, validity, pair rotation), run as Gluon functions: their
 # tensors take the layouts of the tensors they are given.
-_slot_rows = gluon.jit(tri._slot_rows.fn)
+_slot_rows = gluon.jit(triton_slot_rows.fn)
 rotate_split_pairs = gluon.jit(triton_rotate_split_pairs.fn)
 
 

@@ -6,7 +6,7 @@ rows (the contiguous rows t-W+1..t of ``kv_window``, masked below ``win_lo[t]``)
 BLOCK_N-slot blocks from W - W_P (W_P: W rounded up to BLOCK_N; the slots before 0 are masked), so the selected
 slots start a block (the forward in two loops, window then selected; the backward kernels in one). A block's rows are gathered once and shared by every head: the heads are the
 64-row MMA dimension, the contraction is over D = 512. Rows are addressed as element offsets from ``kv_window``
-(``_slot_rows``); ``kv_comp`` is reached through its offset from ``kv_window``, so one pointer serves both.
+(``slot_rows``); ``kv_comp`` is reached through its offset from ``kv_window``, so one pointer serves both.
 
 Forward (``_fwd_kernel``): online softmax in the log2 domain; the running max starts at the sink logit and the
 running sum at 1 (the sink's own term), so the sink is in the denominator and a fully masked block never gives
@@ -40,8 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import SPARSE_ATTENTION_OP, triton_dkv
+from kernels import gluon_attention, gluon_dkv, gluon_dq, triton_dkv
+from kernels.op_names import SPARSE_ATTENTION_OP
 from kernels.triton_common import configs, gluon_applies, new_output, rotate_pairs
+from kernels.triton_slots import selected_rows, slot_rows, window_rows
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: kernels may only read constexpr globals
 # Stages the benchmark switches off to time the rest ("mass_pass"); empty in real use.
@@ -81,31 +83,6 @@ _DQ_CONFIGS = configs(
 
 
 @triton.jit
-def _window_rows(b, t, win_lo, slots, T, D: tl.constexpr, W: tl.constexpr):
-    """Window slots (0..W-1) of token (b, t): element offsets of the rows t-W+1+slot from ``kv_window``, and
-    validity (from win_lo, which is >= t-W+1, so slots below 0 are invalid)."""
-    row = t - W + 1 + slots
-    return (b * T + row) * D, row >= win_lo
-
-
-@triton.jit
-def _selected_rows(IDX, tok, b, slots, S, comp_offset, D: tl.constexpr, W: tl.constexpr, K: tl.constexpr):
-    """Selected slots (W..W+K-1) of token tok: element offsets of the entries ``IDX[tok, slot - W]`` (kv_comp is at
-    ``comp_offset`` from kv_window) and validity (-1 = empty; slots outside W..W+K-1 are invalid)."""
-    idx = tl.load(IDX + tok * K + (slots - W), mask=(slots >= W) & (slots < W + K), other=-1)
-    return comp_offset + (b * S + idx) * D, idx >= 0
-
-
-@triton.jit
-def _slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D: tl.constexpr, W: tl.constexpr, K: tl.constexpr):
-    """Any slots of token (b, t): window rows below W, selected entries from W (row offsets and validity)."""
-    window_offset, window_valid = _window_rows(b, t, win_lo, slots, T, D, W)
-    selected_offset, selected_valid = _selected_rows(IDX, tok, b, slots, S, comp_offset, D, W, K)
-    in_window = slots < W
-    return tl.where(in_window, window_offset, selected_offset), tl.where(in_window, window_valid, selected_valid)
-
-
-@triton.jit
 def _gather(KV, offset, valid, DIM0: tl.constexpr, DIM: tl.constexpr):
     """Columns DIM0..DIM0+DIM of the rows at ``offset`` (elements from KV) as a tile; invalid rows read as 0."""
     dims = DIM0 + tl.arange(0, DIM)
@@ -117,7 +94,7 @@ def _gather_halves(KV, IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D: tl.c
                    K: tl.constexpr):
     """The rows of any slots of token (b, t) as two column halves [len(slots), D/2] (invalid rows read 0), and
     their validity."""
-    offset, valid = _slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D, W, K)
+    offset, valid = slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D, W, K)
     return _gather(KV, offset, valid, 0, D // 2), _gather(KV, offset, valid, D // 2, D // 2), valid
 
 
@@ -199,11 +176,11 @@ def _fwd_kernel(KV, Q, WIN_LO, IDX, SINK, ROT, OUT, LSE, MASS, STAGE, comp_offse
     # -inf for blocks past K: their factor exp2(-inf) is 0, never inf * 0.
     block_max = tl.full([BLOCK_H, K_P // BLOCK_N], float("-inf"), tl.float32)
     for start in range(W - W_P, W, BLOCK_N):
-        offset, valid = _window_rows(b, t, win_lo, start + tl.arange(0, BLOCK_N), T, D, W)
+        offset, valid = window_rows(b, t, win_lo, start + tl.arange(0, BLOCK_N), T, D, W)
         m, l, acc, _ = _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D)
     for start in range(W, W + K, BLOCK_N):
         slots = start + tl.arange(0, BLOCK_N)
-        offset, valid = _selected_rows(IDX, tok, b, slots, S, comp_offset, D, W, K)
+        offset, valid = selected_rows(IDX, tok, b, slots, S, comp_offset, D, W, K)
         m, l, acc, p = _softmax_step(KV, offset, valid, q, m, l, acc, scale_log2, D)
         if MASS_PASS:
             tl.store(stage + (slots - W)[None, :], p.to(STAGE.dtype.element_ty),
@@ -339,7 +316,7 @@ def _bwd_dq_kernel(KV, WIN_LO, IDX, DS, ROT, DQ, tok0, comp_offset, T, S, H, D: 
     dq = tl.zeros([BLOCK_H, D], tl.float32)
     for start in range(W - W_P, W + K, BLOCK_N):
         slots = start + tl.arange(0, BLOCK_N)
-        offset, valid = _slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D, W, K)
+        offset, valid = slot_rows(IDX, tok, b, t, win_lo, slots, T, S, comp_offset, D, W, K)
         ds = tl.load(ds_rows + slots[None, :], mask=hmask[:, None] & ((slots >= 0) & (slots < W + K))[None, :],
                      other=0.0)
         dq = tl.dot(ds, _gather(KV, offset, valid, 0, D), dq)
@@ -431,7 +408,6 @@ def _sparse_attention_fwd(q: torch.Tensor, kv_window: torch.Tensor, win_lo: torc
     rows = (kv_window, q, win_lo, idx, sink, rot, out, lse, mass)
     shape = dict(D=D, W=window, K=K, K_P=_padded_k(K), BLOCK_H=_block_h(H), ROPE=rope, MASS_PASS=mass_pass)
     if gluon_forward_applies(q):  # stages p in rows of each program's own
-        from kernels import gluon_attention
         gluon_attention.launch(B * T, *rows, comp_offset, T, S, H, scale * LOG2E.value, **shape)
     else:
         # p in [0, 1] is staged in fp16 (11 bits; bf16 keeps 8), fp32 for fp32 inputs (the CPU tests' 1e-4 bound):
@@ -495,8 +471,6 @@ def _sparse_attention_bwd(dout: torch.Tensor, q: torch.Tensor, kv_window: torch.
     chunk_ds = new_output((chunk, H, W + K), q.dtype, q.device)
     use_gluon = gluon_dkv_applies(q, W, K)
     use_gluon_dq = gluon_dq_applies(q, W, K)
-    if use_gluon_dq:
-        from kernels import gluon_dq
     # the Triton dKV kernel's scratch: the rotated tails of each token's [q; dO] (the Gluon one turns them on chip)
     chunk_rope = new_output((chunk, 2 * _block_h(H), rope), q.dtype, q.device) if rope and not use_gluon else q
     shape = dict(D=D, W=W, K=K, BLOCK_H=_block_h(H), ROPE=rope)
@@ -525,7 +499,6 @@ def dkv_step(gluon: bool, part, ds, dsink, tok0, kv_window, q, dout, out, win_lo
     B, T, H, D = q.shape
     K = part.shape[1] - window
     if gluon:
-        from kernels import gluon_dkv
         gluon_dkv.launch(kv_window, q, dout, out, win_lo, idx, sink, rot, lse, part, ds, dsink, tok0, comp_offset, T, S,
                          H, scale, D=D, W=window, K=K, ROPE=rope)
     else:

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gluon_index_score
 from kernels.triton_common import INTERPRET, add_rows, configs, gluon_applies, load_rows, new_output
 from kernels.triton_select import Pyramid, build_upper_levels, select_blocks, select_entries
 
@@ -257,7 +258,6 @@ def score_chunk(levels, pyramid: Pyramid, q, w, k, lo, hi, cand):
     args = dict(NH=NH, DI=DI, NH_P=_heads_p(NH), G=pyramid.group)
     if cand is None or pyramid.widths[0] <= DENSE_CANDIDATES * cand.shape[1] * pyramid.group:
         if gluon_score_applies(q, k, pyramid.group):
-            from kernels import gluon_index_score  # imported here: Gluon is only needed (and only runs) on a GPU
             gluon_index_score.launch(q, w, k, lo, hi, levels, pyramid.row, pyramid.offsets[1], pyramid.widths[0],
                                      pyramid.group, SCORE_SPLIT)
         else:

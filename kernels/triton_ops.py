@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from kernels import INDEXER_SELECT_OP
+from kernels.op_names import INDEXER_SELECT_OP
 from kernels import triton_indexer
 from kernels.triton_attention import sparse_attention
 from kernels.triton_cast import cast

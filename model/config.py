@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from typing import Any, get_type_hints
 
+from model.engram_layout import table_rows
+
 SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 LORA_ATTENTION = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 LORA_TARGETS = (*LORA_ATTENTION, "shared_experts", "experts", "dense_ffn")
@@ -199,8 +201,6 @@ class ModelArgs:
             raise ValueError(f"model.engram.num_embeddings={list(given)} needs one row count per Engram layer "
                              f"(model.engram.layers={list(self.engram.layers)}), or [] to compute them")
         if self.engram.layers and given:
-            from model.engram import table_rows  # the bucket primes (model/engram.py imports this module)
-
             if tuple(given) != table_rows(self.engram):
                 raise ValueError(f"model.engram.num_embeddings={list(given)} disagrees with the rows its bucket layout "
                                  f"gives, {list(table_rows(self.engram))}: set those, or [] to compute them")

@@ -25,7 +25,7 @@ from kernels import reference
 from model.attention import Attention, linear
 from model.config import ModelArgs
 from model.geometry import Geometry, TokenGeometry
-from model.hyper import add_mix_parameters, begin, end, residual_block
+from model.hyper import HyperConnected, add_mix_parameters, begin, end
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
 from model.weights import matmul_weights
@@ -127,8 +127,8 @@ class ConfidenceHead(nn.Module):
             return F.linear(features, self.proj.weight.to(dtype)).squeeze(-1)
 
 
-class DSparkBlock(nn.Module):
-    """One draft block: mHC (``staggered_block``) around window attention on main KV + block, and an FFN from
+class DSparkBlock(HyperConnected, nn.Module):
+    """One draft block: mHC (``hc_pre``, ``hc_post``) around window attention on main KV + block, and an FFN from
     ``make_ffn`` (the MoE with DSpark's expert counts, or the dense FFN). The first block also projects the main
     features (``main_proj``, ``main_norm``); the last holds the output norm, the Markov and confidence heads."""
 
@@ -151,10 +151,10 @@ class DSparkBlock(nn.Module):
 
     def forward(self, x, pre, main_x, anchors: Anchors, geometry: Geometry):
         """The stream x [N, bs, hc, D] and its pending pre-mix [N, bs, hc] -> both after this block."""
-        args = self.args
-        return residual_block(self, x, pre, lambda h: self.attn(self.attn_norm(h), main_x, anchors, geometry),
-                              lambda h: self.ffn(self.ffn_norm(h)), args.hc_sinkhorn_iters, args.norm_eps,
-                              args.hc_eps, args.kernel_backend)
+        h, attn_mix = self.hc_pre("attn", x, pre)
+        x = self.hc_post(self.attn(self.attn_norm(h), main_x, anchors, geometry), x, attn_mix)
+        h, ffn_mix = self.hc_pre("ffn", x, attn_mix.pre)
+        return self.hc_post(self.ffn(self.ffn_norm(h)), x, ffn_mix), ffn_mix.pre
 
 
 @dataclass

@@ -17,13 +17,13 @@ document's first token hold the pad token's normalised id (the reference does so
 every position has its n-grams and every text position is gated; ``token_mask`` alone closes the gate.
 """
 import numpy as np
-import sympy
 import torch
 import torch.nn.functional as F
 from tokenizers import Regex, normalizers
 from torch import nn
 
 from model.config import EngramArgs
+from model.engram_layout import bucket_primes, layer_rows
 
 _ONE_SPACE = "\ue000"  # private-use stand-in, so that a token of only whitespace survives Strip() as " "
 _NORMALIZE = normalizers.Sequence([
@@ -67,28 +67,6 @@ def compressed_token_map(tokenizer) -> tuple[list[int], int]:
     return token_map, len(normalised)
 
 
-def bucket_primes(vocab_size: int, count: int) -> list[int]:
-    """The primes the reference draws for ``count`` (layer, n-gram size, head) buckets in turn: each the next
-    unused prime after ``vocab_size - 1``. Every search starts there and skips the primes drawn before, so the
-    k-th draw is the k-th prime >= ``vocab_size``: one ``nextprime`` step each instead of a search from the start."""
-    primes, prime = [], vocab_size - 1
-    for _ in range(count):
-        prime = sympy.nextprime(prime)
-        primes.append(prime)
-    return primes
-
-
-def table_rows(args: EngramArgs) -> tuple[int, ...]:
-    """Rows of every Engram layer's table (``args.layers`` order): the sum of its buckets' primes."""
-    per_layer = (args.max_ngram_size - 1) * args.n_heads
-    return tuple(_rows(args, bucket_primes(args.vocab_size, len(args.layers) * per_layer)))
-
-
-def _rows(args: EngramArgs, primes: list[int]) -> list[int]:
-    per_layer = (args.max_ngram_size - 1) * args.n_heads
-    return [sum(primes[i * per_layer:(i + 1) * per_layer]) for i in range(len(args.layers))]  # ints: also on meta
-
-
 class EngramHash(nn.Module):
     """Maps each position to its table rows in every Engram layer: ``[B,T,n_layers,(max_ngram_size-1)*n_heads]``.
 
@@ -107,7 +85,7 @@ class EngramHash(nn.Module):
                              "compressed_token_map returned with it")
         n_layers, size, heads = len(args.layers), args.max_ngram_size, args.n_heads
         found = bucket_primes(args.vocab_size, n_layers * (size - 1) * heads)
-        rows = _rows(args, found)
+        rows = layer_rows(args, found)
         primes = torch.tensor(found).view(n_layers, -1)
         self.layers, self.rows, self.pad = args.layers, dict(zip(args.layers, rows)), token_map[args.pad_id]
         bound = max(1, np.iinfo(np.int64).max // map_size // 2)

@@ -123,15 +123,42 @@ def staggered_block(module: nn.Module, x: torch.Tensor, pre_in: torch.Tensor, at
     return x, ffn.pre
 
 
-def residual_block(module: nn.Module, x: torch.Tensor, pre: torch.Tensor | None, attn_branch, ffn_branch,
-                   iters: int, norm_eps: float, hc_eps: float,
-                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A block on either stream: the plain pre-norm residual (``pre`` None: ``x + attn``, then ``+ ffn``, exactly
-    the stack without hyper-connections) or ``staggered_block``."""
-    if pre is None:
-        x = x + attn_branch(x)
-        return x + ffn_branch(x), None
-    return staggered_block(module, x, pre, attn_branch, ffn_branch, iters, norm_eps, hc_eps, backend)
+PLAIN = StreamMix(None, None, None)  # the plain stream's "mixes": the input is the stream, the output is added
+
+
+def sublayer_input(module: nn.Module, part: str, x: torch.Tensor, pre_in: torch.Tensor | None, iters: int,
+                   norm_eps: float, hc_eps: float, backend: str = "auto") -> tuple[torch.Tensor, StreamMix]:
+    """``hc_pre`` on either stream: the plain stream (``pre_in`` None) is the one-copy case, whose sublayer reads it
+    as it is (``PLAIN``, whose ``pre`` stays None for the next sublayer)."""
+    if pre_in is None:
+        return x, PLAIN
+    return hc_pre(module, part, x, pre_in, iters, norm_eps, hc_eps, backend)
+
+
+def sublayer_output(y: torch.Tensor, x: torch.Tensor, mix: StreamMix, backend: str = "auto") -> torch.Tensor:
+    """``hc_post`` on either stream: the plain stream adds the sublayer output, ``x + y``."""
+    return x + y if mix is PLAIN else hc_post(y, x, mix, backend)
+
+
+class HyperConnected:
+    """The stream steps of a block with ``args`` (``ModelArgs``) and, for hc > 1, the mix parameters
+    (``add_mix_parameters``): a sublayer reads ``hc_pre``'s input, and ``hc_post`` takes its output back."""
+
+    def hc_pre(self, part: str, x: torch.Tensor, pre: torch.Tensor | None) -> tuple[torch.Tensor, StreamMix]:
+        """The input of sublayer ``part`` ("attn" or "ffn") and the mixes it makes of the stream."""
+        args = self.args
+        return sublayer_input(self, part, x, pre, args.hc_sinkhorn_iters, args.norm_eps, args.hc_eps,
+                              args.kernel_backend)
+
+    def hc_post(self, y: torch.Tensor, x: torch.Tensor, mix: StreamMix) -> torch.Tensor:
+        """The stream after a sublayer whose output is ``y``."""
+        return sublayer_output(y, x, mix, self.args.kernel_backend)
+
+
+def mean_copy(x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+    """The copies' mean [B,T,D] in the mixes' dtype (what the draft head reads of the stream); the plain stream
+    itself."""
+    return x if pre is None else x.mean(2, dtype=pre.dtype)
 
 
 def begin(h: torch.Tensor, hc: int) -> tuple[torch.Tensor, torch.Tensor | None]:

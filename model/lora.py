@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import LORA_ATTENTION, LoRA
+from model.seeding import seeded_generator
 
 FFN_MATRICES = ("w1", "w2", "w3")
 LOW_PRECISION = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|ffn\.(shared_experts\.)?w[123]"
@@ -108,8 +109,6 @@ def attach(model: nn.Module, lora: LoRA, seed: int, low_precision: torch.dtype |
 
 def _kaiming_uniform(a: torch.Tensor, seed: int, name: str) -> None:
     """``U(-1/sqrt(in), 1/sqrt(in))`` (Kaiming-uniform with a = sqrt(5), nn.Linear's draw) from (seed, name)."""
-    from model.transformer import seeded_generator
-
     bound = 1 / math.sqrt(a.shape[-1])
     cpu = torch.device("cpu")  # drawn on the CPU (the same values on any device), also under a CUDA default device
     values = torch.empty(a.shape, device=cpu).uniform_(-bound, bound, generator=seeded_generator(seed, name, cpu))

@@ -6,6 +6,8 @@ last consumer (``Layout.last_use``), so what is alive between two layers is exac
 there must carry. The multi-layer indexer loss (SPEC §2) is assembled here: every reader of a selection adds its
 normalised attention mass on the selected entries, and the last reader turns the average into the KL.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,17 @@ from model.layout import LayerPlan, Layout, Mode
 from model.offload import HostStash
 
 FIELDS = ("kv", "index_k", "topk", "candidates", "index_logits", "index_target")
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """What one layer reads of the forward beside its stream, as explicit values: a recomputed layer
+    (``parallel/recompute.py``) runs again in the backward on these, after the state has dropped them."""
+    geometry: Geometry
+    reads: dict[str, torch.Tensor]  # the shared tensors it consumes (``SharedState.reads``)
+    engram_ids: torch.Tensor | None  # its Engram's hash ids (None: no Engram before this layer)
+    collect_recall: bool
+    host_stash: HostStash  # where an offloading wrapper parks the layer's input until the backward
 
 
 class SharedState:
@@ -32,12 +45,17 @@ class SharedState:
         self.indexer_losses: dict[int, torch.Tensor] = {}  # index source -> KL, once its last reader ran
         self.index_recall: dict[int, torch.Tensor] = {}  # reading layer -> recall (evaluation diagnostic)
         self.on_store = None  # optional callback(field, layer, tensor) for every tensor stored (a ledger)
-        self.host_stash = HostStash()  # recomputed layers' inputs waiting on the host (``Block.offload_input``)
+        self.host_stash = HostStash()  # recomputed layers' inputs waiting on the host (``parallel/recompute.py``)
         # Around the attention (SPEC §5): the row's token ids (Engram hashes, the draft head's inputs and targets),
         # the hash ids per Engram layer, and the draft head's features (detached) per target layer.
         self.input_ids: torch.Tensor | None = None
         self.engram_ids: dict[int, torch.Tensor] = {}
         self.dspark_features: dict[int, torch.Tensor] = {}
+
+    def inputs(self, plan: LayerPlan) -> LayerInputs:
+        """Everything layer ``plan`` reads of this forward beside its stream."""
+        return LayerInputs(self.geometry, self.reads(plan), self.engram_ids.get(plan.layer_id), self.collect_recall,
+                           self.host_stash)
 
     def reads(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
         """The shared tensors layer ``plan`` consumes."""

@@ -15,15 +15,11 @@ The stream a slice of layers passes on is a pair ``(x, pre)``: ``x`` [B,T,D] (pl
 training, and ``pre`` [B,T,hc] fp32 (None for the plain stream). A pipeline boundary carries both.
 """
 import math
-import zlib
 from functools import partial
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-import kernels
 
 from model import hyper
 from model.attention import Attention, linear
@@ -34,8 +30,8 @@ from model.engram import Engram, EngramHash, EngramTable
 from model.layout import Layout, LayerPlan
 from model.moe import ROUTED_WEIGHTS, Expert, MoE, update_bias
 from model.norm import RMSNorm
-from model.offload import HostCopy
-from model.state import SharedState
+from model.seeding import seeded_generator
+from model.state import LayerInputs, SharedState
 
 
 class FeedForward(Expert):
@@ -55,14 +51,15 @@ def make_ffn(args: ModelArgs, moe=None, dispatch=None) -> nn.Module:
     return FeedForward(args.dim, args.inter_dim, args.kernel_backend)
 
 
-class Block(nn.Module):
+class Block(hyper.HyperConnected, nn.Module):
+    """One layer: the Engram update (if any), then attention and FFN, each pre-normed between ``hc_pre`` and
+    ``hc_post`` (``model/hyper.py``; the plain stream is the one-copy case). Recomputation and offloading wrap
+    ``compute`` from ``parallel/recompute.py``; LoRA adapters are attached to the built model (``model/lora.py``)."""
+
     def __init__(self, args: ModelArgs, layout: Layout, plan: LayerPlan, engram: Engram | None = None,
                  dispatch=None):
         super().__init__()
-        self.args = args
-        self.recompute = False  # set by the parallel config (activation checkpointing of this layer)
-        self.keep_attention = False  # with recompute: keep the sparse attention's outputs instead of re-running it
-        self.offload_input = False  # with recompute: the input waits on the host for the recomputation
+        self.args, self.plan = args, plan
         self.feeds_dspark = args.dspark.blocks > 0 and plan.layer_id in args.dspark.target_layers
         if engram is not None:
             self.engram = engram
@@ -75,50 +72,28 @@ class Block(nn.Module):
             hyper.add_mix_parameters(self, args.hc_mult, args.dim)
 
     def forward(self, x: torch.Tensor, pre: torch.Tensor | None, state: SharedState):
-        """Runs the layer on the forward's shared state; returns the stream ``(x, pre)``. With ``recompute`` the
-        layer is a non-reentrant checkpoint: its shared inputs are explicit arguments, so recomputation in backward
-        sees the same tensors even after the state has dropped them. The checkpoint is selective
-        (``kernels.checkpoint_contexts``): the indexer's selection is saved, and with ``keep_attention`` the
-        sparse-attention op's outputs too; the rest of the layer is recomputed, without the selected mass (only
-        the forward reads it). With ``offload_input`` the checkpoint holds the input as a ``HostCopy``
-        (``model/offload.py``), which the recomputation reads back."""
-        plan = self.attn.plan
-        run, first = self._compute, x
-        if self.recompute and self.offload_input:
-            run, first = self._compute_from_host, state.host_stash.keep(x)
-        if self.recompute:
-            contexts = partial(kernels.checkpoint_contexts, self.keep_attention)
-            run = partial(checkpoint, run, use_reentrant=False, context_fn=contexts)
-        engram_ids = state.engram_ids.get(plan.layer_id) if hasattr(self, "engram") else None
-        x, pre, produced = run(first, pre, state.geometry, state.reads(plan), engram_ids, state.collect_recall)
-        if isinstance(first, HostCopy):
-            first.release(x)
-        state.write(plan, produced)
+        """The layer on the forward's shared state: ``compute`` on what the state holds for it, and what it
+        produced back into the state. Returns the stream ``(x, pre)``."""
+        x, pre, produced = self.compute(x, pre, state.inputs(self.plan))
+        state.write(self.plan, produced)
         return x, pre
 
-    def _compute_from_host(self, held: HostCopy, *rest):
-        return self._compute(held.tensor(), *rest)
+    def compute(self, x: torch.Tensor, pre: torch.Tensor | None, inputs: LayerInputs):
+        """The layer as a function of its explicit inputs (a recomputation re-runs it): the stream ``(x, pre)``
+        in, the stream and the shared tensors it produced (``SharedState.write``) out."""
+        if inputs.engram_ids is not None:
+            x = self.engram_update(x, pre, inputs.engram_ids)
+        draft = {"dspark_feature": hyper.mean_copy(x, pre).detach()} if self.feeds_dspark else {}
+        h, attn_mix = self.hc_pre("attn", x, pre)
+        h, produced = self.attn(self.attn_norm(h), inputs.geometry, inputs.reads, inputs.collect_recall)
+        x = self.hc_post(h, x, attn_mix)
+        h, ffn_mix = self.hc_pre("ffn", x, attn_mix.pre)
+        x = self.hc_post(self.ffn(self.ffn_norm(h)), x, ffn_mix)
+        return x, ffn_mix.pre, produced | draft
 
-    def _compute(self, x, pre, geometry, reads, engram_ids, collect_recall):
-        produced = {}
-
-        def attention(h):
-            out, produced_by_attention = self.attn(self.attn_norm(h), geometry, reads, collect_recall)
-            produced.update(produced_by_attention)
-            return out
-
-        def ffn(h):
-            return self.ffn(self.ffn_norm(h))
-
-        if engram_ids is not None:
-            x = self.engram(x if pre is not None else x.unsqueeze(2), engram_ids)
-            x = x if pre is not None else x.squeeze(2)
-        if self.feeds_dspark:
-            produced["dspark_feature"] = (x if pre is None else x.mean(2, dtype=pre.dtype)).detach()
-        args = self.args
-        x, pre = hyper.residual_block(self, x, pre, attention, ffn, args.hc_sinkhorn_iters, args.norm_eps,
-                                      args.hc_eps, args.kernel_backend)
-        return x, pre, produced
+    def engram_update(self, x: torch.Tensor, pre: torch.Tensor | None, engram_ids: torch.Tensor) -> torch.Tensor:
+        """The stream after this layer's Engram (which reads copies: the plain stream is one)."""
+        return self.engram(x, engram_ids) if pre is not None else self.engram(x.unsqueeze(2), engram_ids).squeeze(2)
 
 
 @dataclass
@@ -317,11 +292,6 @@ def init_parameters(named_parameters, args: ModelArgs, n_layers: int, seed: int,
                 p.copy_(_normal(p.shape, std, seed, name, device))
             else:
                 _draw_rows(p, *shard, std, seed, name, device)
-
-
-def seeded_generator(seed: int, key: str, device: torch.device) -> torch.Generator:
-    """The generator of the tensor named ``key``: seeded by (seed, name) alone, whatever else a process builds."""
-    return torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
 
 
 def _normal(shape, std: float, seed: int, name: str, device: torch.device, chunk: int | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from model.transformer import Transformer, init_parameters
 from parallel.ledger import Ledger
 from parallel.partition import StagePlan
 from parallel.payload import Payload, boundary_fields
+from parallel.recompute import recompute_leading
 
 
 def shadow_sources(layout: Layout, layers: range) -> list[int]:
@@ -55,10 +56,7 @@ class PipelineStage(nn.Module):
         self.head_chunk = head_chunk
         self.model = Transformer(args, layout, layers, seed, token_map=token_map, engram_rows=engram_rows,
                                  run_dspark=run_dspark, experts=experts)
-        for i, block in enumerate(self.model.layers.values()):
-            block.recompute = i < recompute_layers
-            block.keep_attention = i < min(recompute_layers, keep_attention_layers)
-            block.offload_input = offload_inputs and block.recompute
+        recompute_leading(self.model.layers.values(), recompute_layers, keep_attention_layers, offload_inputs)
         sources = shadow_sources(layout, layers) if index_k == "shadow" else []
         self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in sources})
         for s, shadow in self.shadows.items():

@@ -667,3 +667,84 @@ def random_params(dims: dict, layout: dict, seed: int = 0, dtype=torch.float64) 
             t = torch.randn(shape, generator=gen, dtype=torch.float64) * shape[1] ** -0.5
         out[name] = t.to(dtype).requires_grad_(True)
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# mHC stream (SPEC §5.2), one token at a time (tests/test_hyper.py, tests/test_dspark.py)
+# ------------------------------------------------------------------------------------------------------------------
+def sigmoid(v: float) -> float:
+    return 1.0 / (1.0 + math.exp(-v))
+
+
+def ref_split(m: list[float], scale: list[float], base: list[float], hc: int, iters: int, eps: float):
+    """pre, post (lists) and comb (list of rows comb[j][k]) of one token's logits m."""
+    pre = [sigmoid(m[c] * scale[0] + base[c]) + eps for c in range(hc)]
+    post = [2 * sigmoid(m[hc + c] * scale[1] + base[hc + c]) for c in range(hc)]
+    logit = [[m[2 * hc + j * hc + k] * scale[2] + base[2 * hc + j * hc + k] for k in range(hc)] for j in range(hc)]
+    comb = []
+    for j in range(hc):  # softmax along a row j (over k), then + eps
+        top = max(logit[j])
+        e = [math.exp(v - top) for v in logit[j]]
+        comb.append([v / sum(e) + eps for v in e])
+
+    def normalise_columns():
+        for k in range(hc):
+            s = sum(comb[j][k] for j in range(hc)) + eps
+            for j in range(hc):
+                comb[j][k] /= s
+
+    def normalise_rows():
+        for j in range(hc):
+            s = sum(comb[j]) + eps
+            comb[j] = [v / s for v in comb[j]]
+
+    normalise_columns()
+    for _ in range(iters - 1):
+        normalise_rows()
+        normalise_columns()
+    return pre, post, comb
+
+
+def ref_mixes(x, fn, scale, base, iters, norm_eps, hc_eps):
+    """Per token: flat = the hc copies one after the other; m_r = sum_i fn[r,i] flat_i / rms(flat)."""
+    B, T, hc, D = x.shape
+    pre, post, comb = (torch.zeros(B, T, hc, dtype=torch.float64), torch.zeros(B, T, hc, dtype=torch.float64),
+                       torch.zeros(B, T, hc, hc, dtype=torch.float64))
+    for b in range(B):
+        for t in range(T):
+            flat = [float(x[b, t, c, d]) for c in range(hc) for d in range(D)]  # copy after copy
+            inv_rms = 1.0 / math.sqrt(sum(v * v for v in flat) / len(flat) + norm_eps)
+            rows = fn.detach().tolist()
+            m = [sum(w * v for w, v in zip(row, flat)) * inv_rms for row in rows]
+            p, q, c = ref_split(m, scale.tolist(), base.tolist(), hc, iters, hc_eps)
+            pre[b, t], post[b, t], comb[b, t] = (torch.tensor(v, dtype=torch.float64) for v in (p, q, c))
+    return pre, post, comb
+
+
+def ref_collapse(x, pre):
+    B, T, hc, D = x.shape
+    return torch.tensor([[[sum(float(pre[b, t, c]) * float(x[b, t, c, d]) for c in range(hc)) for d in range(D)]
+                          for t in range(T)] for b in range(B)], dtype=torch.float64)
+
+
+def ref_expand(y, x, post, comb):
+    """out_k = post_k y + sum_j comb[j][k] X_j."""
+    B, T, hc, D = x.shape
+    out = torch.zeros(B, T, hc, D, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            for k in range(hc):
+                for d in range(D):
+                    out[b, t, k, d] = float(post[b, t, k]) * float(y[b, t, d]) + sum(
+                        float(comb[b, t, j, k]) * float(x[b, t, j, d]) for j in range(hc))
+    return out
+
+
+def ref_block(params, x, pre_in, attn, ffn, iters, norm_eps, hc_eps):
+    """Block(X, pre_in) of SPEC §5.2: the attention collapses with pre_in, the FFN with the attention's pre."""
+    a_pre, a_post, a_comb = ref_mixes(x, params["hc_attn_fn"], params["hc_attn_scale"], params["hc_attn_base"],
+                                      iters, norm_eps, hc_eps)
+    x1 = ref_expand(attn(ref_collapse(x, pre_in)), x, a_post, a_comb)
+    f_pre, f_post, f_comb = ref_mixes(x1, params["hc_ffn_fn"], params["hc_ffn_scale"], params["hc_ffn_base"],
+                                      iters, norm_eps, hc_eps)
+    return ref_expand(ffn(ref_collapse(x1, a_pre)), x1, f_post, f_comb), f_pre

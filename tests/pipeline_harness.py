@@ -7,6 +7,7 @@ import os
 import torch
 
 from parallel.local import spawn
+from parallel.recompute import recomputation
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 64, 2, 4, 2
 
@@ -80,8 +81,9 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, override
                 "state": {n: t.detach().clone() for n, t in stage.model.state_dict().items()},  # routing biases too
                 "first_grads": first_grads,
                 "shadows": {n: p.detach().clone() for n, p in stage.shadows.named_parameters()},
-                "recomputed": [int(i) for i, block in stage.model.layers.items() if block.recompute],
-                "kept": [int(i) for i, block in stage.model.layers.items() if block.keep_attention],
+                "recomputed": [int(i) for i, block in stage.model.layers.items() if recomputation(block)],
+                "kept": [int(i) for i, block in stage.model.layers.items()
+                         if recomputation(block) and recomputation(block).keep_attention],
                 "live_after": live_after, "peak_microbatches": stage.ledger.peak_microbatches,
                 "backward_traversals": stage.backward_traversals, "stage": engine.stage_id,
                 "p2p": "overlap" if engine.links is not None else "deepspeed"}, f"{out}/rank{rank}.pt")

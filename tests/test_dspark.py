@@ -1,7 +1,7 @@
 """DSpark (``model/dspark.py``) against an fp64 reference written here from SPEC §5.4 and the reference code's
 ``DSparkAttention``/``DSparkBlock``/``forward_spec``, anchor by anchor and slot by slot with explicit lists.
 
-The reference's stream mechanics are ``tests/test_hyper.py``'s own reference (``ref_block``, ``ref_collapse``) and
+The reference's stream mechanics are ``tests/oracle.py``'s per-token reference (``ref_block``, ``ref_collapse``) and
 its RoPE is ``tests/oracle.py``'s; it shares no code with ``model/``. The FFN is an input of DSpark (the integrator's
 factory): the reference calls the same module. Each test names the planted bug it caught when tried once.
 """
@@ -18,8 +18,7 @@ from model.geometry import Geometry
 from model.transformer import FeedForward
 
 sys.path.insert(0, os.path.dirname(__file__))
-from oracle import rope, rope_freqs  # noqa: E402
-from test_hyper import ref_block, ref_collapse  # noqa: E402
+from oracle import ref_block, ref_collapse, rope, rope_freqs  # noqa: E402
 
 f64 = torch.float64
 NOISE = 39

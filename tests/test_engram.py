@@ -19,13 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from oracle import engram_hash_ids, engram_primes  # noqa: E402  (the plain-int hash, shared with the model oracle)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention (a 10x slower gradcheck on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # --- the token map -----------------------------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def _rows(table: str, ranks, key) -> int:
     """A table's rows: the sum of its shards but the last one's padding (the unpadded shard sizes, ceil(rows/world))."""
     from model.cli import compose
     from model.config import ModelArgs
-    from model.engram import table_rows
+    from model.engram_layout import table_rows
 
     args = ModelArgs.from_config(compose(OVERRIDES).model)
     return dict(zip((f"layers.{layer}.engram.embed.weight" for layer in args.engram.layers),

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from model import ModelArgs, layout_from_config
 from model.cli import compose, resolved
 from model.config import DSparkArgs, EngramArgs, MoEArgs
-from model.engram import table_rows
+from model.engram_layout import table_rows
 from model.layout import Layout, Mode
 from model.transformer import Transformer
 from tests.pipeline_harness import job_of
@@ -253,10 +253,12 @@ def test_recompute_and_kept_attention_per_layer(job):
     """``parallel.recompute=block``: the first ``recompute_layers`` layers of the stage run as checkpoints, and the
     first ``keep_attention_layers`` of those keep their attention outputs; with ``recompute_offload`` the recomputed
     ones (only they) keep their inputs on the host."""
-    blocks = list(job["model"].layers.values())
-    assert [b.recompute for b in blocks] == [i < 2 for i in range(10)]
-    assert [b.keep_attention for b in blocks] == [i < 1 for i in range(10)]
-    assert [b.offload_input for b in blocks] == [i < 2 for i in range(10)]
+    from parallel.recompute import recomputation
+
+    wrappers = [recomputation(b) for b in job["model"].layers.values()]
+    assert [w is not None for w in wrappers] == [i < 2 for i in range(10)]
+    assert [w is not None and w.keep_attention for w in wrappers] == [i < 1 for i in range(10)]
+    assert [w is not None and w.offload for w in wrappers] == [i < 2 for i in range(10)]
 
 
 def _expert_ranges(rank, out):

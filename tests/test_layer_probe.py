@@ -13,6 +13,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from layer_probe import Clock, LayerProbe  # noqa: E402
+from parallel.recompute import recompute_leading  # noqa: E402
 
 
 class FakeAllocator:
@@ -167,8 +168,7 @@ def test_part_probe_on_every_v41_part_with_recompute():
 
     cfg = compose(["model=v41_mini", "layout=v41_scaled", "model.kernel_backend=torch", "model.dspark.blocks=0"])
     model = build_model(cfg.model, cfg.layout)
-    for block in model.layers.values():
-        block.recompute = True
+    recompute_leading(model.layers.values(), len(model.layers))
     originals = hyper.hc_pre, hyper.hc_post, hyper.collapse
     probe = PartProbe(model, Clock(cuda=False))
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from oracle import random_params  # noqa: E402
 from test_model_oracle import DIMS, LAYOUTS, _one_thread, build_model, mk_layout, packed_doc_ids  # noqa: E402,F401
+from parallel.recompute import recompute  # noqa: E402
 
 
 def make(layout, seed=0, **dims_over):
@@ -244,7 +245,7 @@ def test_recompute_changes_no_gradient(keep_attention):
 
     want_loss, want = loss_and_grads()
     for block in model.layers.values():
-        block.recompute, block.keep_attention = True, keep_attention
+        recompute(block, keep_attention)
     loss, got = loss_and_grads()
     assert torch.equal(loss, want_loss)
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

@@ -14,13 +14,14 @@ import torch
 from model.cli import compose
 from model import ModelArgs, layout_from_config
 from model.transformer import Transformer
+from parallel.recompute import recompute
 
 
 def build(name: str, offload: bool) -> Transformer:
     cfg = compose([f"model={name}", "layout=v41_scaled", "model.kernel_backend=torch"])
     model = Transformer(ModelArgs.from_config(cfg.model), layout_from_config(cfg.layout), seed=0)
     for block in model.layers.values():
-        block.recompute, block.offload_input = True, offload
+        recompute(block, offload=offload)
     return model
 
 

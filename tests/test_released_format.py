@@ -101,7 +101,7 @@ def stored_as(name: str) -> str:
 def hf_config(args, layout) -> dict:
     """The miniature's config.json as DeepSeek's HF config spells V4.1-Flash's (values from the model)."""
     moe, eng, ds = args.moe, args.engram, args.dspark
-    from model.engram import table_rows
+    from model.engram_layout import table_rows
     text = {
         "model_type": "deepseek_v41_text", "vocab_size": args.vocab_size, "hidden_size": args.dim,
         "moe_intermediate_size": moe.inter_dim, "num_hidden_layers": layout.n_layers,

@@ -11,6 +11,7 @@ import torch
 from model import build_model
 from model.cli import compose
 from model.groups import clip_group, param_group
+from parallel.recompute import recompute_leading
 from train.data import build_loader
 from train.engine import param_groups, warmup_cosine
 from train.health import ActivationStats, stability
@@ -104,8 +105,8 @@ def test_activation_stats_count_each_forward_once(setup):
     collected = []
     for recompute in (False, True):
         model = build_model(cfg.model, cfg.layout)
-        for block in model.layers.values():
-            block.recompute = recompute
+        if recompute:
+            recompute_leading(model.layers.values(), len(model.layers))
         stats = ActivationStats(model)
         seen = {}
         model.layers["3"].register_forward_hook(lambda m, i, out: seen.setdefault("resid3", []).append(out[0]))

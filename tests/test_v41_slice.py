@@ -165,15 +165,6 @@ def test_slice_flops_count_the_routed_experts_at_the_rows_received(v41_tiny):
 
 # ------------------------------------------------------------------------------------- the script, end to end
 
-@pytest.fixture
-def one_thread():
-    """The CPU is shared: one thread keeps the tiny steps from waiting on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def run_script(tmp_path, monkeypatch, *argv) -> dict:
     """``python bench/v41_slice.py --smoke --tokens 64 ...`` in this process; the file it writes."""
     out = tmp_path / "slice.json"

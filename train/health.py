@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.metrics import read_rows, series_of
+from train.metric_rows import read_rows, series_of
 
 ACT_PREFIX = "act_rms/"
 GRAD_PREFIX = "grad_norm/"

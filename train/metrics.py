@@ -21,16 +21,12 @@ from model.config import plain
 from model.layout import Layout
 from parallel.job import Job
 from train import dashboards, routing
+from train.health import plot_health
+from train.metric_rows import read_rows, series_of
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss_curve.png"
 HEALTH_PLOT_FILE = "health.png"  # gradient norms per group, activation RMS per layer (train/health.py)
-
-
-def read_rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class MetricsLogger:
@@ -96,8 +92,6 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.enabled:
             return
-        from train.health import plot_health
-
         rows = read_rows(self.path)
         plot_losses(rows, self.plot_path)
         plot_health(rows, self.path.parent / HEALTH_PLOT_FILE)
@@ -162,11 +156,6 @@ def _start_wandb(job: Job, run_dir: Path, constants: dict, run_id: str | None):
         resume="allow" if run_id else None,
         settings=wandb.Settings(quiet=True),  # the closing summary is ours (train/app.py)
     )
-
-
-def series_of(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the rows that have ``key``; null (a skipped step) becomes NaN, a gap in a line."""
-    return [r["step"] for r in rows if key in r], [math.nan if r[key] is None else r[key] for r in rows if key in r]
 
 
 def plot_losses(rows: list[dict], path: Path) -> None:

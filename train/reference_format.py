@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model.config import ModelArgs
-from model.engram import table_rows
+from model.engram_layout import table_rows
 from model.layout import Layout
 
 CONFIG = "config.json"

@@ -1,0 +1,67 @@
+"""What the whole suite shares: the ``one_thread`` fixture and the markers of pyproject.toml, applied here so that
+no test file has to remember them (a test added later gets its marks too).
+
+- ``multiprocess``: the test, a fixture it uses or a helper of the test modules they call (the pipeline harness's
+  ``run``, say) starts processes through ``parallel.local.spawn``.
+- ``slow``: multi-process, or a whole training job through ``train.app.run``. ``-m "not slow"`` keeps the quick
+  unit and oracle tests.
+- ``gpu``: needs a CUDA device; skipped without one.
+"""
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+from parallel.local import spawn
+from train.app import run as run_job
+
+
+PROJECT = ("parallel", "train", "tests")  # the packages whose attributes a test may reach a process spawner through
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors on a shared CPU: intra-op threads only add contention (a 10x slower gradcheck on a loaded
+    2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _named(func) -> list:
+    """The objects ``func``'s code names: its globals, the modules it imports from inside, and their attributes it
+    reads."""
+    code, namespace = getattr(func, "__code__", None), getattr(func, "__globals__", {})
+    if code is None:
+        return []
+    holders = [namespace.get(name, sys.modules.get(name)) for name in code.co_names]
+    modules = [obj for obj in holders if isinstance(obj, ModuleType) and obj.__name__.startswith(PROJECT)]
+    return holders + [getattr(module, name, None) for module in modules for name in code.co_names]
+
+
+def _called(item) -> set[int]:
+    """Ids of what the test function and every fixture it uses name, following the test modules' own helpers."""
+    todo = [item.function] + [defs[-1].func for defs in item._fixtureinfo.name2fixturedefs.values()]
+    seen: set[int] = set()
+    while todo:
+        func = todo.pop()
+        for obj in _named(func):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                if callable(obj) and (getattr(obj, "__module__", None) or "").startswith(("test_", "tests.")):
+                    todo.append(obj)
+    return seen
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        called = _called(item)
+        spawns = id(spawn) in called
+        if spawns:
+            item.add_marker(pytest.mark.multiprocess)
+        if spawns or id(run_job) in called:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
