@@ -203,6 +203,13 @@ def storage(name: str) -> Storage:
     return Storage(None, None, torch.float32 if FP32_TENSORS.fullmatch(name) else torch.bfloat16)
 
 
+def quantized_form(name: str) -> tuple[str, tuple[int, int]] | None:
+    """``(fmt, block)`` of a tensor the release stores quantised, None for a plain one: ``model/quantized_base.py``'s
+    ``formats``."""
+    form = storage(name)
+    return None if form.fmt is None else (form.fmt, form.block)
+
+
 def scale_name(name: str) -> str:
     return name.removesuffix(".weight") + ".scale"
 
