@@ -29,11 +29,12 @@ import torch
 from model import ModelArgs, Transformer, layout_from_config
 from model.config import JobConfig, apply
 from model.layout import Layout
+from model.quantized_base import quantize_base
 from parallel.job import Job
 from train import checkpoint
 from train.lora import checkpoint_weights
 from train.reference_format import ExportedWeights, is_exported, model_settings, reference_config, write_json
-from train.released_format import ReleasedWeights, is_released, released_settings
+from train.released_format import ReleasedWeights, is_released, quantized_form, released_settings
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +139,10 @@ def _ranges(ids: list[int]) -> str:
 class InitFrom:
     """``train.init_from`` of one run: the source opened and matched against the model before any work."""
 
-    def __init__(self, path: str, strict: bool, args: ModelArgs, layout: Layout):
-        """``path``: ``train.init_from``; ``strict``: ``train.init_strict``; ``args``, ``layout``: this run's model."""
-        self.path, self.strict, self.args = path, strict, args
+    def __init__(self, path: str, strict: bool, args: ModelArgs, layout: Layout, quantized_base: bool = False):
+        """``path``: ``train.init_from``; ``strict``: ``train.init_strict``; ``args``, ``layout``: this run's model;
+        ``quantized_base``: ``train.lora.quantized_base`` (a released source's FP8/FP4 matrices kept so)."""
+        self.path, self.strict, self.args, self.quantized_base = path, strict, args, quantized_base
         self.source = open_weights(self.path)
         with torch.device("meta"):
             expected = {name: t.shape for name, t in Transformer(args, layout).state_dict().items()}
@@ -164,7 +166,10 @@ class InitFrom:
 
     def load_into(self, engine) -> None:
         """Copy the matched weights into this rank's stage (owned parameters; shadow replicas follow their owners)."""
-        load_stage(engine.module.stage.model, self.source, set(self.match.loaded))
+        model = engine.module.stage.model
+        load_stage(model, self.source, set(self.match.loaded))
+        if self.quantized_base:  # the loaded values are codes times scales: quantising them gives the same back
+            quantize_base(model, quantized_form, self.args.kernel_backend)
         engine.sync_shadows()
 
     def describe_ranks(self, stages: tuple[range, ...], replicas: int, expert_parallel: int) -> list[str]:
@@ -305,4 +310,5 @@ def _setting(config, key: str):
 def from_job(job: Job) -> InitFrom | None:
     """The job's ``train.init_from`` opened and matched against its model (None when it has none)."""
     train = job.config.train
-    return InitFrom(train.init_from, train.init_strict, job.args, job.layout) if train.init_from else None
+    quantized = job.lora is not None and job.lora.quantized_base
+    return InitFrom(train.init_from, train.init_strict, job.args, job.layout, quantized) if train.init_from else None
