@@ -371,6 +371,38 @@ def test_a_trained_tensor_is_requantised_and_reported(release, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.load(names).values(), first.load(names).values()))
 
 
+def test_a_lora_run_exports_its_merged_adapters_in_the_released_form(release, tmp_path):
+    """A LoRA checkpoint (adapters of one FP8 attention matrix and one FP4 routed expert, B non-zero) exported over
+    its released base: every other tensor byte for byte as the source stores it, the two adapted ones in their
+    stored dtype with new scales, holding the released grid's rounding of ``W + (alpha/r) B A`` (W read back from
+    the source, the product formed here). Planted and caught: the merge without the scale, the export writing the
+    base instead of the merged weight."""
+    directory, args, layout, *_ = release
+    config = run_config(directory, "train.lora.rank=4", "train.lora.alpha=8", "train.lora.targets=[wq_b,experts]")
+    g = torch.Generator().manual_seed(2)
+    source = ReleasedWeights(directory)
+    adapted = ["layers.3.attn.wq_b.weight", "layers.3.ffn.experts.2.w1.weight"]
+    adapters, merged = {}, {}
+    for name in adapted:
+        w = source.load([name])[name]
+        a, b = torch.randn(4, w.shape[1], generator=g) * 0.1, torch.randn(w.shape[0], 4, generator=g) * 0.1
+        stem = name.removesuffix(".weight")
+        adapters[f"{stem}.lora.A"], adapters[f"{stem}.lora.B"] = a, b
+        merged[name] = w + 2.0 * b @ a
+    tag = fake_checkpoint(tmp_path / "ckpt", adapters, config)
+    _, report = export_deepseek(str(tag), tmp_path / "out")
+    assert {n for n, v in report.items() if not v["exact"]} == set(adapted)
+    written, stored = stored_bytes(tmp_path / "out"), stored_bytes(directory)
+    changed = {*adapted, *(n.removesuffix(".weight") + ".scale" for n in adapted)}
+    assert written.keys() == stored.keys()
+    assert {n: v for n, v in written.items() if n not in changed} == {n: v for n, v in stored.items() if n not in changed}
+    out = ReleasedWeights(tmp_path / "out")
+    for name in adapted:
+        assert written[name][:2] == stored[name][:2] and written[name][2] != stored[name][2]  # dtype, shape; bytes
+        form = ("fp4", BLOCK_ROW) if ".experts." in name else ("fp8", BLOCK_FP8)
+        assert torch.equal(out.load([name])[name], dequantize(*quantize(merged[name], *form), *form))
+
+
 # ------------------------------------------------------------------------------------------------ codecs
 
 def test_dequantisation_against_hand_worked_values():
