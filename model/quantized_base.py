@@ -26,7 +26,8 @@ from torch import nn
 
 from model.quant import FORMATS, dequantize, quantize
 
-Format = tuple[str, tuple[int, int]]  # (fp8 or fp4, scale block)
+# Bytes a value with its scales: an e8m0 byte per 32 x 32 FP8 block, per 32 packed FP4 values (two a byte).
+STORED_BYTES = {"fp8": 1 + 1 / 1024, "fp4": 0.5 + 1 / 32}
 
 
 class QuantizedMatrix(nn.Module):
