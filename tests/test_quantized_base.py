@@ -197,3 +197,27 @@ def test_grouped_triton_experts_equal_the_reference_loop():
     for got, want in zip(*runs):
         assert torch.isfinite(got).all()
         assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_the_memory_model_counts_the_converted_bytes():
+    """``parallel.memory.lora_counts`` under ``quantized_base`` times ``STORED_BYTES`` against the bytes of the codes
+    and scales a converted ``v41_mini`` holds, for the matrices the memory model counts so (its ``LOW_PRECISION``
+    ones in the blocks). Planted and caught: FP8 costed at 1.03 bytes a value (a scale per 32, the Engram tables'
+    rows), FP4 at 0.5 (no scales)."""
+    from model.lora import LOW_PRECISION
+    from model.quantized_base import STORED_BYTES
+    from parallel.memory import lora_counts
+
+    args, layout = configured([])
+    lora = LoRA(RANK, ALPHA, EVERY_MOE, quantized_base=True)
+    model = Transformer(args, layout)
+    attach(model, lora, seed=0)
+    quantize_base(model, quantized_form, "torch")
+    held = {"fp8": 0, "fp4": 0}
+    for name, module in model.named_modules():  # ...attn.wq_a.weight (a QuantizedLinear's), ...ffn.experts.w1
+        if isinstance(module, QuantizedMatrix) and LOW_PRECISION.fullmatch(name):
+            held[module.fmt] += module.codes.nbytes + module.scale.nbytes
+    counts = lora_counts(args, layout, lora)
+    assert held["fp8"] > 0 and held["fp4"] > 0
+    for fmt in ("fp8", "fp4"):
+        assert sum(counts[fmt]) * STORED_BYTES[fmt] == pytest.approx(held[fmt], rel=1e-12)
