@@ -63,9 +63,11 @@ class CheckpointWeights:
     def shapes(self) -> dict[str, torch.Size]:
         return {name: tensor.shape for name, tensor in self._tensors.items()}
 
-    def load(self, names, rows: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+    def load(self, names, rows: dict[str, tuple[int, int]] | None = None,
+             device: torch.device | None = None) -> dict[str, torch.Tensor]:
         rows = rows or {}
-        return {name: self._tensors[name][slice(*rows[name]) if name in rows else slice(None)] for name in names}
+        return {name: self._tensors[name][slice(*rows[name]) if name in rows else slice(None)].to(device)
+                for name in names}
 
 
 def open_weights(path: str) -> CheckpointWeights | ExportedWeights | ReleasedWeights:
@@ -230,8 +232,10 @@ def _plain(value):
 def load_stage(model, source, loaded: set[str]) -> None:
     """Load ``loaded`` tensors of the source into ``model`` (a stage's slice): its own layers, only its experts
     (expert parallelism) and only its rows of the Engram tables, one layer at a time (a dequantised released
-    layer is the most that is held at once besides the model)."""
+    layer is the most that is held at once besides the model), read onto the model's device (where a released
+    source decodes its FP8 / FP4 bytes)."""
     state = model.state_dict()
+    device = next(model.parameters()).device
     shards = model.row_shards()
     by_part: dict[str, list[str]] = {}
     for name in state:
@@ -241,7 +245,7 @@ def load_stage(model, source, loaded: set[str]) -> None:
     for names in by_part.values():
         rows = {n: (shards[n][0], max(shards[n][0], min(shards[n][0] + state[n].shape[0], shards[n][1])))
                 for n in names if n in shards}
-        tensors = source.load(names, rows=rows)
+        tensors = source.load(names, rows=rows, device=device)
         for name, (start, stop) in rows.items():  # the last shard's padding rows keep their values
             full = state[name].detach().clone()
             full[:stop - start] = tensors[name]
