@@ -149,10 +149,11 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_base(model: nn.Module, formats, kernel_backend: str) -> int:
-    """Convert the frozen base matrices of ``model``'s blocks (``layers.*``: the draft head keeps its own) that ``formats(name) -> (fmt, block) | None`` gives
-    a quantised form (``name``: the state-dict name, a routed expert's as expert 0's of its stack ...experts.{j}.
-    w1.weight) into ``QuantizedLinear`` / ``QuantizedMatrix``; returns how many matrices were converted. A base
-    matrix that still trains is an error: only a frozen base may be rounded to the released grid."""
+    """Convert the frozen base matrices of ``model``'s blocks (``layers.*``: the draft head keeps its own) that
+    ``formats(name) -> (fmt, block) | None`` gives a quantised form (``name``: the state-dict name, a stack of routed
+    experts' as its first expert's ``...experts.{j}.w1.weight``) into ``QuantizedLinear`` / ``QuantizedMatrix``;
+    returns how many matrices were converted. A base matrix that still trains is an error: only a frozen base may be
+    rounded to the released grid."""
     converted = 0
     for name, module in [(f"layers.{n}.{m}".rstrip("."), sub) for n, block in model.layers.items()
                          for m, sub in block.named_modules()]:
