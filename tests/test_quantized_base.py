@@ -221,3 +221,22 @@ def test_the_memory_model_counts_the_converted_bytes():
     assert held["fp8"] > 0 and held["fp4"] > 0
     for fmt in ("fp8", "fp4"):
         assert sum(counts[fmt]) * STORED_BYTES[fmt] == pytest.approx(held[fmt], rel=1e-12)
+
+
+def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
+    """``bench/quant_gemm.py --smoke``: its three cases come back with both ways timed, the same products (fp32 on the
+    CPU) and the weights smaller quantised."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "quant_gemm.json"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, str(root / "bench/quant_gemm.py"), "--smoke", "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == ["experts w1|w3", "experts w2", "attn wq_b"]
+    for r in results:
+        assert r["max_rel_diff"] < 1e-5 and r["weight_bytes"]["quantised"] < r["weight_bytes"]["bf16"]
+        assert all(r[f"{way}_{step}_ms"] > 0 for way in ("bf16", "quantised") for step in ("forward", "backward"))
