@@ -403,6 +403,32 @@ def test_a_lora_run_exports_its_merged_adapters_in_the_released_form(release, tm
         assert torch.equal(out.load([name])[name], dequantize(*quantize(merged[name], *form), *form))
 
 
+def test_lora_training_over_the_quantised_base_equals_the_dequantised_one(release, tmp_path, monkeypatch):
+    """Two LoRA steps over the released miniature, the base kept as released (``train.lora.quantized_base``) and
+    dequantised into fp32: the same losses (the quantised values are the released ones; fp32 on the CPU), and the
+    converter did run (a spy counts the matrices it held). Planted and caught: the setting not reaching
+    ``InitFrom``."""
+    import train.init_from as init_from_module
+    from model.cli import compose
+    from tests.test_train_run import SMALL, _train_rows
+    from train.app import run
+
+    directory, *_ = release
+    held = []
+    convert = init_from_module.quantize_base
+    monkeypatch.setattr(init_from_module, "quantize_base", lambda *a: held.append(convert(*a)) or held[-1])
+    losses = {}
+    for quantized in ("false", "true"):
+        run(compose([*SMALL, "model=v41_mini", "model.kernel_backend=torch", f"train.init_from={directory}",
+                     "train.init_strict=false", "train.max_steps=2", "train.lora.rank=4",
+                     "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]",
+                     f"train.lora.quantized_base={quantized}"]), tmp_path / quantized)
+        losses[quantized] = [r["loss"] for r in _train_rows(tmp_path / quantized)]
+    assert len(held) == 1 and held[0] > 0
+    assert len(losses["true"]) == 2
+    torch.testing.assert_close(losses["true"], losses["false"], rtol=1e-6, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------ codecs
 
 def test_dequantisation_against_hand_worked_values():

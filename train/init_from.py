@@ -171,7 +171,9 @@ class InitFrom:
         model = engine.module.stage.model
         load_stage(model, self.source, set(self.match.loaded))
         if self.quantized_base:  # the loaded values are codes times scales: quantising them gives the same back
-            quantize_base(model, quantized_form, self.args.kernel_backend)
+            held = quantize_base(model, quantized_form, self.args.kernel_backend)
+            log.info("train.lora.quantized_base: %d frozen matrices of this stage held as the release stores them",
+                     held)
         engine.sync_shadows()
 
     def describe_ranks(self, stages: tuple[range, ...], replicas: int, expert_parallel: int) -> list[str]:
