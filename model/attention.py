@@ -129,7 +129,8 @@ class Attention(nn.Module):
         q_low, kv = weight_linear(x, w_in).split([args.q_lora_rank, args.head_dim], dim=-1)  # wq_a and wkv: one GEMM
         q_low, kv = adapted(q_low, self.wq_a, x), adapted(kv, self.wkv, x)
         qr = self.q_norm(q_low)
-        q = adapted(weight_linear(qr, wq_b), self.wq_b, qr).view(B, T, args.n_heads, args.head_dim)  # RoPE: later
+        # q's RoPE is applied in the attention
+        q = adapted(weight_linear(qr, wq_b), self.wq_b, qr).view(B, T, args.n_heads, args.head_dim)
         kv_window = simulate(self.kv_norm(kv, self.rotary, tokens), "window_kv", args.qat)
         produced, kv_comp, topk, context = {}, None, None, geometry.context
         if plan.mode is not Mode.WINDOW:
