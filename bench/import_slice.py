@@ -21,11 +21,11 @@ One child process per phase, so that each phase's peak host RSS (``VmHWM``) is i
   ``Transformer(layer_ids=..., init=False)`` on the device as rank 0 of an E = 16 expert-parallel group
   (``--expert-parallel``, ``--expert-rank``: experts 0-23 of the 384), then ``load_stage``, the function
   ``InitFrom.load_into`` calls: layer by layer, its tensors read by ``safe_open`` slices (the rank's experts only)
-  and dequantised on the host into fp32, then copied into the model. Timed: opening, building, loading; within
-  loading the dequantisation per format, the reading (the rest of ``ReleasedWeights.load``) and the copy into the
-  model. Checked: every tensor of the stage was loaded, the bytes read are the preflight's share (``rank_share``),
-  and the first and last tensor of each stored form (the first held expert of layer 20, the last of layer 23, ...)
-  equal the values written, exactly.
+  and dequantised into fp32 on the model's device (the host before issue 56), then copied into the model. Timed:
+  opening, building, loading; within loading the dequantisation per format, the reading (the rest of
+  ``ReleasedWeights.load``) and the copy into the model. Checked: every tensor of the stage was loaded, the bytes
+  read are the preflight's share (``rank_share``), and the first and last tensor of each stored form (the first
+  held expert of layer 20, the last of layer 23, ...) equal the values written, exactly.
 The slice has no Engram layer (1 and 14 hold the tables): the JSON estimates the import of the released tables
 (196.6 B values, 203 GB stored as FP8 rows of 32) at the measured rates. Where the disk is too small or slow for
 29.6 GB, ``--expert-parallel 1 model.moe.n_routed_experts=24`` writes only the rank's 24 experts (and so measures

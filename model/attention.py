@@ -18,8 +18,9 @@ from model.layout import LayerPlan, Mode
 from model.lora import adapted
 from model.norm import RMSNorm
 from model.qat import simulate
+from model.quantized_base import QuantizedRows
 from model.rope import Rotary
-from model.weights import matmul_weights
+from model.weights import linear as weight_linear, matmul_weights
 
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
@@ -125,10 +126,11 @@ class Attention(nn.Module):
         ops = kernels.ops(args.kernel_backend, x.device)
         w_in, wq_b, wo_a, wo_b = matmul_weights([(self.wq_a, self.wkv), self.wq_b, self.wo_a, self.wo_b],
                                                 args.kernel_backend)
-        q_low, kv = F.linear(x, w_in).split([args.q_lora_rank, args.head_dim], dim=-1)  # wq_a and wkv: one GEMM
+        q_low, kv = weight_linear(x, w_in).split([args.q_lora_rank, args.head_dim], dim=-1)  # wq_a and wkv: one GEMM
         q_low, kv = adapted(q_low, self.wq_a, x), adapted(kv, self.wkv, x)
         qr = self.q_norm(q_low)
-        q = adapted(F.linear(qr, wq_b), self.wq_b, qr).view(B, T, args.n_heads, args.head_dim)  # RoPE: in the attention
+        # q's RoPE is applied in the attention
+        q = adapted(weight_linear(qr, wq_b), self.wq_b, qr).view(B, T, args.n_heads, args.head_dim)
         kv_window = simulate(self.kv_norm(kv, self.rotary, tokens), "window_kv", args.qat)
         produced, kv_comp, topk, context = {}, None, None, geometry.context
         if plan.mode is not Mode.WINDOW:
@@ -189,12 +191,15 @@ class Attention(nn.Module):
         of wo_a adapts it as one [G*R, K] matrix: group g's update is B[g] (A x_g), B's rows cut as wo_a's."""
         B, T = out.shape[:2]
         grouped, rank = out.reshape(B * T, self.args.o_groups, -1), self.args.o_lora_rank
-        low_t = GroupedLowRank.apply(grouped, wo_a, rank)
+        if isinstance(wo_a, QuantizedRows):  # a frozen base in the released form (model/quantized_base.py)
+            low_t = wo_a.grouped(grouped, rank)
+        else:
+            low_t = GroupedLowRank.apply(grouped, wo_a, rank)
         if hasattr(self.wo_a, "lora"):
             lora = self.wo_a.lora
             low_t = low_t + lora.scale * GroupedLowRank.apply(F.linear(grouped, lora.A), lora.B, rank)
         low = low_t.reshape(-1, B * T).t()
-        return adapted(F.linear(low, wo_b), self.wo_b, low).view(B, T, -1)
+        return adapted(weight_linear(low, wo_b), self.wo_b, low).view(B, T, -1)
 
 
 class GroupedLowRank(torch.autograd.Function):

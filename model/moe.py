@@ -41,7 +41,7 @@ from model.attention import linear
 from model.config import MoEArgs
 from model.lora import adapted
 from model.split_gemm import split_linear
-from model.weights import cast_stacked, matmul_weights
+from model.weights import cast_stacked, grouped_linear, linear as weight_linear, matmul_weights
 
 GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what grouped_mm multiplies (no fp64)
 ROUTED_WEIGHTS = ("w1", "w2", "w3")
@@ -111,12 +111,12 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., dim]; ``weights`` (one per row of x, e.g. [N] or [N, 1]) scale the hidden activation."""
         w13, w2 = matmul_weights([(self.w1, self.w3), self.w2], self.kernel_backend)
-        h = F.linear(x, w13)  # [gate | up]
+        h = weight_linear(x, w13)  # [gate | up]
         if hasattr(self.w1, "lora") or hasattr(self.w3, "lora"):
             gate, up = h.chunk(2, dim=-1)
             h = torch.cat([adapted(gate, self.w1, x), adapted(up, self.w3, x)], dim=-1)
         h = kernels.ops(self.kernel_backend, x.device).swiglu(h, self.swiglu_limit, weights)
-        return adapted(F.linear(h, w2), self.w2, h)
+        return adapted(weight_linear(h, w2), self.w2, h)
 
 
 class RoutedExperts(nn.Module):
@@ -166,7 +166,7 @@ class RoutedExperts(nn.Module):
             grouped = x.device.type == "cuda" and dtype in GROUPED_MM_DTYPES
         if not grouped:
             bounds = [0, *counts.cumsum(0).tolist()]
-            return torch.cat([self._swiglu(x[lo:hi], weights[lo:hi], F.linear, w13[i], w2[i],
+            return torch.cat([self._swiglu(x[lo:hi], weights[lo:hi], weight_linear, w13[i], w2[i],
                                            {w: (A[i], B[i]) for w, (A, B) in low_rank.items()})
                               for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
         rank = adapters["w1"].A.shape[1] if adapters else 0
@@ -174,12 +174,10 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"grouped_mm needs 16-byte rows: model.dim={self.dim}, model.moe.inter_dim="
                              f"{self.inter_dim}" + (f" and train.lora.rank={rank}" if adapters else "")
                              + " must be multiples of 8")
-        offsets = counts.cumsum(0, dtype=torch.int32)
+        def grouped(rows, weight):  # rows of expert e times weight[e]ᵀ, for every e at once
+            return grouped_linear(rows, weight, counts)
 
-        def grouped_linear(rows, weight):  # rows of expert e times weight[e]ᵀ, for every e at once
-            return F.grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
-
-        return self._swiglu(x, weights, grouped_linear, w13, w2, low_rank)
+        return self._swiglu(x, weights, grouped, w13, w2, low_rank)
 
     def _swiglu(self, x, weights, matmul, w13, w2, low_rank: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         """``W2 · swiglu(W13 x)`` by ``matmul(rows, weight)`` (``F.linear`` on one expert's matrices, or the grouped

@@ -124,9 +124,10 @@ class CSA2PipelineModule(PipelineModule):
 
     def expert_named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's routed experts under expert parallelism (stacked): reduced and partitioned over the ranks
-        that hold the same experts."""
+        that hold the same experts. A frozen stack held quantised (``train.lora.quantized_base``) is no parameter
+        any more: it has nothing to reduce."""
         named = dict(self.stage.model.named_parameters())
-        return {n: named[n] for n in self.expert_shards if named[n].requires_grad}
+        return {n: named[n] for n in self.expert_shards if n in named and named[n].requires_grad}
 
     def table_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The row-sharded tables that train (sparse gradients, ``torch.optim.SparseAdam``)."""

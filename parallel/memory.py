@@ -6,7 +6,10 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
   moments ZeRO-1 divides by the ranks holding the same experts; an Engram table's rows are sharded over the
   data-parallel ranks, with no dense gradient (it is sparse) and sparse Adam's two moments when it trains. Under
   LoRA (``model/lora.py``) the base is frozen: its weights only (no gradient, no moments), in bf16 for the matrices
-  ``LOW_PRECISION`` names when the job computes in bf16, fp32 for the rest, and the adapters' state as above;
+  ``LOW_PRECISION`` names when the job computes in bf16, fp32 for the rest, and the adapters' state as above; with
+  ``train.lora.quantized_base`` those matrices (but the head) are held as the release stores them
+  (``model/quantized_base.py``): FP4 for the routed experts, FP8 for the rest (``STORED_BYTES`` with the scales;
+  the few frozen FP8 matrices outside them, the indexer's wq_b and Engram's wkv, still counted at fp32);
 - casts: under bf16 autocast the bf16 copy of every fp32 weight of the stage lives until its forward ends (2 B per
   parameter; none of a frozen weight kept in bf16); it is gone before a backward starts (a recomputed layer casts
   again, inside its transient);
@@ -42,6 +45,7 @@ from model.config import ModelArgs, ParallelConfig
 from model.hyper import mix_width
 from model.layout import Layout, Mode
 from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
+from model.quantized_base import STORED_BYTES
 from model.transformer import Transformer
 from parallel.payload import Payload, boundary_fields, latent_dtype
 
@@ -81,12 +85,17 @@ def lora_counts(args: ModelArgs, layout: Layout, lora: LoRA) -> dict[str, tuple[
     under bf16 autocast (``LOW_PRECISION``) outside the routed experts, ``low_experts`` the routed experts' of them;
     ``adapters`` the adapters' parameters outside the routed experts, ``adapter_experts`` the routed experts' (split
     over expert ranks with their experts). The adapters are ``Adapter``s of the shapes ``targeted_modules`` finds,
-    built on the meta device (no draws)."""
+    built on the meta device (no draws). With ``lora.quantized_base`` the blocks' ones are ``fp8`` and ``fp4`` (the
+    routed experts) instead, in the release's form."""
     model = _meta_model(args, layout)
-    counts = {kind: [0] * layout.n_layers for kind in ("low", "low_experts", "adapters", "adapter_experts")}
+    counts = {kind: [0] * layout.n_layers for kind in ("low", "low_experts", "adapters", "adapter_experts", "fp8",
+                                                       "fp4")}
     for name, p in model.named_parameters():
         if LOW_PRECISION.fullmatch(name):
-            counts["low_experts" if ".ffn.experts." in name else "low"][_layer_of(name)] += p.numel()
+            routed = ".ffn.experts." in name
+            kind = ("fp4" if routed else "fp8") if lora.quantized_base and name.startswith("layers.") else \
+                "low_experts" if routed else "low"
+            counts[kind][_layer_of(name)] += p.numel()
     with torch.device("meta"):
         for name, module in targeted_modules(model, lora.targets):
             stacked = hasattr(module, "expert_ids")
@@ -263,11 +272,12 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     else:  # frozen base: weights only, bf16 where attach keeps them so; tables fp32, frozen
         low = lora_counts(args, layout, lora)
         w = dtype.itemsize if dtype == torch.bfloat16 else 4
-        fp32 = [(n - ln, (e - le) / E) for n, e, ln, le in zip(counts["dense"], counts["experts"], low["low"],
-                                                                  low["low_experts"])]
-        state = [4 * (n + e) + w * (ln + le / E) + t * 4 / ranks + trained(an, ae)
-                 for (n, e), ln, le, t, an, ae in zip(fp32, low["low"], low["low_experts"], tables, low["adapters"],
-                                                      low["adapter_experts"])]
+        fp32 = [(n - ln - f8, (e - le - f4) / E) for n, e, ln, le, f8, f4 in
+                zip(counts["dense"], counts["experts"], low["low"], low["low_experts"], low["fp8"], low["fp4"])]
+        stored = [f8 * STORED_BYTES["fp8"] + f4 / E * STORED_BYTES["fp4"] for f8, f4 in zip(low["fp8"], low["fp4"])]
+        state = [4 * (n + e) + w * (ln + le / E) + q + t * 4 / ranks + trained(an, ae)
+                 for (n, e), ln, le, q, t, an, ae in zip(fp32, low["low"], low["low_experts"], stored, tables,
+                                                         low["adapters"], low["adapter_experts"])]
         casts = [(n + e + an + ae / E) * cast for (n, e), an, ae in zip(fp32, low["adapters"], low["adapter_experts"])]
     tokens = micro_batch * seq_len // context_parallel  # a rank's chunk of each row
     produced = _produced_bytes(args, layout, micro_batch, seq_len, dtype, context_parallel)

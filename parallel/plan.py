@@ -157,6 +157,9 @@ def describe_lora(args: ModelArgs, layout: Layout, lora, dtype: torch.dtype) -> 
     counts, total = lora_counts(args, layout, lora), sum(layer_parameters(args, layout))
     adapters = sum(counts["adapters"]) + sum(counts["adapter_experts"])
     low = "its attention, expert and head matrices in bf16, the rest fp32" if dtype == torch.bfloat16 else "fp32"
+    if lora.quantized_base:
+        low = (f"{sum(counts['fp8']):,} attention and shared-expert values in FP8 and {sum(counts['fp4']):,} routed-"
+               f"expert values in FP4 as released, {'the head bf16, ' * (dtype == torch.bfloat16)}the rest fp32")
     return (f"lora: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}: {adapters:,} adapter "
             f"parameters train ({adapters / total:.2%} of the {total:,} outside the Engram tables); the base is frozen "
             f"(no gradients or AdamW state; {low})")

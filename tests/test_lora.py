@@ -332,6 +332,9 @@ def _lora_parameters():
     (["train.lora.rank=4", "train.lora.targets=[dense_ffn]", "model=v41_mini"], r"has no dense_ffn — leave it out"),
     (["train.lora.rank=4", "train.lora.targets=[experts]"], r"model.ffn=dense.* has no experts"),
     (["train.lora.rank=4"], r"train.lora.rank=4 trains adapters on a frozen base: set train.init_from="),
+    (["train.lora.rank=4", "train.lora.quantized_base=true", "train.init_from=/nowhere"],
+     r"train.lora.quantized_base=true keeps the base as DeepSeek's release stores it: set train.init_from to a "
+     r"released directory \(it is /nowhere\)"),
 ])
 def test_bad_settings_fail_in_one_line(overrides, message, tmp_path):
     from train.preflight import planned

@@ -371,6 +371,65 @@ def test_a_trained_tensor_is_requantised_and_reported(release, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(again.load(names).values(), first.load(names).values()))
 
 
+def test_a_lora_run_exports_its_merged_adapters_in_the_released_form(release, tmp_path):
+    """A LoRA checkpoint (adapters of one FP8 attention matrix and one FP4 routed expert, B non-zero) exported over
+    its released base: every other tensor byte for byte as the source stores it, the two adapted ones in their
+    stored dtype with new scales, holding the released grid's rounding of ``W + (alpha/r) B A`` (W read back from
+    the source, the product formed here). Planted and caught: the merge without the scale, the export writing the
+    base instead of the merged weight."""
+    directory, args, layout, *_ = release
+    config = run_config(directory, "train.lora.rank=4", "train.lora.alpha=8", "train.lora.targets=[wq_b,experts]")
+    g = torch.Generator().manual_seed(2)
+    source = ReleasedWeights(directory)
+    adapted = ["layers.3.attn.wq_b.weight", "layers.3.ffn.experts.2.w1.weight"]
+    adapters, merged = {}, {}
+    for name in adapted:
+        w = source.load([name])[name]
+        a, b = torch.randn(4, w.shape[1], generator=g) * 0.1, torch.randn(w.shape[0], 4, generator=g) * 0.1
+        stem = name.removesuffix(".weight")
+        adapters[f"{stem}.lora.A"], adapters[f"{stem}.lora.B"] = a, b
+        merged[name] = w + 2.0 * b @ a
+    tag = fake_checkpoint(tmp_path / "ckpt", adapters, config)
+    _, report = export_deepseek(str(tag), tmp_path / "out")
+    assert {n for n, v in report.items() if not v["exact"]} == set(adapted)
+    written, stored = stored_bytes(tmp_path / "out"), stored_bytes(directory)
+    changed = {*adapted, *(n.removesuffix(".weight") + ".scale" for n in adapted)}
+    assert written.keys() == stored.keys()
+    untouched = [n for n in stored if n not in changed]
+    assert [written[n] for n in untouched] == [stored[n] for n in untouched]
+    out = ReleasedWeights(tmp_path / "out")
+    for name in adapted:
+        assert written[name][:2] == stored[name][:2] and written[name][2] != stored[name][2]  # dtype, shape; bytes
+        form = ("fp4", BLOCK_ROW) if ".experts." in name else ("fp8", BLOCK_FP8)
+        assert torch.equal(out.load([name])[name], dequantize(*quantize(merged[name], *form), *form))
+
+
+def test_lora_training_over_the_quantised_base_equals_the_dequantised_one(release, tmp_path, monkeypatch):
+    """Two LoRA steps over the released miniature, the base kept as released (``train.lora.quantized_base``) and
+    dequantised into fp32: the same losses (the quantised values are the released ones; fp32 on the CPU), and the
+    converter did run (a spy counts the matrices it held). Planted and caught: the setting not reaching
+    ``InitFrom``."""
+    import train.init_from as init_from_module
+    from model.cli import compose
+    from tests.test_train_run import SMALL, _train_rows
+    from train.app import run
+
+    directory, *_ = release
+    held = []
+    convert = init_from_module.quantize_base
+    monkeypatch.setattr(init_from_module, "quantize_base", lambda *a: held.append(convert(*a)) or held[-1])
+    losses = {}
+    for quantized in ("false", "true"):
+        run(compose([*SMALL, "model=v41_mini", "model.kernel_backend=torch", f"train.init_from={directory}",
+                     "train.init_strict=false", "train.max_steps=2", "train.lora.rank=4",
+                     "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]",
+                     f"train.lora.quantized_base={quantized}"]), tmp_path / quantized)
+        losses[quantized] = [r["loss"] for r in _train_rows(tmp_path / quantized)]
+    assert len(held) == 1 and held[0] > 0
+    assert len(losses["true"]) == 2
+    torch.testing.assert_close(losses["true"], losses["false"], rtol=1e-6, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------ codecs
 
 def test_dequantisation_against_hand_worked_values():

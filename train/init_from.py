@@ -29,11 +29,12 @@ import torch
 from model import ModelArgs, Transformer, layout_from_config
 from model.config import JobConfig, apply
 from model.layout import Layout
+from model.quantized_base import quantize_base
 from parallel.job import Job
 from train import checkpoint
 from train.lora import checkpoint_weights
 from train.reference_format import ExportedWeights, is_exported, model_settings, reference_config, write_json
-from train.released_format import ReleasedWeights, is_released, released_settings
+from train.released_format import ReleasedWeights, is_released, quantized_form, released_settings
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,11 @@ class CheckpointWeights:
     def shapes(self) -> dict[str, torch.Size]:
         return {name: tensor.shape for name, tensor in self._tensors.items()}
 
-    def load(self, names, rows: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
+    def load(self, names, rows: dict[str, tuple[int, int]] | None = None,
+             device: torch.device | None = None) -> dict[str, torch.Tensor]:
         rows = rows or {}
-        return {name: self._tensors[name][slice(*rows[name]) if name in rows else slice(None)] for name in names}
+        return {name: self._tensors[name][slice(*rows[name]) if name in rows else slice(None)].to(device)
+                for name in names}
 
 
 def open_weights(path: str) -> CheckpointWeights | ExportedWeights | ReleasedWeights:
@@ -138,9 +141,10 @@ def _ranges(ids: list[int]) -> str:
 class InitFrom:
     """``train.init_from`` of one run: the source opened and matched against the model before any work."""
 
-    def __init__(self, path: str, strict: bool, args: ModelArgs, layout: Layout):
-        """``path``: ``train.init_from``; ``strict``: ``train.init_strict``; ``args``, ``layout``: this run's model."""
-        self.path, self.strict, self.args = path, strict, args
+    def __init__(self, path: str, strict: bool, args: ModelArgs, layout: Layout, quantized_base: bool = False):
+        """``path``: ``train.init_from``; ``strict``: ``train.init_strict``; ``args``, ``layout``: this run's model;
+        ``quantized_base``: ``train.lora.quantized_base`` (a released source's FP8/FP4 matrices kept so)."""
+        self.path, self.strict, self.args, self.quantized_base = path, strict, args, quantized_base
         self.source = open_weights(self.path)
         with torch.device("meta"):
             expected = {name: t.shape for name, t in Transformer(args, layout).state_dict().items()}
@@ -164,7 +168,12 @@ class InitFrom:
 
     def load_into(self, engine) -> None:
         """Copy the matched weights into this rank's stage (owned parameters; shadow replicas follow their owners)."""
-        load_stage(engine.module.stage.model, self.source, set(self.match.loaded))
+        model = engine.module.stage.model
+        load_stage(model, self.source, set(self.match.loaded))
+        if self.quantized_base:  # the loaded values are codes times scales: quantising them gives the same back
+            held = quantize_base(model, quantized_form, self.args.kernel_backend)
+            log.info("train.lora.quantized_base: %d frozen matrices of this stage held as the release stores them",
+                     held)
         engine.sync_shadows()
 
     def describe_ranks(self, stages: tuple[range, ...], replicas: int, expert_parallel: int) -> list[str]:
@@ -225,8 +234,10 @@ def _plain(value):
 def load_stage(model, source, loaded: set[str]) -> None:
     """Load ``loaded`` tensors of the source into ``model`` (a stage's slice): its own layers, only its experts
     (expert parallelism) and only its rows of the Engram tables, one layer at a time (a dequantised released
-    layer is the most that is held at once besides the model)."""
+    layer is the most that is held at once besides the model), read onto the model's device (where a released
+    source decodes its FP8 / FP4 bytes)."""
     state = model.state_dict()
+    device = next(model.parameters()).device
     shards = model.row_shards()
     by_part: dict[str, list[str]] = {}
     for name in state:
@@ -236,7 +247,7 @@ def load_stage(model, source, loaded: set[str]) -> None:
     for names in by_part.values():
         rows = {n: (shards[n][0], max(shards[n][0], min(shards[n][0] + state[n].shape[0], shards[n][1])))
                 for n in names if n in shards}
-        tensors = source.load(names, rows=rows)
+        tensors = source.load(names, rows=rows, device=device)
         for name, (start, stop) in rows.items():  # the last shard's padding rows keep their values
             full = state[name].detach().clone()
             full[:stop - start] = tensors[name]
@@ -305,4 +316,5 @@ def _setting(config, key: str):
 def from_job(job: Job) -> InitFrom | None:
     """The job's ``train.init_from`` opened and matched against its model (None when it has none)."""
     train = job.config.train
-    return InitFrom(train.init_from, train.init_strict, job.args, job.layout) if train.init_from else None
+    quantized = job.lora is not None and job.lora.quantized_base
+    return InitFrom(train.init_from, train.init_strict, job.args, job.layout, quantized) if train.init_from else None

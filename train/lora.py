@@ -16,13 +16,19 @@ import torch
 from model.config import LoRA, TrainConfig
 from model.lora import merge
 from train import checkpoint
+from train.released_format import is_released
 
 
 def check_run(train: TrainConfig, lora: LoRA | None) -> None:
-    """A LoRA run needs a base to adapt."""
+    """A LoRA run needs a base to adapt; a quantised base (``train.lora.quantized_base``) a released one."""
+
     if lora is not None and not train.init_from:
         raise ValueError(f"train.lora.rank={lora.rank} trains adapters on a frozen base: set train.init_from=<a "
                          "checkpoint or an exported directory> (or train.lora.rank=0 to train every weight)")
+    if lora is not None and lora.quantized_base and not is_released(Path(train.init_from).expanduser().resolve()):
+        raise ValueError(f"train.lora.quantized_base=true keeps the base as DeepSeek's release stores it: set "
+                         f"train.init_from to a released directory (it is {train.init_from}), or "
+                         "train.lora.quantized_base=false")
 
 
 def check_resume(ref: checkpoint.CheckpointRef, saved_config: dict, train: TrainConfig) -> None:

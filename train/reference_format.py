@@ -209,8 +209,10 @@ class ExportedWeights:
     def shapes(self) -> dict[str, torch.Size]:
         return dict(self._shapes)
 
-    def load(self, names, rows: dict[str, tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
-        """``names``; ``rows[name] = (start, stop)`` reads only those rows of it (a rank's Engram table shard)."""
+    def load(self, names, rows: dict[str, tuple[int, int]] | None = None,
+             device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        """``names``; ``rows[name] = (start, stop)`` reads only those rows of it (a rank's Engram table shard),
+        moved to ``device`` (default: left on the host)."""
         rows = rows or {}
         by_file: dict[str, list[str]] = {}
         for name in names:
@@ -218,6 +220,6 @@ class ExportedWeights:
         tensors = {}
         for file, wanted in by_file.items():
             with safe_open(str(self.directory / file), framework="pt") as handle:
-                tensors.update({name: handle.get_slice(name)[slice(*rows[name])] if name in rows else
-                                handle.get_tensor(name) for name in wanted})
+                tensors.update({name: (handle.get_slice(name)[slice(*rows[name])] if name in rows else
+                                       handle.get_tensor(name)).to(device) for name in wanted})
         return tensors

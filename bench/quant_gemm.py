@@ -1,0 +1,114 @@
+"""The quantised base's GEMMs (issue 56, ``kernels/triton_quant_gemm.py``) against the bf16 base's on one GPU, at
+one expert rank's share of a V4.1-Flash MoE layer and one attention projection, forward and backward to the input
+(the frozen base's two products under LoRA), in the same process:
+
+    python bench/quant_gemm.py --out $OUT/quant_gemm.json [--tokens 8192] [--expert-parallel 8] [--reps 20]
+    python bench/quant_gemm.py --smoke --out /tmp/quant_gemm.json   # tiny shapes on the CPU, under the interpreter
+
+- routed experts: the rank's ``384 / E`` experts of ``[2·2304, 5120]`` (w1 | w3) and ``[5120, 2304]`` (w2) in FP4
+  with e8m0 per 32 (``QuantizedMatrix``) against the same values in bf16 through ``F.grouped_mm``; the rows are the
+  rank's ``tokens x 6`` routed slots, spread evenly over its experts;
+- attention: ``wq_b [64·512, 1280]`` in FP8 (32 x 32 blocks) against bf16 ``F.linear``.
+Per case: milliseconds (forward, backward to x; CUDA events, the median of ``--reps``), the bytes the weights hold,
+and the largest relative difference of the outputs (the same values, another summation order).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from model.quant import BLOCK_FP8, BLOCK_ROW  # noqa: E402
+from model.quantized_base import QuantizedMatrix  # noqa: E402
+from result_meta import result_meta  # noqa: E402
+
+
+def timed(fn, reps: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on a GPU, wall clock elsewhere)."""
+    times = []
+    for _ in range(reps + 1):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times[1:])  # the first compiles
+
+
+def case(name, weight, fmt, block, rows, counts, reps, device, dtype):
+    """One matrix (or stack) both ways: the quantised kernel and the bf16 GEMM on the dequantised values."""
+    quantized = QuantizedMatrix.of(weight, fmt, block, "triton")
+    dense = quantized.dequantized(dtype)
+    x = torch.randn(rows, weight.shape[-1], device=device, dtype=dtype, requires_grad=True)
+    if counts is None:
+        def plain():
+            return F.linear(x, dense)
+    else:
+        offsets = counts.cumsum(0, dtype=torch.int32)
+
+        def plain():
+            return F.grouped_mm(x, dense.transpose(-2, -1), offs=offsets)
+
+    def quant():
+        return quantized.linear(x, counts)
+    out = {"case": name, "rows": rows, "shape": list(weight.shape), "format": fmt,
+           "weight_bytes": {"quantised": quantized.codes.nbytes + quantized.scale.nbytes,
+                            "bf16": dense.numel() * 2}}
+    y_plain, y_quant = plain(), quant()
+    out["max_rel_diff"] = ((y_quant.float() - y_plain.float()).abs().max() / y_plain.float().abs().max()).item()
+    grad = torch.randn_like(y_plain)
+    for label, fn, y in (("bf16", plain, y_plain), ("quantised", quant, y_quant)):
+        out[f"{label}_forward_ms"] = timed(fn, reps, device)
+        out[f"{label}_backward_ms"] = timed(lambda: torch.autograd.grad(y, x, grad, retain_graph=True), reps, device)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True, help="JSON file")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens a rank computes (a 64K row over 8 ranks)")
+    p.add_argument("--expert-parallel", type=int, default=8)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the Triton interpreter)")
+    a = p.parse_args()
+    device = torch.device("cpu" if a.smoke else "cuda")
+    dtype = torch.float32 if a.smoke else torch.bfloat16  # the interpreter computes bf16 wrongly
+    dim, inter, heads, head_dim, q_rank, experts, top_k = (
+        (64, 32, 2, 32, 32, 4, 2) if a.smoke else (5120, 2304, 64, 512, 1280, 384 // a.expert_parallel, 6))
+    tokens, reps = (64, 1) if a.smoke else (a.tokens, a.reps)
+    torch.manual_seed(0)
+    rows = tokens * top_k // a.expert_parallel
+    counts = torch.full((experts,), rows // experts, dtype=torch.int64, device=device)
+    rows = int(counts.sum())
+    w13 = torch.randn(experts, 2 * inter, dim, device=device) * dim ** -0.5
+    w2 = torch.randn(experts, dim, inter, device=device) * inter ** -0.5
+    wq_b = torch.randn(heads * head_dim, q_rank, device=device) * q_rank ** -0.5
+    results = [case("experts w1|w3", w13, "fp4", BLOCK_ROW, rows, counts, reps, device, dtype),
+               case("experts w2", w2, "fp4", BLOCK_ROW, rows, counts, reps, device, dtype),
+               case("attn wq_b", wq_b, "fp8", BLOCK_FP8, tokens, None, reps, device, dtype)]
+    Path(a.out).write_text(json.dumps({"meta": result_meta(), "results": results}, indent=1))
+    for r in results:
+        print(f"{r['case']:<14} fwd {r['bf16_forward_ms']:.2f} -> {r['quantised_forward_ms']:.2f} ms, bwd "
+              f"{r['bf16_backward_ms']:.2f} -> {r['quantised_backward_ms']:.2f} ms, weights "
+              f"{r['weight_bytes']['bf16'] / 2**20:.0f} -> {r['weight_bytes']['quantised'] / 2**20:.0f} MiB, "
+              f"max rel diff {r['max_rel_diff']:.1e}")
+
+
+if __name__ == "__main__":
+    main()
