@@ -347,10 +347,10 @@ def update_bias(gate: Gate, load: torch.Tensor, rate: float) -> None:
 def routing_stats(load: torch.Tensor, bias: torch.Tensor) -> dict[str, float]:
     """Balance metrics of a load [E] (tokens per expert) and the gate's bias: ``load_max_over_mean`` (1 when
     balanced, E when every token goes to one expert), ``load_entropy`` of the normalised load in nats (ln E when
-    uniform, 0 when one expert takes everything), ``bias_min``, ``bias_max``. A load of no tokens gives NaN for
-    the two load metrics."""
+    uniform, 0 when one expert takes everything), ``idle_experts`` (experts that received no token), ``bias_min``,
+    ``bias_max``. A load of no tokens gives NaN for the two load metrics."""
     load = load.double()
     share = load / load.sum()
     values = torch.stack([load.max() / load.mean(), -torch.special.xlogy(share, share).sum(),
-                          bias.double().min(), bias.double().max()])
-    return dict(zip(("load_max_over_mean", "load_entropy", "bias_min", "bias_max"), values.tolist()))
+                          (load == 0).sum().double(), bias.double().min(), bias.double().max()])
+    return dict(zip(("load_max_over_mean", "load_entropy", "idle_experts", "bias_min", "bias_max"), values.tolist()))

@@ -368,9 +368,11 @@ def test_every_token_to_the_same_experts(k):
     assert stats["load_max_over_mean"] == pytest.approx(6 / k)
     assert stats["load_entropy"] == pytest.approx(math.log(k), abs=1e-12)
     assert (stats["bias_min"], stats["bias_max"]) == (0.0, 50.0)
+    assert stats["idle_experts"] == 6 - k
     uniform = routing_stats(torch.full((6,), 4.0), torch.zeros(6))
     assert uniform["load_max_over_mean"] == pytest.approx(1.0)
     assert uniform["load_entropy"] == pytest.approx(math.log(6))
+    assert uniform["idle_experts"] == 0
 
     moe32 = make_moe(args, dtype=torch.float32)
     with torch.no_grad():

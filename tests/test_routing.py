@@ -86,6 +86,7 @@ def test_series_are_the_layers_statistics(step, tmp_path):
         assert row[f"moe/{key}/load_entropy"] == pytest.approx(entropy)
         assert row[f"moe/{key}/bias_min"] == pytest.approx(bias.min().item())
         assert row[f"moe/{key}/bias_max"] == pytest.approx(bias.max().item())
+        assert row[f"moe/{key}/idle_experts"] == sum(1 for n in load.tolist() if n == 0)
     assert routing.layer_key("layers.3.ffn") == "layer3" and routing.layer_key("mtp.0.ffn") == "mtp0"
     path = tmp_path / routing.EXPERTS_FILE
     routing.append(path, 1, routing.normalised_loads(layers))

@@ -4,7 +4,8 @@ After every optimizer step the engine holds, per MoE layer of its stage, the exp
 the data-parallel replicas (``parallel/engine.py``, the auxiliary-loss-free balance). On a logged step every
 rank of a pipeline gathers its stage's loads and routing biases to the others (``gather``), and rank 0 writes:
 - into ``metrics.jsonl`` and wandb, per layer ``moe/<layer>/load_max_over_mean`` (1 is perfect balance),
-  ``moe/<layer>/load_entropy`` (nats; log(experts) is perfect balance), ``moe/<layer>/bias_min`` and ``bias_max``;
+  ``moe/<layer>/load_entropy`` (nats; log(experts) is perfect balance), ``moe/<layer>/idle_experts`` (experts that
+  received no token in the step), ``moe/<layer>/bias_min`` and ``bias_max``;
 - into ``experts.jsonl``, the loads themselves (each layer's normalised to a mean of 1), from which
   ``experts.png`` draws one heatmap per layer: experts by steps, a hot row is an overloaded expert.
 Layers are named ``layer<N>`` (``layers.N.ffn``) and ``mtp<K>`` (the draft head's ``mtp.K.ffn``).

@@ -1,0 +1,168 @@
+"""Why does MoE routing collapse with depth at initialisation? Per MoE layer, on one forward of a fresh model:
+
+    python bench/routing_probe.py [--tokens 2048] [--data text,random] [--out FILE] [overrides]
+
+- ``cosine``: the mean pairwise cosine similarity of the tokens' FFN inputs (the collapsed stream after
+  ``ffn_norm``, what the gate reads): 0 for unrelated directions, 1 when every token is the same vector;
+- ``stream_cosine``: the same of the stream entering the block (its copies averaged, as the draft head reads it);
+- ``logit_std_experts``: the std of a token's gate logits across the experts (mean over tokens), and
+  ``logit_std_tokens``: the std of one expert's logit across the tokens (mean over experts) — a router separates
+  tokens only by the second;
+- ``load_max_over_mean`` and ``idle_experts`` of the top-k selection (with the bias as it is, zero at init).
+
+Two inputs: real text (the default corpus, the stdlib's *.py files through the byte tokenizer, one row of
+``--tokens``) and uniformly random bytes (what bench/v41_slice.py feeds). Runs on CPU in fp32 (a few seconds for
+v41_mini at 2K tokens). Writes JSON (``--out``; default ``$OUT/routing_probe.json``).
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from model import layout_from_config  # noqa: E402
+from model.cli import compose, resolved  # noqa: E402
+from model.moe import MoE  # noqa: E402
+from model.transformer import Transformer  # noqa: E402
+from result_meta import result_meta  # noqa: E402
+from train.data import build_loader  # noqa: E402
+from train.engine import param_groups, warmup_cosine  # noqa: E402
+from train.loss import compute_loss  # noqa: E402
+
+DEFAULTS = ["model=v41_mini", "layout=v41_scaled"]
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--data", default="text,random", help="text, random or both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=0, help="also measure after each of the first optimizer steps")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "routing_probe.json"))
+    return p.parse_args(argv)
+
+
+def mean_pairwise_cosine(x: torch.Tensor) -> float:
+    """Mean cosine over the distinct pairs of the rows of x [N, D]: (|sum of unit rows|² − N) / (N (N − 1))."""
+    unit = torch.nn.functional.normalize(x.double(), dim=-1)
+    n = unit.shape[0]
+    return ((unit.sum(0).square().sum() - n) / (n * (n - 1))).item()
+
+
+def input_ids(kind: str, tokens: int, vocab: int, seed: int) -> torch.Tensor:
+    """One row [1, tokens]: the corpus's first row (``text``) or uniform random bytes (``random``)."""
+    if kind == "random":
+        return torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(seed))
+    cfg = resolved(compose([f"data.seq_len={tokens}", "data.micro_batch_size=1"]))
+    return next(build_loader(cfg.data, vocab_size=vocab))["input_ids"][:1]
+
+
+def layer_rows(model: Transformer, ids: torch.Tensor) -> list[dict]:
+    """The per-MoE-layer measures of one forward of ``model`` on ``ids``."""
+    seen: dict[str, dict] = {}
+    hooks = []
+    for name, block in model.layers.items():
+        if not isinstance(block.ffn, MoE):
+            continue
+
+        def on_block(module, args, name=name):
+            x = args[0]
+            seen.setdefault(name, {})["stream_cosine"] = mean_pairwise_cosine(
+                (x if x.dim() == 3 else x.mean(2)).flatten(0, 1))
+
+        def on_ffn(module, args, name=name):
+            x = args[0].flatten(0, 1)
+            logits = x.double() @ module.gate.weight.double().T / module.args.gate_temp
+            _, chosen = module.gate(x)
+            counts = torch.bincount(chosen.flatten(), minlength=module.args.n_routed_experts).double()
+            seen.setdefault(name, {}).update(
+                cosine=mean_pairwise_cosine(x), logit_std_experts=logits.std(1).mean().item(),
+                logit_std_tokens=logits.std(0).mean().item(), load_max_over_mean=(counts.max() / counts.mean()).item(),
+                idle_experts=int((counts == 0).sum()))
+
+        hooks += [block.register_forward_pre_hook(on_block), block.ffn.register_forward_pre_hook(on_ffn)]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return [{"layer": int(name), **values} for name, values in sorted(seen.items(), key=lambda kv: int(kv[0]))]
+
+
+def train_steps(model: Transformer, cfg, ids: torch.Tensor, steps: int):
+    """Yield after each of ``steps`` optimizer steps on the row ``ids`` (next-token loss), as the trainer takes
+    them: AdamW with its decay groups, betas, eps and warm-up schedule (``train/engine.py``), the gradient clipped
+    at ``train.grad_clip``, then the balance step of the routing biases. The Engram tables (sparse gradients)
+    stay."""
+    train = cfg.train
+    named = [(n, p) for n, p in model.named_parameters() if not n.endswith("engram.embed.weight")]
+    optimizer = torch.optim.AdamW(param_groups(named, float(train.weight_decay)), lr=float(train.lr),
+                                  betas=tuple(train.betas), eps=float(train.eps))
+    schedule = warmup_cosine(int(train.warmup_steps), int(train.max_steps), float(train.min_lr_ratio))
+    model.train()
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = float(train.lr) * schedule(step)
+        optimizer.zero_grad()
+        loss = compute_loss(model(ids[:, :-1]), ids[:, 1:], float(train.indexer_loss_coef))
+        loss.total.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], float(train.grad_clip))
+        optimizer.step()
+        model.balance_experts(lambda loads: None)
+        yield step + 1, loss.lm.item()
+    model.eval()
+
+
+def probe(overrides: list[str], tokens: int, kinds: list[str], seed: int = 0, steps: int = 0) -> dict:
+    """Every kind of input through a freshly initialised model of ``overrides``, and (``steps``) again after each
+    of the trainer's first optimizer steps on that input (one model per kind)."""
+    cfg = resolved(compose(DEFAULTS + overrides))
+    args, layout = cfg.model.args, layout_from_config(cfg.layout)
+    inputs = {}
+    for kind in kinds:
+        torch.manual_seed(seed)
+        model = Transformer(args, layout, seed=seed).eval()
+        ids = input_ids(kind, tokens + 1, args.vocab_size, seed)
+        rows = [{"step": 0, "layers": layer_rows(model, ids[:, :-1])}]
+        for step, loss in train_steps(model, cfg, ids, steps):
+            rows.append({"step": step, "lm_loss_before": loss, "lr": optimizer_lr(cfg, step - 1),
+                         "layers": layer_rows(model, ids[:, :-1])})
+        inputs[kind] = rows
+    return {"overrides": DEFAULTS + overrides, "tokens": tokens, "inputs": inputs}
+
+
+def optimizer_lr(cfg, step: int) -> float:
+    train = cfg.train
+    return float(train.lr) * warmup_cosine(int(train.warmup_steps), int(train.max_steps),
+                                           float(train.min_lr_ratio))(step)
+
+
+def table(result: dict) -> str:
+    lines = []
+    for kind, steps in result["inputs"].items():
+        for at in steps:
+            lines.append(f"{kind} after {at['step']} steps: layer  cosine  stream_cos  std_exp  std_tok  max/mean  idle")
+            lines += [f"{'':{len(kind)}}  {r['layer']:5d}  {r['cosine']:6.3f}  {r['stream_cosine']:10.3f}  "
+                  f"{r['logit_std_experts']:7.4f}  {r['logit_std_tokens']:7.4f}  {r['load_max_over_mean']:8.2f}  "
+                  f"{r['idle_experts']:4d}" for r in at["layers"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    a = parse(argv)
+    result = {**result_meta(), **probe(a.overrides, a.tokens, a.data.split(","), a.seed, a.steps)}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(out)
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
