@@ -66,7 +66,8 @@ DSPARK = {"blocks": 2, "block_size": 3, "target_layers": [6, 8, 9], "markov_rank
 TRAIN = {"seed": 7, "max_steps": 40, "stop_at": STOP, "grad_accum_steps": MICROBATCHES, "lr": 2e-3,
          "min_lr_ratio": 0.25, "warmup_steps": 3, "weight_decay": 0.05, "betas": [0.8, 0.97], "eps": 1e-7,
          "grad_clip": 0.005, "indexer_loss_coef": 0.3, "dspark_loss_coef": 0.4, "log_every": 2, "checkpoint_every": 1,
-         "keep_checkpoints": 3, "progress": False, "device": "cpu", "precision": "fp32"}
+         "keep_checkpoints": 3, "progress": False, "device": "cpu", "precision": "fp32", "startup_timeout_s": 1234,
+         "collective_timeout_s": 987}
 EVAL = {"every": 2, "batches": 2, "probe_examples": 2, "probe_lens": [192, 224], "probe_seed": 5, "mqar_pairs": 3,
         "mqar_queries": 2}
 DATA = {"seq_len": SEQ_LEN, "micro_batch_size": MICRO_BATCH, "path": EMAIL, "shuffle_seed": 3, "heldout_fraction": 0.2,
@@ -181,6 +182,11 @@ def job(tmp_path_factory):
     for name, moe in model.experts().items():
         moe.register_forward_pre_hook(moe_input(name))
 
+    # the process groups' timeout after the first step
+    record["timeouts"] = []
+    set_timeout = distributed.set_timeout
+    distributed.set_timeout = lambda seconds: (record["timeouts"].append(seconds), set_timeout(seconds))[1]
+
     heldout = trainer.evaluator.loader
 
     class CountedHeldout(Recording):
@@ -196,6 +202,7 @@ def job(tmp_path_factory):
     with Interrupts(announce=False) as interrupts:
         trainer.train(logger, interrupts)
     logger.close()
+    distributed.set_timeout = set_timeout
     rows = read_rows(run_dir / "metrics.jsonl")
     record["rows"] = {r["step"]: r for r in rows if r.get("split") != "eval"}
     record["evals"] = [r for r in rows if r.get("split") == "eval"]
@@ -494,6 +501,21 @@ def test_loop_settings_from_what_the_run_wrote(job):
     experts = [json.loads(line) for line in (job["run_dir"] / EXPERTS_FILE).read_text().splitlines()]
     assert [r["step"] for r in experts] == [2]
     assert set(experts[0]["loads"]) == {f"layer{i}" for i in range(10)} | {"mtp0", "mtp1"}
+
+
+def test_process_group_timeouts_at_start_up_and_after_the_first_step(job, tmp_path, monkeypatch):
+    """``app.run`` opens the process groups with ``startup_timeout_s`` (stopped right there by a spy), and the loop
+    shortens them to ``collective_timeout_s`` once, after its first step."""
+    assert job["timeouts"] == [TRAIN["collective_timeout_s"]]
+    opened = []
+
+    def spy(device, timeout_s, run_dir):
+        opened.append(timeout_s)
+        raise KeyboardInterrupt  # a stop the run reports, before anything is built
+    monkeypatch.setattr(distributed, "init", spy)
+    with pytest.raises(KeyboardInterrupt):
+        app.run(job["cfg"], tmp_path / "run")
+    assert opened == [TRAIN["startup_timeout_s"]]
 
 
 def test_loaders_and_probes(job):
@@ -894,6 +916,8 @@ HERE = {  # settings read back by a test of this file
     "test_loop_settings_from_what_the_run_wrote": [
         "train.stop_at", "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.eval.every",
         "train.eval.batches"],
+    "test_process_group_timeouts_at_start_up_and_after_the_first_step": [
+        "train.startup_timeout_s", "train.collective_timeout_s"],
     "test_loaders_and_probes": [
         "data.path", "data.shuffle_seed", "data.heldout_fraction", "data.pack_buffer", "data.pack_carry",
         "train.eval.probe_examples", "train.eval.probe_lens", "train.eval.probe_seed", "train.eval.mqar_pairs",
@@ -932,6 +956,8 @@ ELSEWHERE = {  # settings whose test needs another job: one that reads them from
     "train.lora.rank": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
     "train.lora.alpha": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
     "train.lora.targets": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
+    "train.lora.quantized_base":
+        "tests/test_released_format.py::test_lora_training_over_the_quantised_base_equals_the_dequantised_one",
 }
 NOT_READ_BACK = {  # settings with nothing on a CPU to read them from, and why
     "train.peak_tflops": "the MFU's denominator, computed on GPU only (bench/results hold GPU rows with mfu)",

@@ -10,6 +10,7 @@ a worker killed by a signal), after one line naming each failed worker's status.
 traceback included) goes to the terminal as under torchrun.
 """
 import logging
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -18,16 +19,41 @@ from torch.distributed.run import parse_args, run
 
 def failure_line(failed: ChildFailedError) -> str:
     """One line: each failed worker's global rank and exit status (or signal)."""
-    statuses = ", ".join(f"rank {rank}: " + (f"signal {failure.signal_name()}" if failure.exitcode < 0 else
-                                               f"status {failure.exitcode}")
+    statuses = ", ".join(f"rank {rank}: {status_text(failure.exitcode)}"
                          for rank, failure in sorted(failed.failures.items()))
     return f"torchrun: {failed.name} failed ({statuses})"
 
 
+def status_text(exitcode: int) -> str:
+    return f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"status {exitcode}"
+
+
+class RestartLines(logging.Filter):
+    """One line per restart of the worker group. The worker processes' records are kept, not printed: the first failed
+    worker's exit code and local rank (at the end ``failure_line`` says it), the SIGTERM sent to the others. The
+    agent's INFO record of a restart prints the failure with the restarts left; its warnings pass as under torchrun."""
+
+    failed = "a worker failed"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.endswith("multiprocessing.api"):
+            if record.msg.startswith("failed (exitcode"):
+                exitcode, local_rank = record.args[:2]
+                self.failed = f"local rank {local_rank} failed ({status_text(int(exitcode))})"
+            return False
+        if "attempts left; will restart worker group" in record.msg:
+            left, most = record.args[2:4]
+            print(f"torchrun: {self.failed}; restarting the group ({left} of {most} restarts left)", file=sys.stderr,
+                  flush=True)
+            return False
+        return record.levelno >= logging.WARNING
+
+
 def main(argv: list[str]) -> None:
-    # The agent's ERROR record of each failed worker repeats failure_line; its warnings (OMP_NUM_THREADS, SIGTERM
-    # sent to the other workers) stay.
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    lines = RestartLines()
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(lines)
+        logging.getLogger(name).setLevel(logging.INFO)
     try:
         run(parse_args(argv))
     except ChildFailedError as failed:
