@@ -19,6 +19,7 @@ from model.norm import RMSNorm
 from model.projection import Linear, finish_parts
 from model.rope import Rotary
 from model.weights import grouped_low_rank, linear as weight_linear, matmul_weights
+from model.weights import GroupedLowRank  # noqa: F401 (the grouped output projection's op, named here as before)
 
 
 def linear(dim_in: int, dim_out: int) -> Linear:
