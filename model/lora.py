@@ -85,7 +85,7 @@ class AdaptedLinear:
     def finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return y + self.lora(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (the grouped wo_a is read through finish only)
         return self.finish(super().forward(x), x)
 
     def rebased(self, replacement: nn.Module) -> nn.Module:
@@ -111,7 +111,8 @@ class AdaptedExperts:
 
 
 def _convert(module: nn.Module, mixin: type, adapters: nn.Module) -> nn.Module:
-    """``module`` itself, its class now ``mixin`` in front of its own, holding ``adapters`` as ``lora``."""
+    """``module`` itself (converted in place: whatever holds it or its parameters still does), its class now
+    ``mixin`` in front of its own, holding ``adapters`` as ``lora``."""
     module.__class__ = _adapted_class(type(module), mixin)
     module.lora = adapters
     return module
@@ -119,7 +120,8 @@ def _convert(module: nn.Module, mixin: type, adapters: nn.Module) -> nn.Module:
 
 @functools.cache
 def _adapted_class(base: type, mixin: type) -> type:
-    """One class per adapted kind of module (``Linear``, ``QuantizedLinear``, ``RoutedExperts``)."""
+    """One class per adapted kind of module (``Linear``, ``QuantizedLinear``, ``RoutedExperts``), made here rather
+    than written out: this module sits below the modules it adapts (pyproject.toml's import contracts)."""
     return type(f"LoRA{base.__name__}", (mixin, base), {"__module__": __name__})
 
 
