@@ -15,16 +15,15 @@ from model.context import gather_entries, with_window_halo
 from model.diagnostics import index_recall
 from model.geometry import EntryGeometry, Geometry, Groups, TokenGeometry
 from model.layout import LayerPlan, Mode
-from model.lora import adapted
 from model.norm import RMSNorm
-from model.qat import simulate
-from model.quantized_base import QuantizedRows
+from model.projection import Linear, finish_parts
 from model.rope import Rotary
-from model.weights import linear as weight_linear, matmul_weights
+from model.weights import grouped_low_rank, linear as weight_linear, matmul_weights
+from model.weights import GroupedLowRank  # noqa: F401 (the grouped output projection's op, named here as before)
 
 
-def linear(dim_in: int, dim_out: int) -> nn.Linear:
-    return nn.Linear(dim_in, dim_out, bias=False)
+def linear(dim_in: int, dim_out: int) -> Linear:
+    return Linear(dim_in, dim_out)
 
 
 class Compressor(nn.Module):
@@ -116,6 +115,9 @@ class Attention(nn.Module):
         if plan.selects:
             self.indexer = Indexer(args, owns_keys=plan.mode is Mode.FULL)
         self.rotary = Rotary.for_layer(args, compressed=plan.mode is not Mode.WINDOW)
+        # The activations the served model quantises (SPEC §6), read through modules named for them: the identity
+        # here, their served grid once model/qat.py's converter has replaced them (model.qat).
+        self.served_window_kv, self.served_compressed_kv, self.served_index = (nn.Identity() for _ in range(3))
 
     def forward(self, x: torch.Tensor, geometry: Geometry, reads: dict[str, torch.Tensor],
                 collect_recall: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -126,12 +128,11 @@ class Attention(nn.Module):
         ops = kernels.ops(args.kernel_backend, x.device)
         w_in, wq_b, wo_a, wo_b = matmul_weights([(self.wq_a, self.wkv), self.wq_b, self.wo_a, self.wo_b],
                                                 args.kernel_backend)
-        q_low, kv = weight_linear(x, w_in).split([args.q_lora_rank, args.head_dim], dim=-1)  # wq_a and wkv: one GEMM
-        q_low, kv = adapted(q_low, self.wq_a, x), adapted(kv, self.wkv, x)
+        q_low, kv = finish_parts((self.wq_a, self.wkv), weight_linear(x, w_in), x)  # wq_a and wkv: one GEMM
         qr = self.q_norm(q_low)
         # q's RoPE is applied in the attention
-        q = adapted(weight_linear(qr, wq_b), self.wq_b, qr).view(B, T, args.n_heads, args.head_dim)
-        kv_window = simulate(self.kv_norm(kv, self.rotary, tokens), "window_kv", args.qat)
+        q = self.wq_b.finish(weight_linear(qr, wq_b), qr).view(B, T, args.n_heads, args.head_dim)
+        kv_window = self.served_window_kv(self.kv_norm(kv, self.rotary, tokens))
         produced, kv_comp, topk, context = {}, None, None, geometry.context
         if plan.mode is not Mode.WINDOW:
             entries = geometry.entries(plan.ratio)
@@ -145,7 +146,7 @@ class Attention(nn.Module):
                 produced.update(self._select(ops, x, qr, tokens, entries, index_k, reads.get("candidates")))
             topk = produced["topk"] if plan.selects else reads["topk"]
             # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
-            kv_comp = simulate(self.rotary(latent, entries, out_dtype=q.dtype), "compressed_kv", args.qat)
+            kv_comp = self.served_compressed_kv(self.rotary(latent, entries, out_dtype=q.dtype))
         rotation = self.rotary.rotation(tokens, torch.promote_types(q.dtype, torch.float32))
         operands = q, kv_window, geometry.window_lo, topk, rotation
         if context is not None:
@@ -176,7 +177,7 @@ class Attention(nn.Module):
                 candidates) -> dict[str, torch.Tensor]:
         """Top-k selection of this Full/Reindex layer (and candidate blocks if it is the candidate source)."""
         q_index, weights = self.indexer.queries(x, qr, self.rotary, tokens)
-        q_index, index_k = (simulate(t, "index", self.args.qat) for t in (q_index, index_k))
+        q_index, index_k = self.served_index(q_index), self.served_index(index_k)
         topk, blocks = ops.indexer_select(
             q_index, weights, index_k, entries.vis_lo, entries.vis_hi, self.args.index_topk,
             cand_blocks=candidates, block_size=self.candidate_block_size,
@@ -187,47 +188,10 @@ class Attention(nn.Module):
         return selection
 
     def _project_out(self, out: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
-        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b. An adapter
-        of wo_a adapts it as one [G*R, K] matrix: group g's update is B[g] (A x_g), B's rows cut as wo_a's."""
+        """Grouped low-rank output: each group of heads -> o_lora_rank by its own slice of wo_a, then wo_b; each
+        product finished by its layer (wo_a's, [G, R, N], on the grouped rows)."""
         B, T = out.shape[:2]
-        grouped, rank = out.reshape(B * T, self.args.o_groups, -1), self.args.o_lora_rank
-        if isinstance(wo_a, QuantizedRows):  # a frozen base in the released form (model/quantized_base.py)
-            low_t = wo_a.grouped(grouped, rank)
-        else:
-            low_t = GroupedLowRank.apply(grouped, wo_a, rank)
-        if hasattr(self.wo_a, "lora"):
-            lora = self.wo_a.lora
-            low_t = low_t + lora.scale * GroupedLowRank.apply(F.linear(grouped, lora.A), lora.B, rank)
+        grouped = out.reshape(B * T, self.args.o_groups, -1)
+        low_t = self.wo_a.finish(grouped_low_rank(grouped, wo_a, self.args.o_lora_rank), grouped)
         low = low_t.reshape(-1, B * T).t()
-        return adapted(weight_linear(low, wo_b), self.wo_b, low).view(B, T, -1)
-
-
-class GroupedLowRank(torch.autograd.Function):
-    """``low^T[g] = wo_a[g] @ x[:, g]^T`` [G, R, N] for x [N, G, K] and wo_a [G*R, K], with a backward that writes
-    dx in x's own layout.
-
-    Computed transposed so that both matmuls of the projection read their operands in place (strided views a GEMM
-    takes as they are). Autograd's backward of the same batched matmul returns dx as [G, K, N] permuted back, i.e.
-    tokens fastest, and the consumers (RoPE, the attention backward) need tokens slowest: a transposing copy of the
-    whole attention output's gradient (4.3 GB at 64K, 15 ms a layer on an H200). Here each group's dx is one GEMM
-    writing its [N, K] slice of a [N, G, K] buffer (a GEMM output with a leading dimension of G*K)."""
-
-    @staticmethod
-    def forward(ctx, x, wo_a, rank: int):
-        N, G, K = x.shape
-        ctx.save_for_backward(x, wo_a)
-        return torch.matmul(wo_a.view(G, rank, K), x.permute(1, 2, 0))
-
-    @staticmethod
-    def backward(ctx, grad_low_t):
-        x, wo_a = ctx.saved_tensors
-        N, G, K = x.shape
-        dtype = grad_low_t.dtype  # the matmul's (autocast may have run it in another dtype than x's or wo_a's)
-        w = wo_a.view(G, -1, K).to(dtype)
-        dx = x.new_empty(x.shape, dtype=dtype)
-        for g in range(G):
-            torch.mm(grad_low_t[g].t(), w[g], out=dx[:, g])
-        if not ctx.needs_input_grad[1]:  # a frozen wo_a (LoRA): no weight gradient to compute
-            return dx.to(x.dtype), None, None
-        dw = torch.matmul(grad_low_t, x.to(dtype).permute(1, 0, 2))
-        return dx.to(x.dtype), dw.view(wo_a.shape).to(wo_a.dtype), None
+        return self.wo_b.finish(weight_linear(low, wo_b), low).view(B, T, -1)

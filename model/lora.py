@@ -14,6 +14,10 @@ Why it is built this way:
   the stacked routed experts ``experts.lora.w1.A [E_local, r, in]`` / ``.B [E_local, out, r]``, split over expert
   ranks with their experts and named per expert in the state dict (``experts.{j}.w1.lora.A``): in state-dict
   names an adapter ``X.lora.A`` always adapts ``X.weight``.
+- ``attach`` is a converter of the built model: each adapted module takes a class with the adapter's term in
+  front of its own (``AdaptedLinear``: ``Projection.finish``, ``model/projection.py``; ``AdaptedExperts``: the
+  experts' ``operands`` / ``product``), so the blocks' forwards are the same text with and without LoRA, and the
+  module, its parameters and its state-dict names stay what they were.
 - ``attach`` freezes the whole base (requires_grad False: no gradient, no optimizer state, no reduction) and stops
   the routing biases' balance steps (they are part of the base); only the trunk's blocks (``layers.*``) are
   adapted, the draft head stays frozen. ``low_precision`` keeps the frozen matrices that only autocast's matmuls
@@ -23,6 +27,7 @@ Targets (``train.lora.targets``): the attention projections by name (``wq_a``, `
 ``wo_b``; ``wo_a`` is the grouped projection, adapted as one ``[G·R, K]`` matrix), ``shared_experts`` (its w1, w2,
 w3), ``experts`` (every routed expert's w1, w2, w3) and ``dense_ffn`` (a dense model's FFN).
 """
+import functools
 import math
 import re
 
@@ -32,8 +37,10 @@ from torch import nn
 
 from model.config import LORA_ATTENTION, LoRA
 from model.seeding import seeded_generator
+from model.weights import GroupedLowRank
 
 FFN_MATRICES = ("w1", "w2", "w3")
+STACKS = {"w13": ("w1", "w3"), "w2": ("w2",)}  # the routed experts' matmul operands and the matrices in each
 LOW_PRECISION = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight|ffn\.(shared_experts\.)?w[123]"
                            r"(\.weight)?|ffn\.experts\.w[123])|head\.weight")
 
@@ -61,10 +68,61 @@ class Adapter(nn.Module):
         return self.scale * (self.B @ self.A)
 
 
-def adapted(y: torch.Tensor, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``y = x Wᵀ`` of ``layer`` (an ``nn.Linear``) plus its adapter's update of ``x``, when it has one."""
-    adapter = getattr(layer, "lora", None)
-    return y if adapter is None else y + adapter(x)
+class GroupedAdapter(Adapter):
+    """The adapter of the grouped output projection ``wo_a [G·R, K]``, adapted as one matrix: on x ``[N, G, K]``
+    group g's update is ``B[g] (A x_g)``, ``[G, R, N]`` like ``GroupedLowRank``'s product (B's rows cut as
+    wo_a's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * GroupedLowRank.apply(F.linear(x, self.A), self.B, self.B.shape[0] // x.shape[1])
+
+
+class AdaptedLinear:
+    """A projection (``model/projection.py``) plus its adapter ``lora``: ``y + lora(x)`` finishes its product."""
+
+    adds_term = True
+
+    def finish(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y + self.lora(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (the grouped wo_a is read through finish only)
+        return self.finish(super().forward(x), x)
+
+    def rebased(self, replacement: nn.Module) -> nn.Module:
+        """``replacement`` (``quantize_base``'s form of this layer) with this adapter."""
+        return _convert(replacement, AdaptedLinear, self.lora)
+
+
+class AdaptedExperts:
+    """Routed experts plus their adapters ``lora`` (one ``Adapter`` of stacks per matrix): each operand's product
+    plus the update of its matrices, by the same matmul (the grouped GEMM, or one expert's slices)."""
+
+    def operands(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return super().operands(dtype) | {f"{w}.{half}": getattr(self.lora[w], half).to(dtype)
+                                          for w in FFN_MATRICES for half in "AB"}
+
+    def grouped_widths(self) -> dict[str, int]:
+        return super().grouped_widths() | {"train.lora.rank": self.lora["w1"].A.shape[1]}
+
+    def product(self, name: str, rows: torch.Tensor, matmul, operands: dict) -> torch.Tensor:
+        y = super().product(name, rows, matmul, operands)
+        updates = [self.lora[w](rows, matmul, operands[f"{w}.A"], operands[f"{w}.B"]) for w in STACKS[name]]
+        return y + (updates[0] if len(updates) == 1 else torch.cat(updates, dim=-1))
+
+
+def _convert(module: nn.Module, mixin: type, adapters: nn.Module) -> nn.Module:
+    """``module`` itself (converted in place: whatever holds it or its parameters still does), its class now
+    ``mixin`` in front of its own, holding ``adapters`` as ``lora``."""
+    module.__class__ = _adapted_class(type(module), mixin)
+    module.lora = adapters
+    return module
+
+
+@functools.cache
+def _adapted_class(base: type, mixin: type) -> type:
+    """One class per adapted kind of module (``Linear``, ``QuantizedLinear``, ``RoutedExperts``), made here rather
+    than written out: this module sits below the modules it adapts (pyproject.toml's import contracts)."""
+    return type(f"LoRA{base.__name__}", (mixin, base), {"__module__": __name__})
 
 
 def targeted_modules(model: nn.Module, targets: tuple[str, ...]) -> list[tuple[str, nn.Module]]:
@@ -97,14 +155,17 @@ def attach(model: nn.Module, lora: LoRA, seed: int, low_precision: torch.dtype |
     for name, module in targeted_modules(model, lora.targets):
         device = next(module.parameters()).device
         if hasattr(module, "expert_ids"):  # stacked routed experts: one adapter per matrix, per-expert draws
-            module.lora = nn.ModuleDict({w: Adapter(getattr(module, w).shape, lora.rank, lora.scale)
-                                         for w in FFN_MATRICES}).to(device)
-            for w, adapter in module.lora.items():
+            adapters = nn.ModuleDict({w: Adapter(getattr(module, w).shape, lora.rank, lora.scale)
+                                      for w in FFN_MATRICES}).to(device)
+            for w, adapter in adapters.items():
                 for i, j in enumerate(module.expert_ids):
                     _kaiming_uniform(adapter.A[i], seed, f"{name}.{j}.{w}.lora.A")
+            _convert(module, AdaptedExperts, adapters)
         else:
-            module.lora = Adapter(module.weight.shape, lora.rank, lora.scale).to(device)
-            _kaiming_uniform(module.lora.A, seed, f"{name}.lora.A")
+            kind = GroupedAdapter if name.endswith(".wo_a") else Adapter
+            adapter = kind(module.weight.shape, lora.rank, lora.scale).to(device)
+            _kaiming_uniform(adapter.A, seed, f"{name}.lora.A")
+            _convert(module, AdaptedLinear, adapter)
 
 
 def _kaiming_uniform(a: torch.Tensor, seed: int, name: str) -> None:

@@ -39,7 +39,7 @@ from torch import nn
 import kernels
 from model.attention import linear
 from model.config import MoEArgs
-from model.lora import adapted
+from model.projection import finish_stacked
 from model.split_gemm import split_linear
 from model.weights import cast_stacked, grouped_linear, linear as weight_linear, matmul_weights
 
@@ -111,12 +111,9 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., dim]; ``weights`` (one per row of x, e.g. [N] or [N, 1]) scale the hidden activation."""
         w13, w2 = matmul_weights([(self.w1, self.w3), self.w2], self.kernel_backend)
-        h = weight_linear(x, w13)  # [gate | up]
-        if hasattr(self.w1, "lora") or hasattr(self.w3, "lora"):
-            gate, up = h.chunk(2, dim=-1)
-            h = torch.cat([adapted(gate, self.w1, x), adapted(up, self.w3, x)], dim=-1)
+        h = finish_stacked((self.w1, self.w3), weight_linear(x, w13), x)  # [gate | up]
         h = kernels.ops(self.kernel_backend, x.device).swiglu(h, self.swiglu_limit, weights)
-        return adapted(weight_linear(h, w2), self.w2, h)
+        return self.w2.finish(weight_linear(h, w2), h)
 
 
 class RoutedExperts(nn.Module):
@@ -155,42 +152,44 @@ class RoutedExperts(nn.Module):
         (summing to M), ``weights`` [M] the rows' routing weights -> [M, dim] in the compute dtype.
 
         ``grouped``: one grouped_mm per matrix (default on CUDA), else a loop over the experts (default elsewhere,
-        and the only way in fp64); the two compute the same function. Adapters (``lora``, ``model/lora.py``) run
-        beside each matrix by the same path, their stacks being experts-first like the weights."""
+        and the only way in fp64); the two compute the same function."""
         dtype = compute_dtype(x)
         x = x.to(dtype)
-        w13, w2 = cast_stacked([[self.w1, self.w3], [self.w2]], dtype, self.kernel_backend)
-        adapters = getattr(self, "lora", None)
-        low_rank = {w: (adapters[w].A.to(dtype), adapters[w].B.to(dtype)) for w in ROUTED_WEIGHTS} if adapters else {}
+        operands = self.operands(dtype)
         if grouped is None:
             grouped = x.device.type == "cuda" and dtype in GROUPED_MM_DTYPES
         if not grouped:
             bounds = [0, *counts.cumsum(0).tolist()]
-            return torch.cat([self._swiglu(x[lo:hi], weights[lo:hi], weight_linear, w13[i], w2[i],
-                                           {w: (A[i], B[i]) for w, (A, B) in low_rank.items()})
+            return torch.cat([self._swiglu(x[lo:hi], weights[lo:hi], weight_linear,
+                                           {name: stack[i] for name, stack in operands.items()})
                               for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
-        rank = adapters["w1"].A.shape[1] if adapters else 0
-        if self.dim % 8 or self.inter_dim % 8 or rank % 8:
-            raise ValueError(f"grouped_mm needs 16-byte rows: model.dim={self.dim}, model.moe.inter_dim="
-                             f"{self.inter_dim}" + (f" and train.lora.rank={rank}" if adapters else "")
+        widths = self.grouped_widths()
+        if any(width % 8 for width in widths.values()):
+            raise ValueError("grouped_mm needs 16-byte rows: " + " and ".join(f"{k}={v}" for k, v in widths.items())
                              + " must be multiples of 8")
         def grouped(rows, weight):  # rows of expert e times weight[e]ᵀ, for every e at once
             return grouped_linear(rows, weight, counts)
 
-        return self._swiglu(x, weights, grouped, w13, w2, low_rank)
+        return self._swiglu(x, weights, grouped, operands)
 
-    def _swiglu(self, x, weights, matmul, w13, w2, low_rank: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+    def operands(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The stacks the experts multiply by, experts first, in ``dtype``: ``w13`` (w1 over w3) and ``w2``."""
+        return dict(zip(("w13", "w2"), cast_stacked([[self.w1, self.w3], [self.w2]], dtype, self.kernel_backend)))
+
+    def grouped_widths(self) -> dict[str, int]:
+        """The row widths the grouped GEMM reads, by the setting that sizes them."""
+        return {"model.dim": self.dim, "model.moe.inter_dim": self.inter_dim}
+
+    def product(self, name: str, rows: torch.Tensor, matmul, operands: dict) -> torch.Tensor:
+        """``rows`` times stack ``name`` (``w13`` or ``w2``) of ``operands`` by ``matmul(rows, weight)``."""
+        return matmul(rows, operands[name])
+
+    def _swiglu(self, x, weights, matmul, operands: dict):
         """``W2 · swiglu(W13 x)`` by ``matmul(rows, weight)`` (``F.linear`` on one expert's matrices, or the grouped
-        GEMM on the stacks); ``low_rank``: each adapted matrix's ``(A, B)`` (sliced like the weights), or empty."""
-        def adapter(w, rows):
-            return self.lora[w](rows, matmul, *low_rank[w])
-
-        h = matmul(x, w13)  # [gate | up]
-        if low_rank:
-            h = h + torch.cat([adapter("w1", x), adapter("w3", x)], dim=-1)
+        GEMM on the stacks); ``operands``: ``operands()``, or one expert's slices of it."""
+        h = self.product("w13", x, matmul, operands)  # [gate | up]
         h = kernels.ops(self.kernel_backend, x.device).swiglu(h, self.swiglu_limit, weights)
-        out = matmul(h, w2)
-        return out + adapter("w2", h) if low_rank else out
+        return self.product("w2", h, matmul, operands)
 
 
 def expert_key(j: int, name: str) -> str:

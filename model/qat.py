@@ -7,6 +7,10 @@ DeepSeek serves V4.1-Flash with three activations quantised, each in blocks alon
 ``model.qat=true`` rounds each of them to that grid in the forward and lets the gradient through unchanged (the
 straight-through estimator), so that fine-tuned weights meet the numerics they are served with.
 
+A converter of the built model, ``simulate_served``: the attention reads each of these activations through an
+identity module named for it (``served_window_kv``, ``served_compressed_kv``, ``served_index``), which the
+converter replaces by ``Served`` of that kind; the attention's forward does not change, and no state-dict name does.
+
 The scale rules are the served kernels' (the reference inference code's ``act_quant`` and ``fp4_act_quant``), not the
 weight codec's (``model/quant.py``, whose rule is chosen to round-trip released weights byte for byte):
 ``2^⌈log2(amax / qmax)⌉`` for e8m0 (amax at least 1e-4 for FP8, ``6·2^-126`` for FP4), ``amax / 6`` rounded to e4m3
@@ -14,6 +18,7 @@ for the compressed KV's scales (amax at least ``6·2^-9``, the smallest e4m3 sub
 the scale, clamped to ``±qmax``, rounded to the nearest code (ties to even) and multiplied back.
 """
 import torch
+from torch import nn
 
 from model.quant import E2M1_MAX, E4M3_MAX, e2m1_to_float, round_e2m1
 
@@ -58,3 +63,29 @@ class _StraightThrough(torch.autograd.Function):
 def simulate(x: torch.Tensor, kind: str, enabled: bool) -> torch.Tensor:
     """``served_values`` in the forward, the identity in the backward (straight through); x itself when off."""
     return _StraightThrough.apply(x, kind) if enabled else x
+
+
+class Served(nn.Module):
+    """An activation as it is served (``simulate``, on): the forward on the served grid, the gradient straight
+    through."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return simulate(x, self.kind, True)
+
+    def extra_repr(self) -> str:
+        return self.kind
+
+
+def simulate_served(model: nn.Module) -> int:
+    """Replace every ``served_<kind>`` identity of ``model``'s modules by ``Served(kind)``; returns how many."""
+    converted = 0
+    for module in list(model.modules()):
+        for kind in SERVED:
+            if isinstance(getattr(module, f"served_{kind}", None), nn.Identity):
+                setattr(module, f"served_{kind}", Served(kind))
+                converted += 1
+    return converted

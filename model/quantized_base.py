@@ -4,8 +4,8 @@ experts; about 1.03 and 0.53 bytes a value with the scales, against 2 for the bf
 
 Why it is built this way:
 - A converter, ``quantize_base``, applied to a built (and loaded) model whose base is frozen: each base
-  ``nn.Linear`` becomes a ``QuantizedLinear`` (its adapter moved over), each stacked routed matrix a
-  ``QuantizedMatrix``. The layers' forwards do not change: they take their matmul operands from ``matmul_weights``
+  ``nn.Linear`` becomes a ``QuantizedLinear`` (what a converter added to it, an adapter, handed on by
+  ``Projection.rebased``), each stacked routed matrix a ``QuantizedMatrix``. The layers' forwards do not change: they take their matmul operands from ``matmul_weights``
   / ``cast_stacked`` (``model/weights.py``), which hand a quantised group over as ``QuantizedRows``, and multiply
   through ``model.weights.linear`` / ``grouped_linear``.
 - The products run on the stored bytes: ``kernels/triton_quant_gemm.py`` decodes a tile of codes and scales in
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.projection import Projection
 from model.quant import FORMATS, dequantize, quantize
 
 # Bytes a value with its scales: an e8m0 byte per 32 x 32 FP8 block, per 32 packed FP4 values (two a byte).
@@ -135,17 +136,15 @@ class QuantizedRows:
         return out.view(G, N, rank).transpose(1, 2)
 
 
-class QuantizedLinear(nn.Module):
-    """A frozen ``nn.Linear`` (no bias) whose ``weight`` is a ``QuantizedMatrix``; its adapter (``lora``) kept."""
+class QuantizedLinear(Projection, nn.Module):
+    """A frozen ``nn.Linear`` (no bias) whose ``weight`` is a ``QuantizedMatrix``."""
 
     def __init__(self, weight: QuantizedMatrix):
         super().__init__()
         self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from model.lora import adapted  # which imports model.config, as this module must not
-
-        return adapted(self.weight.linear(x), self, x)
+        return self.weight.linear(x)
 
 
 def quantize_base(model: nn.Module, formats, kernel_backend: str) -> int:
@@ -168,13 +167,11 @@ def quantize_base(model: nn.Module, formats, kernel_backend: str) -> int:
             continue
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}"
-            form = formats(f"{full}.weight") if type(child) is nn.Linear and child.bias is None else None
+            form = formats(f"{full}.weight") if isinstance(child, nn.Linear) and child.bias is None else None
             if form is None:
                 continue
             quantized = QuantizedLinear(QuantizedMatrix.of(_frozen(child.weight, full), *form, kernel_backend))
-            if hasattr(child, "lora"):
-                quantized.lora = child.lora
-            setattr(module, child_name, quantized)
+            setattr(module, child_name, child.rebased(quantized) if isinstance(child, Projection) else quantized)
             converted += 1
     return converted
 

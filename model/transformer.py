@@ -30,6 +30,7 @@ from model.engram import Engram, EngramHash, EngramTable
 from model.layout import Layout, LayerPlan
 from model.moe import ROUTED_WEIGHTS, Expert, MoE, update_bias
 from model.norm import RMSNorm
+from model.qat import simulate_served
 from model.seeding import seeded_generator
 from model.state import LayerInputs, SharedState
 
@@ -142,6 +143,8 @@ class Transformer(nn.Module):
             self.head = linear(args.dim, args.vocab_size)
             if args.dspark.blocks:
                 self.mtp = DSpark(args, partial(make_ffn, args, args.dspark_moe, experts))
+        if args.qat:  # the attention activations on their served grids: a converter of the built stack
+            simulate_served(self)
         if init:  # False: the caller draws the values (benchmarks drawing init_std's distribution on the GPU)
             init_parameters(self.state_dict(keep_vars=True).items(), args, layout.n_layers, seed, self.row_shards())
 

@@ -8,8 +8,9 @@ launch (and one cuBLAS workspace memset) fewer per stack. ``cast_stacked`` does 
 given dtype: the routed experts' stacks, ``[E, rows, cols]``, stacked expert by expert.
 
 A frozen base kept in the released FP8/FP4 form (``model/quantized_base.py``) comes out of both as
-``QuantizedRows``, which ``linear`` and ``grouped_linear`` multiply on its stored bytes; a plain operand goes to
-``F.linear`` / ``F.grouped_mm``.
+``QuantizedRows``, which ``linear``, ``grouped_linear`` and ``grouped_low_rank`` multiply on its stored bytes; a
+plain operand goes to ``F.linear`` / ``F.grouped_mm`` / ``GroupedLowRank``. The layer whose product it is finishes it
+(``model/projection.py``).
 """
 import torch
 import torch.nn.functional as F
@@ -58,3 +59,42 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor | QuantizedRows, cou
     if isinstance(weight, QuantizedRows):
         return weight.linear(rows, counts)
     return F.grouped_mm(rows, weight.transpose(-2, -1), offs=counts.cumsum(0, dtype=torch.int32))
+
+
+def grouped_low_rank(x: torch.Tensor, weight: torch.Tensor | QuantizedRows, rank: int) -> torch.Tensor:
+    """The grouped output projection's product ``[G, rank, N]`` of x ``[N, G, K]`` and a ``matmul_weights`` operand
+    ``wo_a [G·rank, K]``: group g's rows of x times its own ``rank`` rows of the weight."""
+    if isinstance(weight, QuantizedRows):  # a frozen base in the released form (model/quantized_base.py)
+        return weight.grouped(x, rank)
+    return GroupedLowRank.apply(x, weight, rank)
+
+
+class GroupedLowRank(torch.autograd.Function):
+    """``low^T[g] = wo_a[g] @ x[:, g]^T`` [G, R, N] for x [N, G, K] and wo_a [G*R, K], with a backward that writes
+    dx in x's own layout.
+
+    Computed transposed so that both matmuls of the projection read their operands in place (strided views a GEMM
+    takes as they are). Autograd's backward of the same batched matmul returns dx as [G, K, N] permuted back, i.e.
+    tokens fastest, and the consumers (RoPE, the attention backward) need tokens slowest: a transposing copy of the
+    whole attention output's gradient (4.3 GB at 64K, 15 ms a layer on an H200). Here each group's dx is one GEMM
+    writing its [N, K] slice of a [N, G, K] buffer (a GEMM output with a leading dimension of G*K)."""
+
+    @staticmethod
+    def forward(ctx, x, wo_a, rank: int):
+        N, G, K = x.shape
+        ctx.save_for_backward(x, wo_a)
+        return torch.matmul(wo_a.view(G, rank, K), x.permute(1, 2, 0))
+
+    @staticmethod
+    def backward(ctx, grad_low_t):
+        x, wo_a = ctx.saved_tensors
+        N, G, K = x.shape
+        dtype = grad_low_t.dtype  # the matmul's (autocast may have run it in another dtype than x's or wo_a's)
+        w = wo_a.view(G, -1, K).to(dtype)
+        dx = x.new_empty(x.shape, dtype=dtype)
+        for g in range(G):
+            torch.mm(grad_low_t[g].t(), w[g], out=dx[:, g])
+        if not ctx.needs_input_grad[1]:  # a frozen wo_a (LoRA): no weight gradient to compute
+            return dx.to(x.dtype), None, None
+        dw = torch.matmul(grad_low_t, x.to(dtype).permute(1, 0, 2))
+        return dx.to(x.dtype), dw.view(wo_a.shape).to(wo_a.dtype), None
