@@ -404,7 +404,8 @@ class CSA2PipelineEngine(PipelineAdapter):
 
     def _clip_gradients(self) -> None:
         """Clip the trunk's, the indexer's and the draft head's gradients (``parallel/clipping.py``); the tables
-        are listed without a gradient too, as on every replica."""
+        are listed without a gradient too, as on every replica. A method of the engine so that tests and benchmarks
+        can wrap it to read the reduced gradients before they are clipped."""
         tables = self.tables.tables if self.tables is not None else {}
         self.clipper([(n, p.grad) for n, p in self.owned_named_parameters().items()
                       if p.grad is not None or n in tables])
