@@ -189,8 +189,10 @@ def instrument(engine, clock: Clock) -> list:
     """Mark the start and end of every instruction the engine runs; returns the list the marks go to."""
     from deepspeed.runtime.pipe import schedule
 
+    from parallel.deepspeed_private import instructions, use_instructions
+
     log = []
-    table = dict(engine._INSTRUCTION_MAP)
+    table = instructions(engine)
     for kind in (schedule.ForwardPass, schedule.BackwardPass, schedule.SendActivation, schedule.RecvActivation,
                  schedule.SendGrad, schedule.RecvGrad, schedule.OptimizerStep):
         def timed(self, *args, inner=table[kind], name=kind.__name__, **kwargs):
@@ -198,7 +200,7 @@ def instrument(engine, clock: Clock) -> list:
             inner(self, *args, **kwargs)
             log.append((name, start, clock.mark()))
         table[kind] = timed
-    engine._INSTRUCTION_MAP = table
+    use_instructions(engine, table)
     stage = engine.module.stage
     if stage.shadows:  # the shadow index-key recompute inside the forward
         inner = stage._recompute_index_keys

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from parallel.deepspeed_private import instructions, use_instructions
 from parallel.local import spawn
 
 SEQ_LEN, MICRO_BATCH = 256, 2
@@ -22,7 +23,7 @@ SEQ_LEN, MICRO_BATCH = 256, 2
 
 def _timed(engine, table, key):
     """Wrap one pipeline instruction so that its wall time is added to ``table[key]``."""
-    inner = engine._INSTRUCTION_MAP[key]
+    inner = instructions(engine)[key]
 
     def run(self, *args, **kwargs):
         start = time.perf_counter()
@@ -46,8 +47,8 @@ def _worker(rank, world, cuts, microbatches, steps, index_k, out):
     engine = build_engine(plan(config, world, torch.device("cpu")))
     module, plan = engine.module, engine.module.plan
     times: dict[str, float] = {}
-    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, **{
-        k: _timed(engine, times, k) for k in (schedule.ForwardPass, schedule.BackwardPass)}}
+    use_instructions(engine, {**instructions(engine), **{
+        k: _timed(engine, times, k) for k in (schedule.ForwardPass, schedule.BackwardPass)}})
     g = torch.Generator().manual_seed(rank)
 
     def data():

@@ -1,53 +1,47 @@
-"""DeepSpeed pipeline integration: the CSA2 ``PipelineModule`` and an engine that keeps shadow indexers exact.
+"""DeepSpeed pipeline integration: the CSA2 ``PipelineModule`` and the engine adapter every job runs on.
 
-Every training job runs through this engine, one stage or many, so that pipeline parallelism is a config
-switch. On top of DeepSpeed's 1F1B schedule it adds, at the step boundary:
-- shadow indexers: replica gradients are summed into the owner (and the replicas) before the data-parallel
-  reduction, only the owner's copy is in the optimizer, and after the step the owner's values are broadcast
-  to its replicas, so replicas stay bitwise equal to the owner;
-- gradient clipping by the global norm over all stages (DeepSpeed's fp32 clipping, given a pipeline grid,
-  counts only the first stage's gradients), the indexer's and the draft head's parameters each clipped by their
-  own norm so that their losses never change how far the trunk moves (SPEC §2: the indexer learns only from its
-  KL; §5.4: the draft head only from its own loss);
-- a non-finite loss or gradient norm skips the whole step on every rank (no parameter, optimizer or schedule
-  change; ``parallel/step_guard.py``);
-- the MoE layers' auxiliary-loss-free balance: after every applied step each routing bias moves against its
-  expert loads summed over the step's microbatches and the stage's data-parallel replicas, so every replica keeps
-  the same bias (``Transformer.balance_experts``);
-- ZeRO stage 1 (``zero_optimization.stage=1``): each data-parallel rank of a stage steps and keeps the optimizer
-  state of its own run of the stage's rows and broadcasts them (``parallel/zero.py``: why not DeepSpeed's);
+Every training job runs through this engine, one stage or many, so that pipeline parallelism is a config switch.
+``CSA2PipelineEngine`` fills the hooks of ``parallel.deepspeed_private.PipelineAdapter`` (the one module that
+touches DeepSpeed's private names) and holds no step logic of its own:
+- the reductions the schedule runs: shadow-indexer gradients into their owners (``parallel/shadows.py``), then
+  DeepSpeed's data-parallel all-reduce without the row-sharded tables and expert ranges, whose means are taken
+  over their own groups (``parallel/tables.py``, ``parallel/experts.py``);
+- the optimizer step: ``parallel.step.optimizer_step``, its components in a fixed order (clipping by the global
+  norm over all stages, the non-finite skip, the MoE bias balance, the tables' sparse Adam, the dense optimizer on
+  this rank's ZeRO-1 rows, the replicas' sync);
 - with ``p2p="overlap"``, boundary transfers that overlap compute: asynchronous, batched, on process groups of
   their own, each send right after the pass that produced it (``parallel/p2p.py``); ``"deepspeed"`` keeps
   DeepSpeed's blocking transfers.
 Checkpoints hold the model per transformer layer and the optimizer state per parameter name (and row range), so
 they load under any split and data-parallel size.
 """
-import contextlib
 import glob
 import os
 from collections import OrderedDict
-from functools import partial
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
-from deepspeed.runtime.pipe import schedule
-from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from deepspeed.runtime.sparse_tensor import SparseTensor
-from deepspeed.utils import groups as ds_groups
 
 from model.config import P2P, ModelArgs
-from model.groups import CLIP_GROUPS, GROUPS, clip_group, param_group
 from model.layout import Layout
+from parallel.bias_balance import BiasBalance
+from parallel.clipping import GradientClipper
 from parallel.context import context_shard
+from parallel.deepspeed_private import PipelineAdapter
+from parallel.experts import average_expert_gradients, expert_groups
 from parallel.p2p import EagerSends, StageLinks, boundary_groups
-from parallel.experts import expert_groups
 from parallel.partition import StagePlan
 from parallel.rows import RowExchange, join_rows, rows_file, saved_rows
-from parallel.stage import PipelineStage, owner_name, shadow_sources
+from parallel.shadows import Replicas
+from parallel.stage import PipelineStage
+from parallel.step import StepParts, optimizer_step
 from parallel.step_guard import StepGuard
-from parallel.zero import OptimizerShards, Shard, rows_of_state
+from parallel.tables import TableOptimizer, table_optimizer
+from parallel.zero import OptimizerShards
+
 
 class CSA2PipelineModule(PipelineModule):
     """One ``PipelineStage`` per pipeline stage. ``loss_fn(outputs, labels)`` runs on the last stage; it names
@@ -82,9 +76,9 @@ class CSA2PipelineModule(PipelineModule):
         laid = set(tables[0].ranks if tables else ()) | set(
             dispatch.ranks + self.expert_groups.data_ranks if dispatch else ()) | set(
             self.context.ranks if self.context else ())
-        if not laid <= set(self._grid.get_data_parallel_group_ranks()):  # the topology's rank order, as assumed
+        if not laid <= set(self.mpu().get_data_parallel_group_ranks()):  # the topology's rank order, as assumed
             raise RuntimeError(f"groups laid over ranks {sorted(laid)} are not inside DeepSpeed's data-parallel "
-                               f"group of this stage, {self._grid.get_data_parallel_group_ranks()}")
+                               f"group of this stage, {self.mpu().get_data_parallel_group_ranks()}")
         self.layout, self.plan, self.index_k, self.run_dspark = layout, plan, index_k, run_dspark
         self.row_shards = self.stage.model.row_shards()
         self.expert_shards = self.stage.model.expert_shards()
@@ -158,7 +152,7 @@ class CSA2PipelineModule(PipelineModule):
             for part, tensors in split_by_layer(experts).items():
                 first = min(int(k.split(".experts.")[1].split(".")[0]) for k in tensors)
                 torch.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, experts_file(part, first)))
-        if self._grid.data_parallel_id != 0:
+        if self.mpu().data_parallel_id != 0:
             return
         dense = {k: v for k, v in state.items() if k not in self.row_shards and not is_expert(k)}
         for part, tensors in split_by_layer(dense).items():
@@ -167,7 +161,7 @@ class CSA2PipelineModule(PipelineModule):
     def expert_data_rank(self) -> int:
         """My rank among the replicas holding the same experts (the data-parallel rank without expert parallelism)."""
         if self.expert_groups is None:
-            return self._grid.data_parallel_id
+            return self.mpu().data_parallel_id
         return self.expert_groups.data_ranks.index(dist.get_rank())
 
     def load_weights(self, load_dir: str) -> None:
@@ -203,16 +197,6 @@ class CSA2PipelineModule(PipelineModule):
         self.stage.load_owned_state_dict(state)
 
 
-def _squares(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    """The squared norms of gradients, dense or sparse, as an fp32 vector on the device (0 for none): the dense ones
-    in one pass (torch's foreach norm), no host sync. A tensor's value depends on it alone, not on the others."""
-    dense = iter(torch._foreach_norm([g for g in grads if g is not None and not g.is_sparse]) if grads else ())
-    zero = torch.zeros((), device=device)
-    return torch.stack([zero if g is None else
-                        g.coalesce().values().float().pow(2).sum() if g.is_sparse else next(dense).float().square()
-                        for g in grads]) if grads else torch.zeros(0, device=device)
-
-
 def is_expert(name: str) -> bool:
     """A routed expert's matrix under its reference name (``layers.3.ffn.experts.17.w1.weight``)."""
     return ".ffn.experts." in name
@@ -237,29 +221,70 @@ def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.
     return parts
 
 
-class CSA2PipelineEngine(PipelineEngine):
+class CSA2PipelineEngine(PipelineAdapter):
+    """The DeepSpeed adapter of a CSA2 stage: its hooks run our reductions and ``parallel.step.optimizer_step``, and
+    with ``p2p="overlap"`` the boundary transfers of ``parallel/p2p.py``. The step's state is in its components:
+    ``clipper``, ``guard``, ``balance``, ``tables`` (None without trained Engram tables), ``shards``,
+    ``shadow_links``."""
+
     def __init__(self, *args, shards: list[OptimizerShards], max_grad_norm: float = 0.0, p2p: str = "overlap",
-                 table_optimizer: torch.optim.Optimizer | None = None, **kwargs):
+                 table_optimizer: TableOptimizer | None = None, **kwargs):
         if p2p not in P2P:
             raise ValueError(f"parallel.p2p={p2p!r}: use one of {P2P}")
         super().__init__(*args, **kwargs)
-        self.tables = self.module.table_parameters()  # row-sharded, sparse gradients: stepped by table_optimizer
-        self.table_optimizer = table_optimizer
+        module: CSA2PipelineModule = self.module
+        self.tables = table_optimizer  # row-sharded tables, sparse gradients
         self.links = self._link_stages() if p2p == "overlap" and self.num_stages > 1 else None
         self.shards = shards  # what this rank's optimizer steps (all of the stage without ZeRO): dense, experts
-        self.experts = self.module.expert_named_parameters()  # this rank's range of the routed experts (EP > 1)
-        self.max_grad_norm = max_grad_norm
-        self.grad_norm = self.indexer_grad_norm = None  # global norms of the last step, before clipping
-        self.group_grad_norms: dict[str, torch.Tensor] = {}  # the same per parameter group (model/groups.py)
-        self.clip_norms: dict[str, torch.Tensor] = {}  # each clipping group's norm of the last step (CLIP_GROUPS)
-        self.expert_loads: dict[str, torch.Tensor] = {}  # MoE layer -> expert loads of the last step, all replicas
+        self.experts = module.expert_named_parameters()  # this rank's range of the routed experts (EP > 1)
+        self.clipper = GradientClipper(max_grad_norm, self.device, [
+            (set(module.table_parameters()), self.grid.get_data_parallel_group()),
+            (set(self.experts), module.expert_groups and module.expert_groups.dispatch.group)],
+            self.grid.get_pipe_parallel_group(), self.num_stages)
         self.guard = StepGuard()  # whether the last step was applied (parallel/step_guard.py)
-        self._shadow_links = self._link_shadows()
-        self._replica_links = self._link_draft_embedding()
+        self.balance = BiasBalance(module.stage.model, self.grid.get_data_parallel_group())
+        self.shadow_links = Replicas(module.topology(), module.layout, module.plan, module.stage, self.stage_id,
+                                     module.index_k, module.run_dspark, self.device)
+        self.step_parts = StepParts(
+            clip=lambda: self._clip_gradients(), clipper=self.clipper, guard=self.guard, balance=self.balance,
+            tables=self.tables, shards=shards, dense_step=super().step_optimizer, drop=self._drop_step,
+            lr=lambda: self.optimizer.param_groups[0]["lr"], replicas=self.shadow_links, device=self.device)
 
     @property
     def last_step_skipped(self) -> bool:
         return self.guard.skipped
+
+    @property
+    def max_grad_norm(self) -> float:
+        return self.clipper.max_norm
+
+    @property
+    def table_optimizer(self) -> torch.optim.Optimizer | None:
+        return self.tables.optimizer if self.tables is not None else None
+
+    @property
+    def clip_norms(self) -> dict[str, torch.Tensor]:
+        """Each clipping group's norm of the last step (``model.groups.CLIP_GROUPS``), before clipping."""
+        return self.clipper.clip_norms
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The trunk's global gradient norm of the last step, before clipping (None before the first)."""
+        return self.clip_norms.get("trunk")
+
+    @property
+    def indexer_grad_norm(self) -> torch.Tensor | None:
+        return self.clip_norms.get("indexer")
+
+    @property
+    def group_grad_norms(self) -> dict[str, torch.Tensor]:
+        """The same squares as ``clip_norms`` per parameter group (``model/groups.py``)."""
+        return self.clipper.group_norms
+
+    @property
+    def expert_loads(self) -> dict[str, torch.Tensor]:
+        """MoE layer -> expert loads of the last step, summed over the replicas."""
+        return self.balance.loads
 
     @property
     def context_parallel(self) -> int:
@@ -278,52 +303,9 @@ class CSA2PipelineEngine(PipelineEngine):
 
     def _link_stages(self) -> StageLinks:
         module: CSA2PipelineModule = self.module
-        groups = boundary_groups(module._topo)
-        return StageLinks.for_stage(groups, self.stage_id, self.grid.data_parallel_id, module._topo,
+        groups = boundary_groups(module.topology())
+        return StageLinks.for_stage(groups, self.stage_id, self.grid.data_parallel_id, module.topology(),
                                     module.stage.incoming, module.stage.outgoing, self.device)
-
-    def _link_shadows(self) -> list[tuple[object, int, list[torch.nn.Parameter]]]:
-        """(process group, owner rank, my tensors) for every shadowed Full layer that my stage owns or mirrors.
-
-        Groups are created in the same order on every rank, as torch.distributed requires."""
-        module: CSA2PipelineModule = self.module
-        layout, plan, topo = module.layout, module.plan, module._topo
-        holders: dict[int, list[int]] = {}
-        if module.index_k == "shadow":
-            for stage, layers in enumerate(plan.stages):
-                for source in shadow_sources(layout, layers):
-                    holders.setdefault(source, [plan.stage_of(source)]).append(stage)
-        me = module.stage
-        links = []
-        for source in sorted(holders):
-            for data in range(topo.get_dim("data")):
-                ranks = [topo.get_rank(pipe=s, data=data) for s in holders[source]]
-                group = dist.new_group(ranks)
-                if self.global_rank not in ranks:
-                    continue
-                if self.stage_id == holders[source][0]:
-                    named = dict(me.model.named_parameters())
-                    tensors = [named[owner_name(source, n)] for n in ("wk.weight", "k_norm.weight")]
-                else:
-                    tensors = list(me.shadows[str(source)].parameters())
-                links.append((group, ranks[0], tensors))
-        return links
-
-    def _link_draft_embedding(self) -> list[tuple[object, int, list[torch.Tensor]]]:
-        """(process group, owner rank, my tensors) of the draft head's embedding replica on the last stage, when
-        the first stage holds the embedding (groups made in the same order on every rank)."""
-        module: CSA2PipelineModule = self.module
-        topo, last = module._topo, self.num_stages - 1
-        if last == 0 or not module.run_dspark:
-            return []
-        links = []
-        for data in range(topo.get_dim("data")):
-            ranks = [topo.get_rank(pipe=0, data=data), topo.get_rank(pipe=last, data=data)]
-            group = dist.new_group(ranks)
-            if self.global_rank in ranks:
-                stage = module.stage
-                links.append((group, ranks[0], [stage.model.embed.weight if self.stage_id == 0 else stage.draft_embed]))
-        return links
 
     def owned_named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This stage's optimised parameters under the full model's names."""
@@ -333,7 +315,7 @@ class CSA2PipelineEngine(PipelineEngine):
     def writes_optimizer_state(self) -> bool:
         """Whether this rank's optimizer state belongs in a checkpoint: rows it owns of the dense or the expert
         parameters (``OptimizerShards``), or of a table shard, which only this rank holds."""
-        return any(shards.writes_state for shards in self.shards) or bool(self.tables)
+        return any(shards.writes_state for shards in self.shards) or self.tables is not None
 
     def optimizer_state_by_name(self, saving: bool = False) -> dict[str, dict]:
         """This rank's optimizer state keyed by full-model parameter name and row range (experts and table rows in
@@ -344,49 +326,48 @@ class CSA2PipelineEngine(PipelineEngine):
         for shards in self.shards:
             if shards.writes_state or not saving:
                 state.update(shards.state_by_name(self.optimizer))
-        for name, p in self.tables.items():
-            start, rows = self.module.row_shards[name]
-            stop = min(start + p.shape[0], rows)
-            if p in self.table_optimizer.state and stop > start:
-                state[name] = {"rows": (start, stop), "state": {
-                    k: v[:stop - start].detach().cpu() if torch.is_tensor(v) and v.dim() else v
-                    for k, v in self.table_optimizer.state[p].items()}}
+        if self.tables is not None:
+            state.update(self.tables.state_by_name())
         return state
 
     def load_optimizer_state_by_name(self, pieces: dict[str, list[dict]]) -> None:
-        """Load my rows of the state that every saving rank wrote (``optimizer_state_by_name``), grouped by name;
-        a table shard's padding rows (past the table) start from zero moments."""
+        """Load my rows of the state that every saving rank wrote (``optimizer_state_by_name``), grouped by name."""
         for shards in self.shards:
             shards.load_state_by_name(self.optimizer, pieces)
-        for name, p in self.tables.items():
-            start, rows = self.module.row_shards[name]
-            stop = min(start + p.shape[0], rows)
-            if name in pieces and stop > start:
-                state = rows_of_state(Shard(name, start, stop, 0), pieces[name], p.device)
-                self.table_optimizer.state[p] = {k: torch.nn.functional.pad(v, (0, 0, 0, p.shape[0] - v.shape[0]))
-                                                 if torch.is_tensor(v) and v.dim() else v for k, v in state.items()}
+        if self.tables is not None:
+            self.tables.load_state_by_name(pieces)
 
-    def _reduce_grads(self):
-        """DeepSpeed's data-parallel reduction, then the tables' gradients over the replicas: each shard's already
-        sums every replica's lookups of its rows (the row exchange's backward), so it is divided by the replicas,
-        as the reduction averages every other gradient."""
-        PipelineEngine._exec_reduce_grads(self)
+    def sync_shadows(self) -> None:
+        """Copy every owner's index-key projection, and the first stage's embedding to the draft head's replica,
+        to the replicas (after a step, and after loading weights)."""
+        self.shadow_links.sync()
+
+    def eval_batch(self, *args, **kwargs):
+        """DeepSpeed's, starting from no running loss: it sums ``total_loss`` over the forwards of a batch and
+        resets it in ``train_batch`` only, so an evaluation that returns logits (``compute_loss=False``) would
+        leave them there for the next evaluation's losses to be added to."""
+        self.total_loss = None
+        return super().eval_batch(*args, **kwargs)
+
+    # The hooks of PipelineAdapter (parallel/deepspeed_private.py)
+
+    def reduce_tied_gradients(self) -> None:
+        super().reduce_tied_gradients()
+        self.shadow_links.reduce_gradients()
+
+    def reduce_gradients(self) -> None:
+        """DeepSpeed's data-parallel reduction (``gradients_for_reduction``), then the tables' and the experts'."""
+        super().reduce_gradients()
         replicas = self.grid.get_data_parallel_world_size()
-        for p in self.tables.values():
-            if p.grad is not None and replicas > 1:
-                p.grad.mul_(1.0 / replicas)
-        if self.experts:  # each holds what the tokens of its expert-parallel group gave: summed over the replicas
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.experts.values()]
-            flat = torch.cat([g.reshape(-1) for g in grads])  # of the same experts, averaged as every gradient
-            dist.all_reduce(flat, group=self.module.expert_groups.data)
-            flat.mul_(1.0 / replicas)
-            for p, part in zip(self.experts.values(), flat.split([g.numel() for g in grads])):
-                p.grad = part.view_as(p).to(p.dtype)
+        if self.tables is not None:
+            self.tables.average(replicas)
+        if self.experts:
+            average_expert_gradients(self.experts, self.module.expert_groups.data, replicas)
 
-    def _get_gradients_for_reduction(self):
+    def gradients_for_reduction(self):
         """DeepSpeed's list of gradients to all-reduce, without the row-sharded tables and the expert-parallel
         experts (their shards hold other rows on every replica: summing them would mix rows; the experts are reduced
-        over their own group in ``_reduce_grads``), and with no DeepSpeed MoE groups."""
+        over their own group in ``reduce_gradients``), and with no DeepSpeed MoE groups."""
         sharded = {id(p) for p in self._sharded_tensors()}
         grads = []
         for p in self.module.parameters():
@@ -397,184 +378,69 @@ class CSA2PipelineEngine(PipelineEngine):
             grads.append(SparseTensor(p.grad) if p.grad.is_sparse else p.grad.data)
         return grads, {}
 
-    def _broadcast_model(self):
+    def broadcast_model(self) -> None:
         """DeepSpeed's start-up broadcast of the weights from the first data-parallel rank, but the row-sharded
         tables and the expert ranges: each replica holds other rows of them (DeepSpeed would give every replica the
         first one's), drawn alike wherever held (``model.transformer.init_parameters``)."""
         sharded = {id(p) for p in self._sharded_tensors()}
+        first = dist.get_global_rank(self.seq_data_parallel_group, 0)
         for p in self.module.parameters():
             if id(p) not in sharded:
-                dist.broadcast(p.data.view(torch.uint8), ds_groups._get_broadcast_src_rank(),
-                               group=self.seq_data_parallel_group)
+                dist.broadcast(p.data.view(torch.uint8), first, group=self.seq_data_parallel_group)
 
     def _sharded_tensors(self) -> list[torch.nn.Parameter]:
         """The parameters that hold other rows on every replica: the tables' shards and the experts' ranges."""
         named = dict(self.module.stage.model.named_parameters())
         return [named[n] for n in (*self.module.row_shards, *self.module.expert_shards)]
 
-    def _reduce_tied_and_shadow_grads(self):
-        PipelineEngine._exec_reduce_tied_grads(self)
-        for group, _, tensors in self._shadow_links:
-            has = torch.tensor([float(any(t.grad is not None for t in tensors))], device=self.device)
-            flat = torch.cat([has] + [(t.grad if t.grad is not None else torch.zeros_like(t)).reshape(-1).float()
-                                      for t in tensors])
-            dist.all_reduce(flat, group=group)
-            if flat[0] == 0:
-                continue
-            offset = 1
-            for t in tensors:
-                t.grad = flat[offset: offset + t.numel()].view_as(t).to(t.dtype)
-                offset += t.numel()
+    def step_optimizer(self, lr_kwargs=None) -> None:
+        optimizer_step(self.step_parts, self.total_loss if self.is_last_stage() else None, lr_kwargs)
 
-    def _guarded_optimizer_step(self, lr_kwargs=None):
-        """The step, or on a non-finite loss or gradient norm (``StepGuard``) nothing on any rank: no parameter,
-        optimizer, routing-bias or schedule change, the gradients dropped and the step counted as skipped."""
-        self._clip_gradients()  # the norms (equal on every rank), then the scaling (dropped by a skip)
-        skip = self.guard.check(self.total_loss if self.is_last_stage() else None, self.clip_norms.values(),
-                                self.device)
-        self.expert_loads = self.module.stage.model.balance_experts(
-            partial(dist.all_reduce, group=self.grid.get_data_parallel_group()), apply=not skip)
-        if skip:
-            self.optimizer.zero_grad()
-            self.zero_grad()
-            self._clear_table_grads()
-            self.skipped_steps += 1
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
-            return
-        if self.table_optimizer is not None:  # first: DeepSpeed's step below clears every module gradient
-            for group in self.table_optimizer.param_groups:
-                group["lr"] = self.optimizer.param_groups[0]["lr"]  # this step's, as the dense one's
-            self.table_optimizer.step()
-        self._clear_table_grads()
-        with contextlib.ExitStack() as views:
-            for shards in self.shards:
-                views.enter_context(shards.gradients())
-            PipelineEngine._exec_optimizer_step(self, lr_kwargs)
-        for shards in self.shards:
-            shards.broadcast()
-        self.sync_shadows()
-
-    def _clear_table_grads(self) -> None:
-        for p in self.tables.values():
-            p.grad = None
-
-    def eval_batch(self, *args, **kwargs):
-        """DeepSpeed's, starting from no running loss: it sums ``total_loss`` over the forwards of a batch and
-        resets it in ``train_batch`` only, so an evaluation that returns logits (``compute_loss=False``) would
-        leave them there for the next evaluation's losses to be added to."""
-        self.total_loss = None
-        return super().eval_batch(*args, **kwargs)
-
-    def sync_shadows(self) -> None:
-        """Copy every owner's index-key projection, and the first stage's embedding to the draft head's replica,
-        to the replicas (after a step, and after loading weights)."""
-        for group, owner, tensors in self._shadow_links + self._replica_links:
-            for t in tensors:
-                dist.broadcast(t.data, src=owner, group=group)
+    def _drop_step(self) -> None:
+        """A skipped step: every gradient dropped, the step counted as skipped (``optimizer_step``)."""
+        self.optimizer.zero_grad()
+        self.zero_grad()
+        self.count_skipped_step()
 
     def _clip_gradients(self) -> None:
-        """Clip the trunk's, the indexer's and the draft head's gradients, each clipping group
-        (``model.groups.CLIP_GROUPS``) by its own norm over the whole pipeline.
+        """Clip the trunk's, the indexer's and the draft head's gradients (``parallel/clipping.py``); the tables
+        are listed without a gradient too, as on every replica. A method of the engine so that tests and benchmarks
+        can wrap it to read the reduced gradients before they are clipped."""
+        tables = self.tables.tables if self.tables is not None else {}
+        self.clipper([(n, p.grad) for n, p in self.owned_named_parameters().items()
+                      if p.grad is not None or n in tables])
 
-        The per-tensor squared norms of all stages are gathered and summed in the full model's parameter order,
-        so each norm (and every clipped gradient) is bitwise the single-stage one. Runs after the data-parallel
-        reduction, so every replica of a stage sees the same norms. ``grad_norm`` is the trunk's;
-        ``group_grad_norms`` splits the same squares by parameter role (training-health diagnostics). The norms
-        stay on the device and the gradients are scaled by group (foreach): no host sync on one stage; several
-        stages gather their squares on the host once."""
-        owned = self.owned_named_parameters()
-        named = [(n, p.grad) for n, p in owned.items() if p.grad is not None or n in self.tables]  # tables: on
-        group_ids = [GROUPS.index(param_group(n)) for n, _ in named]  # every rank
-        local = _squares([g for _, g in named], self.device)
-        # A table's shards hold other rows on every data-parallel replica, an expert range other experts on every
-        # member of its expert-parallel group: their squares are the sums of theirs
-        for sharded, group in ((self.tables, self.grid.get_data_parallel_group()),
-                               (self.experts, self.module.expert_groups and self.module.expert_groups.dispatch.group)):
-            if sharded and dist.get_world_size(group) > 1:
-                at = torch.tensor([i for i, (n, _) in enumerate(named) if n in sharded])
-                at = at.to(self.device, non_blocking=True)
-                summed = local[at]
-                dist.all_reduce(summed, group=group)
-                local[at] = summed
-        if self.num_stages > 1:
-            per_stage = [None] * self.num_stages
-            dist.all_gather_object(per_stage, (local.cpu(), group_ids), group=self.grid.get_pipe_parallel_group())
-            squares = torch.cat([part for part, _ in per_stage]).to(self.device)
-            all_group_ids = [i for _, ids in per_stage for i in ids]
-        else:
-            squares, all_group_ids = local, group_ids
-        ids = torch.tensor(all_group_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        clip_of = torch.tensor([CLIP_GROUPS.index(clip_group(group)) for group in GROUPS]).to(
-            self.device, non_blocking=True)[ids]
+    def wrap_schedule(self, pipe_schedule):
+        return pipe_schedule if self.links is None else EagerSends(pipe_schedule)
 
-        def norm_where(mask):  # a fixed-length sum in parameter order: bitwise the same on every split
-            return torch.where(mask, squares, 0.0).sum().sqrt()
-
-        self.group_grad_norms = {group: norm_where(ids == i) for i, group in enumerate(GROUPS)
-                                 if i in all_group_ids}
-        self.clip_norms = norms = {group: norm_where(clip_of == i) for i, group in enumerate(CLIP_GROUPS)}
-        self.grad_norm, self.indexer_grad_norm = norms["trunk"], norms["indexer"]
-        if self.max_grad_norm <= 0:
-            return
-        for clip in CLIP_GROUPS:
-            grads = [g for (_, g), i in zip(named, group_ids) if g is not None and clip_group(GROUPS[i]) == clip]
-            scale = torch.clamp(self.max_grad_norm / (norms[clip] + 1e-6), max=1.0)
-            dense = [g for g in grads if not g.is_sparse]
-            if dense:
-                torch._foreach_mul_(dense, scale)
-            for g in grads:
-                if g.is_sparse:
-                    g.mul_(scale)
-
-    def _train_schedule(self):
-        inner = super()._train_schedule()
-        return inner if self.links is None else EagerSends(inner)
-
-    def _inference_schedule(self, micro_batches):
-        inner = super()._inference_schedule(micro_batches)
-        return inner if self.links is None else EagerSends(inner)
-
-    def _exec_schedule(self, pipe_schedule):
-        super()._exec_schedule(pipe_schedule)
+    def after_schedule(self) -> None:
         if self.links is not None:
             self.links.drain()
 
-    def _send_activations(self, buffer_id):
+    def send_activations(self, buffer_id: int) -> None:
         if self.links is None:
-            return PipelineEngine._exec_send_activations(self, buffer_id)
+            return super().send_activations(buffer_id)
         self.links.send_activations(self.pipe_buffers["outputs"][buffer_id])
 
-    def _recv_activations(self, buffer_id):
+    def recv_activations(self, buffer_id: int) -> None:
         if self.links is None:
-            return PipelineEngine._exec_recv_activations(self, buffer_id)
+            return super().recv_activations(buffer_id)
         received = self.links.recv_activations()
         for tensor in received:
             tensor.requires_grad = tensor.is_floating_point()
         self.pipe_buffers["inputs"][buffer_id] = received
 
-    def _send_grads(self, buffer_id):
+    def send_gradients(self, buffer_id: int) -> None:
         if self.links is None:
-            return PipelineEngine._exec_send_grads(self, buffer_id)
+            return super().send_gradients(buffer_id)
         floats, _ = self.pipe_buffers["inputs"][buffer_id]
         self.links.send_gradient(floats.grad)
         self.pipe_buffers["inputs"][buffer_id] = None
 
-    def _recv_grads(self, buffer_id):
+    def recv_gradients(self, buffer_id: int) -> None:
         if self.links is None:
-            return PipelineEngine._exec_recv_grads(self, buffer_id)
+            return super().recv_gradients(buffer_id)
         self.grad_layer = [self.links.recv_gradient()]
-
-    _INSTRUCTION_MAP = {
-        **PipelineEngine._INSTRUCTION_MAP,
-        schedule.ReduceTiedGrads: _reduce_tied_and_shadow_grads,
-        schedule.ReduceGrads: _reduce_grads,
-        schedule.OptimizerStep: _guarded_optimizer_step,
-        schedule.SendActivation: _send_activations,
-        schedule.RecvActivation: _recv_activations,
-        schedule.SendGrad: _send_grads,
-        schedule.RecvGrad: _recv_grads,
-    }
 
 
 def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
@@ -605,15 +471,5 @@ def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
     return CSA2PipelineEngine(args=None, model=module, optimizer=None, model_parameters=groups, training_data=None,
                               lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=False, collate_fn=None,
                               config=config, config_class=config_class, shards=shards, max_grad_norm=max_grad_norm,
-                              p2p=p2p, table_optimizer=table_optimizer(module, config))
-
-
-def table_optimizer(module: CSA2PipelineModule, config: dict) -> torch.optim.Optimizer | None:
-    """Adam for the row-sharded tables, whose gradients are sparse: ``torch.optim.SparseAdam`` (lazy: a row's
-    moments move only in the steps that looked it up), with the dense optimizer's betas and epsilon and its
-    learning rate at every step; no weight decay (the tables are embeddings)."""
-    tables = list(module.table_parameters().values())
-    if not tables:
-        return None
-    params = config["optimizer"]["params"]
-    return torch.optim.SparseAdam(tables, lr=params["lr"], betas=tuple(params["betas"]), eps=params["eps"])
+                              p2p=p2p, table_optimizer=table_optimizer(module.table_parameters(), module.row_shards,
+                                                                        config))

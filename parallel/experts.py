@@ -140,6 +140,18 @@ def expert_groups(stages: int, replicas: int, expert_parallel: int, overlap: boo
     return ExpertGroups(**mine)
 
 
+def average_expert_gradients(experts: dict[str, torch.nn.Parameter], group, replicas: int) -> None:
+    """After the data-parallel reduction (which leaves the experts out): each rank's experts hold the gradients the
+    tokens of its expert-parallel group gave them; sum them over ``group`` (the ranks holding the same experts) and
+    divide by the stage's ``replicas``, the mean every other gradient gets. A missing gradient counts as zeros."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in experts.values()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.mul_(1.0 / replicas)
+    for p, part in zip(experts.values(), flat.split([g.numel() for g in grads])):
+        p.grad = part.view_as(p).to(p.dtype)
+
+
 def routed_bytes(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, itemsize: int,
                  dspark: bool = False) -> list[float]:
     """Bytes of one exchange of each layer's routed rows per microbatch (plans and the schedule simulator): the

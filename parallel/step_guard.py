@@ -4,7 +4,7 @@ A step is skipped when its loss or any clipping group's gradient norm is not fin
 one inf gradient entry with a finite loss gives an inf norm, clipping scales the gradients by ``max_norm / inf = 0``
 and turns that entry into ``0 * inf = NaN``, and AdamW writes the NaN into the weight and its moments; a checkpoint
 saved then would be published as a good one. The clipping groups' norms are computed after the data-parallel, expert
-and stage reductions (``CSA2PipelineEngine._clip_gradients``), so they are equal on every rank; the loss is known on
+and stage reductions (``parallel/clipping.py``), so they are equal on every rank; the loss is known on
 the last stage only. One MAX all-reduce of the two flags over the world makes the verdict common: the one host sync
 the guard costs, which the loss check already paid.
 """
