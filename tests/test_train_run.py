@@ -179,22 +179,26 @@ def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "checkpoints" / "step00000003" / "trainer_state.json").read_text())["step"] == 3
 
 
-def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    real_save, calls = torch.save, {"n": 0}
+@pytest.mark.parametrize("writer", ["false", "true"])
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, writer):
+    """A write that fails (disk full) in the second save: the job fails with it, synchronous or in the background
+    (raised at the next step or at the end, not lost), and the first checkpoint stays the one to resume."""
+    real_write, calls = checkpoint.durable.write, {"n": 0}
 
-    def crashing_save(obj, path, *args, **kwargs):
-        if str(path).endswith(checkpoint.RESUME_STATE):
+    def failing_write(path, fill):
+        if path.name == checkpoint.RESUME_STATE:
             calls["n"] += 1
             if calls["n"] == 2:  # the second checkpoint dies after the weight and optimizer files
                 raise OSError("disk full")
-        real_save(obj, path, *args, **kwargs)
+        return real_write(path, fill)
 
-    monkeypatch.setattr(checkpoint.torch, "save", crashing_save)
+    monkeypatch.setattr(checkpoint.durable, "write", failing_write)
     with pytest.raises(OSError, match="disk full"):
-        _run(tmp_path, "train.max_steps=2", "train.checkpoint_every=1")
+        _run(tmp_path, "train.max_steps=3", "train.checkpoint_every=1", f"train.checkpoint_async={writer}")
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / "latest").read_text() == "step00000001"
     assert (ckpt / ".step00000002.partial").is_dir() and not (ckpt / "step00000002").exists()
+    assert not (ckpt / "step00000003").exists()  # the failure stopped the job before its next save
     assert checkpoint.find("auto", ckpt) == checkpoint.CheckpointRef(ckpt, "step00000001")
 
 
