@@ -14,7 +14,7 @@ import torch
 
 from model import layout_from_config
 from model.cli import compose
-from train import checkpoint, engine as engine_module
+from train import checkpoint, engine as engine_module, manifest
 from train.app import Trainer, TrainingDiverged, run
 from train.checkpoint import CheckpointError
 from train.loss import Loss, compute_loss
@@ -113,6 +113,33 @@ def test_resume_paths(trained, tmp_path):
     assert checkpoint.find(None, ckpt) is None
     with pytest.raises(CheckpointError, match="no checkpoint there"):
         checkpoint.find(str(tmp_path / "missing"), tmp_path)
+
+
+def _as_the_previous_format(tag):
+    """``tag`` rewritten as the code before the format version wrote it: each tensor file saved by path, and a
+    manifest with no format, hashed after the fact."""
+    for path in tag.glob("*.pt"):
+        torch.save(torch.load(path, weights_only=True), path)
+    entries = {p.name: {"bytes": p.stat().st_size, "sha256": manifest.sha256(p)} for p in sorted(tag.iterdir())
+               if p.name != manifest.MANIFEST}
+    (tag / manifest.MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_as_today_s(trained, tmp_path):
+    """Planted bugs it catches: a manifest without a format read as unreadable or newer (no resume); a file
+    layout the loader no longer reads."""
+    rows = {}
+    for kind in ("today", "previous"):
+        tag = tmp_path / kind / "checkpoints" / "step00000020"
+        shutil.copytree(trained[0] / "checkpoints" / tag.name, tag)
+        if kind == "previous":
+            _as_the_previous_format(tag)
+            assert "format" not in json.loads((tag / manifest.MANIFEST).read_text())
+        _run(tmp_path / kind, "train.max_steps=21", "train.resume=auto", "train.checkpoint_every=0")
+        rows[kind] = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "memory_mb")}
+                      for r in _train_rows(tmp_path / kind)]
+    assert [r["step"] for r in rows["today"]] == [21]
+    assert rows["previous"] == rows["today"]
 
 
 def test_missing_checkpoint_path_is_an_error(tmp_path):

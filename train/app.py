@@ -192,7 +192,8 @@ class Trainer:
         self.expert_loads: dict[str, list[float]] = {}  # of the last logged step (experts.jsonl)
         self.writer = BackgroundJob(self.train_config.checkpoint_async, "checkpoint writer")
         # the writer's collectives run beside the training's: on a group of their own, as torch's async_save does
-        self.save_group = distributed.side_group() if self.writer.enabled else None
+        self.save_group = distributed.side_group() if self.writer.enabled and self.train_config.checkpoint_every \
+            else None
 
     def _flops_per_step(self) -> float:
         """Model FLOPs of one optimizer step over all GPUs (``model/flops.py``): the MFU numerator."""
@@ -296,7 +297,7 @@ class Trainer:
         """Copy the state now; write and publish it in the background (``train.checkpoint_async``) or at once."""
         trainer_state = {**self.state, "wandb_id": self.wandb_id, "config": plain(self.job.config)}
         resume_state = {"rng": checkpoint.rng_state(), "loader": self.loader.state_dict()}
-        self.writer.wait()  # one save at a time; the previous one's failure is raised here
+        self.writer.wait()  # one save at a time, one staged copy in memory; the previous one's failure raised here
         files = checkpoint.stage(self.engine, trainer_state, resume_state)
         step, keep = self.state["step"], self.train_config.keep_checkpoints
         self.writer.submit(lambda: checkpoint.write_staged(self.checkpoint_dir, step, files, keep, self.save_group))

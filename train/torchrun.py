@@ -12,8 +12,22 @@ traceback included) goes to the terminal as under torchrun.
 import logging
 import sys
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher import api as launcher_api
 from torch.distributed.run import parse_args, run
+
+FINAL_STATUSES = {2, 130, 143}  # a restart would meet the same bad input, or undo a stop on purpose
+
+
+class FinalStatusAgent(LocalElasticAgent):
+    """torchrun's agent, restarting a failed worker group only when some failed worker's status is not final."""
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed() and all(f.exitcode in FINAL_STATUSES for f in result.failures.values()):
+            self._remaining_restarts = 0  # the agent's own count: with none left it stops the group and returns
+        return result
 
 
 def failure_line(failed: ChildFailedError) -> str:
@@ -28,6 +42,7 @@ def main(argv: list[str]) -> None:
     # The agent's ERROR record of each failed worker repeats failure_line; its warnings (OMP_NUM_THREADS, SIGTERM
     # sent to the other workers) stay.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    launcher_api.LocalElasticAgent = FinalStatusAgent
     try:
         run(parse_args(argv))
     except ChildFailedError as failed:
