@@ -123,10 +123,12 @@ def test_every_rename_is_durable_before_the_next_step(tmp_path, monkeypatch):
 
 
 def test_background_saves_write_the_bytes_of_synchronous_ones(tmp_path, monkeypatch):
-    real_save = durable.save_tensors
+    real_save, started = durable.save_tensors, set()
 
-    def slow_save(obj, path):  # a slow disk: the next steps run while the checkpoint is written
-        time.sleep(0.2)
+    def slow_save(obj, path):  # a slow disk: the next step runs before the rest of the checkpoint is written
+        if path.parent not in started:
+            started.add(path.parent)
+            time.sleep(0.5)
         return real_save(obj, path)
 
     monkeypatch.setattr(durable, "save_tensors", slow_save)
