@@ -381,6 +381,8 @@ class TrainConfig:
     checkpoint_every: int = setting("steps between checkpoints (and at the last step); 0: none", ge=0)
     checkpoint_dir: str | None = setting("where checkpoints go; null: <run dir>/checkpoints")
     keep_checkpoints: int = setting("newest complete checkpoints kept; 0: all", ge=0)
+    checkpoint_async: bool = setting("write checkpoints in a background thread while the next steps run (the state is "
+                                     "copied to CPU memory first); false: the step waits for the write")
     resume: str | None = setting("null, auto (newest in checkpoint_dir, else fresh) or a checkpoint dir or tag dir")
     init_from: str | None = setting(
         "start from trained weights (weights only: fresh optimizer, schedule and data): a checkpoint of ours, an "

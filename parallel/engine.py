@@ -134,29 +134,30 @@ class CSA2PipelineModule(PipelineModule):
             parts = OrderedDict((name, torch.zeros(())) for name in self.loss_fn.part_names())
         return parts
 
-    def save_weights(self, save_dir: str) -> None:
-        """One file per transformer layer (plus embedding and head), named by the full model's layer ids; written
-        by the first data-parallel rank of each stage (the others hold the same weights). A row-sharded table's
-        rows are written by every rank that holds some, one file per rank (``rows_file``)."""
-        os.makedirs(save_dir, exist_ok=True)
+    def weight_files(self) -> dict[str, dict]:
+        """What this rank writes of a checkpoint's weights, file name: contents (views of the live tensors; the
+        writer copies them). One file per transformer layer (plus embedding and head), named by the full model's
+        layer ids, from the first data-parallel rank of each stage (the others hold the same weights); a row-sharded
+        table's rows from every rank that holds some, one file per rank (``rows_file``); each range of experts from
+        the first of the ranks that hold it."""
+        files = {}
         state = self.stage.owned_state_dict()
         for name, (start, rows) in self.row_shards.items():
             if name not in state:  # a frozen table under LoRA: not checkpointed
                 continue
             stop = min(start + state[name].shape[0], rows)  # the last shard's padding is not part of the table
             if stop > start:
-                torch.save({"name": name, "rows": (start, stop), "values": state[name][:stop - start].clone()},
-                           os.path.join(save_dir, rows_file(name, start)))
+                files[rows_file(name, start)] = {"name": name, "rows": (start, stop),
+                                                 "values": state[name][:stop - start]}
         experts = {k: v for k, v in state.items() if is_expert(k)}
         if experts and self.expert_data_rank() == 0:  # one copy of each range of experts
             for part, tensors in split_by_layer(experts).items():
                 first = min(int(k.split(".experts.")[1].split(".")[0]) for k in tensors)
-                torch.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, experts_file(part, first)))
-        if self.mpu().data_parallel_id != 0:
-            return
-        dense = {k: v for k, v in state.items() if k not in self.row_shards and not is_expert(k)}
-        for part, tensors in split_by_layer(dense).items():
-            torch.save({k: v.clone() for k, v in tensors.items()}, os.path.join(save_dir, part))
+                files[experts_file(part, first)] = tensors
+        if self.mpu().data_parallel_id == 0:
+            dense = {k: v for k, v in state.items() if k not in self.row_shards and not is_expert(k)}
+            files.update(split_by_layer(dense))
+        return files
 
     def expert_data_rank(self) -> int:
         """My rank among the replicas holding the same experts (the data-parallel rank without expert parallelism)."""
@@ -165,7 +166,7 @@ class CSA2PipelineModule(PipelineModule):
         return self.expert_groups.data_ranks.index(dist.get_rank())
 
     def load_weights(self, load_dir: str) -> None:
-        """This stage's layers from the per-layer files of ``save_weights``, whatever split wrote them, and the rows
+        """This stage's layers from the per-layer files of ``weight_files``, whatever split wrote them, and the rows
         of its table shards from the row files of whatever data-parallel size wrote them."""
         own = self.stage.owned_state_dict()
         wanted = split_by_layer({k: v for k, v in own.items() if k not in self.row_shards and not is_expert(k)})

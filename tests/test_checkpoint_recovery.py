@@ -1,5 +1,6 @@
 """Damaged checkpoints: the manifest names the damaged file, ``train.resume=auto`` takes the newest intact
 checkpoint, and pruning never deletes the newest intact one (no engine: checkpoints made of plain files)."""
+import json
 import logging
 import re
 
@@ -98,3 +99,37 @@ def test_pruning_keeps_the_newest_intact_checkpoints(tmp_path):
     # keep=1 with a damaged checkpoint at the current step: the newest intact one (175) survives
     checkpoint.prune(tmp_path, keep=1, step=200)
     assert sorted(p.name for p in tmp_path.glob("step*")) == ["step00000175"]
+
+
+def _set_format(tag, version):
+    """``tag``'s manifest recording format ``version`` (None: none, as before the format was recorded)."""
+    path = tag / manifest.MANIFEST
+    written = json.loads(path.read_text())
+    written.pop("format")
+    path.write_text(json.dumps(written if version is None else {"format": version, **written}))
+
+
+def test_a_newer_format_is_refused_in_one_line_not_skipped(tmp_path):
+    """Skipping it as damaged would resume the older checkpoint behind the user's back. Planted bug it catches: no
+    format check (the newer checkpoint is read as if it were of this format)."""
+    make_checkpoint(tmp_path, 100)
+    newer = make_checkpoint(tmp_path, 200)
+    _set_format(newer, manifest.FORMAT + 1)
+    for resume in ("auto", str(newer)):
+        with pytest.raises(CheckpointError) as refused:
+            checkpoint.find(resume, tmp_path)
+        assert str(refused.value) == (
+            f"{newer / manifest.MANIFEST}: checkpoint format {manifest.FORMAT + 1}, newer than this code reads "
+            f"(format {manifest.FORMAT} and older) — resume it with the version of the code that wrote it, or start "
+            "fresh (train.resume=null)")
+        assert refused.value.exit_code == 2
+
+
+def test_a_manifest_without_a_format_is_format_1(tmp_path):
+    """Checkpoints written before the format was recorded. Planted bug it catches: a missing format read as
+    unreadable (the checkpoint skipped) or as 0."""
+    tag = make_checkpoint(tmp_path, 100)
+    assert manifest.format_of(tag) == manifest.FORMAT == 1
+    _set_format(tag, None)
+    assert manifest.format_of(tag) == 1
+    assert checkpoint.find("auto", tmp_path) == CheckpointRef(tmp_path, "step00000100")

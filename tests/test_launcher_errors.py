@@ -2,7 +2,8 @@
 runs): the job's one line is printed once, then one line of the launcher naming each worker's status, and the
 launch exits with the workers' status 2 (plain torchrun prints a 38-line traceback and exits 1: planting a re-raise
 of the ``ChildFailedError`` fails here); every worker exits 2 (none is stopped by the launcher), and neither rank
-leaves a run directory, Hydra's timestamped ones included. And a CPU that other jobs share is named in the run's
+leaves a run directory, Hydra's timestamped ones included. With ``--max-restarts`` (as ``launch/torchrun.sh`` passes it)
+bad input is not restarted: planting torchrun's own agent back prints the line once per attempt. And a CPU that other jobs share is named in the run's
 header, with the thread setting that helps."""
 import os
 import subprocess
@@ -18,7 +19,7 @@ def test_config_error_under_torchrun_is_one_line_status_2_everywhere_and_no_run_
                         "HYDRA_FULL_ERROR"}} | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     missing = tmp_path / "notes.txt"
     done = subprocess.run([sys.executable, "-m", "train.torchrun", "--standalone", "--nproc-per-node=2",
-                           "-m", "train", "data=hf", f"data.path={missing}", "logger.mode=disabled"],
+                           "--max-restarts=3", "-m", "train", "data=hf", f"data.path={missing}", "logger.mode=disabled"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     line = f"error: data.path '{missing}' does not exist — give an existing file or directory, or a dataset name"
     assert done.returncode == 2, done.stderr[-3000:]

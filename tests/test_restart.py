@@ -40,6 +40,8 @@ def test_a_killed_rank_restarts_and_resumes_as_the_straight_run(tmp_path):
     # the kill happened, was said in one line, and the job went on
     assert "torchrun: local rank 1 failed (signal SIGKILL); restarting the group (3 of 3 restarts left)" in err, \
         err[-3000:]
+    resumed = f"resumed from {killed / 'checkpoints' / 'step00000004'} at step 4"
+    assert resumed in out + err, err[-3000:]  # the kill happened, and the job went on from the checkpoint before it
     reference = _launch(straight)
     out, err = reference.communicate(timeout=180)
     assert reference.returncode == 0, err[-3000:]

@@ -14,7 +14,7 @@ import torch
 
 from model import layout_from_config
 from model.cli import compose
-from train import checkpoint, engine as engine_module
+from train import checkpoint, engine as engine_module, manifest
 from train.app import Trainer, TrainingDiverged, run
 from train.checkpoint import CheckpointError
 from train.loss import Loss, compute_loss
@@ -115,6 +115,33 @@ def test_resume_paths(trained, tmp_path):
         checkpoint.find(str(tmp_path / "missing"), tmp_path)
 
 
+def _as_the_previous_format(tag):
+    """``tag`` rewritten as the code before the format version wrote it: each tensor file saved by path, and a
+    manifest with no format, hashed after the fact."""
+    for path in tag.glob("*.pt"):
+        torch.save(torch.load(path, weights_only=True), path)
+    entries = {p.name: {"bytes": p.stat().st_size, "sha256": manifest.sha256(p)} for p in sorted(tag.iterdir())
+               if p.name != manifest.MANIFEST}
+    (tag / manifest.MANIFEST).write_text(json.dumps({"files": entries}, indent=1))
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_as_today_s(trained, tmp_path):
+    """Planted bugs it catches: a manifest without a format read as unreadable or newer (no resume); a file
+    layout the loader no longer reads."""
+    rows = {}
+    for kind in ("today", "previous"):
+        tag = tmp_path / kind / "checkpoints" / "step00000020"
+        shutil.copytree(trained[0] / "checkpoints" / tag.name, tag)
+        if kind == "previous":
+            _as_the_previous_format(tag)
+            assert "format" not in json.loads((tag / manifest.MANIFEST).read_text())
+        _run(tmp_path / kind, "train.max_steps=21", "train.resume=auto", "train.checkpoint_every=0")
+        rows[kind] = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "memory_mb")}
+                      for r in _train_rows(tmp_path / kind)]
+    assert [r["step"] for r in rows["today"]] == [21]
+    assert rows["previous"] == rows["today"]
+
+
 def test_missing_checkpoint_path_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="train.resume="):
         _run(tmp_path, "train.max_steps=2", f"train.resume={tmp_path / 'nowhere'}")
@@ -179,22 +206,26 @@ def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "checkpoints" / "step00000003" / "trainer_state.json").read_text())["step"] == 3
 
 
-def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    real_save, calls = torch.save, {"n": 0}
+@pytest.mark.parametrize("writer", ["false", "true"])
+def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, writer):
+    """A write that fails (disk full) in the second save: the job fails with it, synchronous or in the background
+    (raised at the next step or at the end, not lost), and the first checkpoint stays the one to resume."""
+    real_write, calls = checkpoint.durable.write, {"n": 0}
 
-    def crashing_save(obj, path, *args, **kwargs):
-        if str(path).endswith(checkpoint.RESUME_STATE):
+    def failing_write(path, fill):
+        if path.name == checkpoint.RESUME_STATE:
             calls["n"] += 1
             if calls["n"] == 2:  # the second checkpoint dies after the weight and optimizer files
                 raise OSError("disk full")
-        real_save(obj, path, *args, **kwargs)
+        return real_write(path, fill)
 
-    monkeypatch.setattr(checkpoint.torch, "save", crashing_save)
+    monkeypatch.setattr(checkpoint.durable, "write", failing_write)
     with pytest.raises(OSError, match="disk full"):
-        _run(tmp_path, "train.max_steps=2", "train.checkpoint_every=1")
+        _run(tmp_path, "train.max_steps=3", "train.checkpoint_every=1", f"train.checkpoint_async={writer}")
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / "latest").read_text() == "step00000001"
     assert (ckpt / ".step00000002.partial").is_dir() and not (ckpt / "step00000002").exists()
+    assert not (ckpt / "step00000003").exists()  # the failure stopped the job before its next save
     assert checkpoint.find("auto", ckpt) == checkpoint.CheckpointRef(ckpt, "step00000001")
 
 

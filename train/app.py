@@ -31,6 +31,7 @@ from model.config import JobConfig, plain
 from model.flops import training_flops
 from parallel.job import Job
 from train import checkpoint, distributed, routing
+from train.background import BackgroundJob
 from train.data import build_loader
 from train.engine import build_engine, train_step
 from train.errors import ReportedError, reported
@@ -189,6 +190,10 @@ class Trainer:
         self.activations = ActivationStats(engine.module.stage.model, scope=engine.module.stage)
         self.routed = job.args.ffn == "moe" or job.trains_dspark  # the same on every rank: gathers are collective
         self.expert_loads: dict[str, list[float]] = {}  # of the last logged step (experts.jsonl)
+        self.writer = BackgroundJob(self.train_config.checkpoint_async, "checkpoint writer")
+        # the writer's collectives run beside the training's: on a group of their own, as torch's async_save does
+        self.save_group = distributed.side_group() if self.writer.enabled and self.train_config.checkpoint_every \
+            else None
 
     def _flops_per_step(self) -> float:
         """Model FLOPs of one optimizer step over all GPUs (``model/flops.py``): the MFU numerator."""
@@ -223,10 +228,12 @@ class Trainer:
                     raise Interrupted(signum)  # run() words the last line
         finally:
             bar.close()
+            self.writer.wait()  # the last checkpoint is published before the job goes on or ends
 
     def step(self, step: int) -> dict:
         """One optimizer step; returns its ``metrics.jsonl`` row."""
         logged = step % self.train_config.log_every == 0
+        self.writer.check()  # a checkpoint write that failed in the background fails the job here
         start = time.perf_counter()
         with self.activations.recording(logged), collective_timeout(step, self.train_config.collective_timeout_s):
             result = train_step(self.engine, [next(self.loader) for _ in range(self.engine.micro_batches)])
@@ -287,11 +294,14 @@ class Trainer:
                                "train.resume=auto continues from that checkpoint")
 
     def save(self) -> None:
+        """Copy the state now; write and publish it in the background (``train.checkpoint_async``) or at once."""
         trainer_state = {**self.state, "wandb_id": self.wandb_id, "config": plain(self.job.config)}
         resume_state = {"rng": checkpoint.rng_state(), "loader": self.loader.state_dict()}
-        checkpoint.save(self.engine, self.checkpoint_dir, self.state["step"], trainer_state, resume_state,
-                        self.train_config.keep_checkpoints)
-        self.saved_step = self.state["step"]
+        self.writer.wait()  # one save at a time, one staged copy in memory; the previous one's failure raised here
+        files = checkpoint.stage(self.engine, trainer_state, resume_state)
+        step, keep = self.state["step"], self.train_config.keep_checkpoints
+        self.writer.submit(lambda: checkpoint.write_staged(self.checkpoint_dir, step, files, keep, self.save_group))
+        self.saved_step = step
 
 
 def resume_command(run_dir: Path) -> str:

@@ -12,11 +12,14 @@ Layout of ``<checkpoint_dir>``::
         resume_state.pt    # RNG states, loader position, LR schedule and step counters
         optimizer_stage00_dp00.pt  # per rank whose optimizer state is its own (every data-parallel rank under
                                    # ZeRO-1, else the first): its rows of each parameter's state, by name
-        manifest.json      # every other file's size and SHA-256, written last (train/manifest.py)
+        manifest.json      # the format version, every other file's size and SHA-256, written last (train/manifest.py)
 
-A save goes into ``.step00000100.partial`` and is renamed once every rank has written its files and rank 0 the
-manifest; only then is ``latest`` replaced. A crash mid-save leaves a ``.partial`` directory that nothing reads
-and the previous ``latest`` intact. What a resume reads is JSON or ``torch.load(weights_only=True)``.
+A save first copies this rank's state into CPU memory (``stage``), then writes it (``write_staged``, in a background
+thread under ``train.checkpoint_async``) into ``.step00000100.partial``, every file fsync'd under a temporary name and
+renamed (``train/durable.py``). Once every rank has written its files, rank 0 writes the manifest from their digests,
+renames the directory into place and only then replaces ``latest``, fsyncing each rename. A crash or a power cut
+mid-save leaves a ``.partial`` directory that nothing reads and the previous ``latest`` intact. What a resume reads is
+JSON or ``torch.load(weights_only=True)``.
 
 Damage after the fact (a truncated, deleted or corrupted file) is caught by the manifest before anything loads:
 ``train.resume=auto`` starts from ``latest`` if it is intact, else from the newest intact checkpoint, warning about
@@ -43,9 +46,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from model.config import JobConfig, plain
-from train import manifest
+from train import durable, manifest
 from train.errors import ReportedError
 
 log = logging.getLogger(__name__)
@@ -55,7 +59,7 @@ TRAINER_STATE = "trainer_state.json"
 RESUME_STATE = "resume_state.pt"
 OPTIMIZER_STATE = "optimizer_stage{stage:02d}_dp{dp:02d}.pt"
 OPTIMIZER_STATES = "optimizer_stage*_dp*.pt"
-WEIGHT_FILES = ("embed.pt", "layer_*.pt", "head.pt", "experts_*.pt")  # as CSA2PipelineModule.save_weights names them
+WEIGHT_FILES = ("embed.pt", "layer_*.pt", "head.pt", "experts_*.pt")  # as CSA2PipelineModule.weight_files names them
 # Config keys that change how the same weights are computed, not what they are: they may differ on resume.
 RUNTIME_ONLY_KEYS = ("model.kernel_backend",)
 
@@ -112,6 +116,7 @@ def locate(path: str, setting: str, problem=manifest.problem) -> CheckpointRef:
     if _tags(location):
         return _newest_intact(location, problem)
     if (location / TRAINER_STATE).is_file() or (location / manifest.MANIFEST).is_file():
+        _readable_format(location)
         damage = problem(location)
         if damage is None:
             return CheckpointRef(location.parent, location.name)
@@ -140,6 +145,7 @@ def _newest_intact(directory: Path, problem=manifest.problem) -> CheckpointRef:
         [tag for tag in reversed(_tags(directory)) if tag != latest]
     skipped = [] if latest is None or latest.is_dir() else [(latest.name, f"{LATEST} names it but it is missing")]
     for tag in order:
+        _readable_format(tag)
         damage = problem(tag)
         if damage is None:
             for name, why in skipped:
@@ -148,6 +154,16 @@ def _newest_intact(directory: Path, problem=manifest.problem) -> CheckpointRef:
         skipped.append((tag.name, damage))
     raise CheckpointError(f"no intact checkpoint in {directory}: " + "; ".join(f"{n}: {w}" for n, w in skipped)
                           + " — move the damaged ones away and start fresh (train.resume=null)")
+
+
+def _readable_format(tag: Path) -> None:
+    """Refuse a checkpoint of a newer format than this code reads (``manifest.FORMAT``): skipping it as damaged would
+    quietly resume an older one, and reading it could misread it."""
+    found = manifest.format_of(tag)
+    if found is not None and found > manifest.FORMAT:
+        raise CheckpointError(f"{tag / manifest.MANIFEST}: checkpoint format {found}, newer than this code reads "
+                              f"(format {manifest.FORMAT} and older) — resume it with the version of the code that "
+                              "wrote it, or start fresh (train.resume=null)")
 
 
 def agree(resume: str | None, checkpoint_dir: Path) -> CheckpointRef | None:
@@ -257,50 +273,77 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_state: dict, keep: int,
+         group=None) -> CheckpointRef:
+    """Save on every rank (collective): ``stage`` then ``write_staged``, in the caller's thread."""
+    return write_staged(checkpoint_dir, step, stage(engine, trainer_state, resume_state), keep, group)
 
 
-def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_state: dict,
-         keep: int) -> CheckpointRef:
-    """Save on every rank (collective); publish the tag only once all of it is on disk.
+def stage(engine, trainer_state: dict, resume_state: dict) -> dict[str, object]:
+    """This rank's files of a checkpoint (name: what goes in it), every tensor copied into CPU memory of its own
+    (pinned when it comes from the GPU), so that training may go on changing its tensors while they are written.
 
-    Rank 0's ``trainer_state`` (JSON) and ``resume_state`` (RNG and loader position, schedule and engine
-    counters) go beside the weight and optimizer files. Keeps the newest ``keep`` complete checkpoints (0 = all).
-    """
+    Rank 0 adds ``trainer_state`` (JSON) and ``resume_state`` (RNG and loader position) with the schedule and
+    engine counters."""
+    files = dict(engine.module.weight_files())
+    if engine.writes_optimizer_state:
+        files[OPTIMIZER_STATE.format(stage=engine.stage_id, dp=engine.grid.data_parallel_id)] = \
+            engine.optimizer_state_by_name(saving=True)
+    if dist.get_rank() == 0:
+        files[RESUME_STATE] = {**resume_state, **_engine_state(engine)}
+        files[TRAINER_STATE] = json.dumps(trainer_state, indent=1)
+    staged = tree_map_only(torch.Tensor, _host_copy, files)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # the pinned copies were queued asynchronously
+    return staged
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.is_cuda:
+        return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor, non_blocking=True)
+    return tensor.detach().clone()
+
+
+def write_staged(checkpoint_dir: Path, step: int, files: dict[str, object], keep: int, group=None) -> CheckpointRef:
+    """Write every rank's ``stage``d files and publish the tag once all of them are on disk (collective over
+    ``group``, default the world; a background writer passes a group of its own). Keeps the newest ``keep``
+    complete checkpoints (0 = all).
+
+    Each file goes to disk under a temporary name, is fsync'd and renamed (``train/durable.py``), hashed on its way
+    out; rank 0 gathers the sizes and digests into the manifest, renames the directory into place and only then
+    replaces ``latest``, each rename made durable before the next step of the publication."""
     rank = dist.get_rank()
     ref = CheckpointRef(checkpoint_dir, tag_for(step))
-    partial = f".{ref.tag}.partial"
+    partial = checkpoint_dir / f".{ref.tag}.partial"
     if rank == 0:
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(checkpoint_dir / partial, ignore_errors=True)  # debris of a crashed save
-    dist.barrier()
-    (checkpoint_dir / partial).mkdir(parents=True, exist_ok=True)
-    engine.module.save_weights(str(checkpoint_dir / partial))
-    if engine.writes_optimizer_state:
-        name = OPTIMIZER_STATE.format(stage=engine.stage_id, dp=engine.grid.data_parallel_id)
-        torch.save(engine.optimizer_state_by_name(saving=True), checkpoint_dir / partial / name)
+        if not checkpoint_dir.is_dir():
+            checkpoint_dir.mkdir(parents=True)
+            durable.sync_dir(checkpoint_dir.parent)
+        shutil.rmtree(partial, ignore_errors=True)  # debris of a crashed save
+    dist.barrier(group)
+    partial.mkdir(parents=True, exist_ok=True)
+    written = {name: durable.write_text(partial / name, content, sync=False) if isinstance(content, str) else
+               durable.save_tensors(content, partial / name) for name, content in files.items()}
+    durable.sync_dir(partial)
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(written, gathered, dst=0, group=group)
     if rank == 0:
-        torch.save({**resume_state, **_engine_state(engine)}, checkpoint_dir / partial / RESUME_STATE)
-        _write_text_atomic(checkpoint_dir / partial / TRAINER_STATE, json.dumps(trainer_state, indent=1))
-    dist.barrier()
-    if rank == 0:
-        manifest.write(checkpoint_dir / partial)  # last: a checkpoint without one is incomplete
-        replaced = checkpoint_dir / f".{ref.tag}.old"
-        if ref.path.exists():  # a rerun in the same directory reached this step again
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.replace(ref.path, replaced)
-        os.replace(checkpoint_dir / partial, ref.path)
-        _write_text_atomic(checkpoint_dir / LATEST, ref.tag)
-        shutil.rmtree(replaced, ignore_errors=True)
+        manifest.write(partial, known={name: entry for entries in gathered for name, entry in entries.items()})
+        _publish(partial, ref)
         prune(checkpoint_dir, keep, step)
-    dist.barrier()
+    dist.barrier(group)
     return ref
+
+
+def _publish(partial: Path, ref: CheckpointRef) -> None:
+    """Rename the written ``partial`` directory to the tag's, then point ``latest`` at it."""
+    replaced = ref.directory / f".{ref.tag}.old"
+    if ref.path.exists():  # a rerun in the same directory reached this step again
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(ref.path, replaced)
+    durable.replace_dir(partial, ref.path)
+    durable.write_text(ref.directory / LATEST, ref.tag)
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def prune(checkpoint_dir: Path, keep: int, step: int) -> None:

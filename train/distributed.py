@@ -98,6 +98,13 @@ def close() -> None:
         dist.destroy_process_group()
 
 
+def side_group():
+    """A gloo group of every rank for collectives run in another thread beside the training's (the background
+    checkpoint writer): one group's collectives must come in the same order on every rank, which two threads on one
+    group could not promise. Collective: every rank creates it at the same point."""
+    return dist.new_group(backend="gloo")
+
+
 def rank() -> int:
     return dist.get_rank()
 

@@ -4,7 +4,11 @@ A checkpoint directory is intact when each file its ``manifest.json`` lists is t
 checked, that digest. The manifest is written after every other file (and before the directory is published),
 so a checkpoint without one is incomplete. Sizes are checked in microseconds (truncated or deleted files);
 digests read everything back, in threads (hashlib releases the GIL), and are checked on resume. SHA-256 so that
-``sha256sum`` can confirm a file by hand.
+``sha256sum`` can confirm a file by hand. A checkpoint's writers hash their files as they write them
+(``train/durable.py``) and hand the entries in, so that a save reads nothing back.
+
+The manifest also carries the checkpoint's format version (``FORMAT``); one without it is of format 1, the layout
+before the version was recorded, which is today's.
 """
 import hashlib
 import json
@@ -12,7 +16,10 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from train import durable
+
 MANIFEST = "manifest.json"
+FORMAT = 1  # raised when a change of the layout makes older code misread a checkpoint
 _THREADS = min(8, os.cpu_count() or 1)
 
 
@@ -21,19 +28,28 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write(directory: Path) -> None:
-    """Describe every file under ``directory`` (its sub-directories too) in ``manifest.json``, atomically."""
+def write(directory: Path, known: dict[str, dict] | None = None) -> None:
+    """Describe every file under ``directory`` (its sub-directories too) in ``manifest.json``, durably. ``known``:
+    entries (``{"bytes", "sha256"}`` by relative name) the writers computed; any other file is hashed here."""
+    known = known or {}
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    unknown = [p for p in files if p.relative_to(directory).as_posix() not in known]
     with ThreadPoolExecutor(_THREADS) as pool:
-        digests = list(pool.map(sha256, files))
-    entries = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": digest}
-               for p, digest in zip(files, digests)}
-    tmp = directory / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"files": entries}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
+        hashed = dict(zip(unknown, pool.map(sha256, unknown)))
+    entries = {}
+    for p in files:
+        name = p.relative_to(directory).as_posix()
+        entries[name] = known.get(name) or {"bytes": p.stat().st_size, "sha256": hashed[p]}
+    durable.write_text(directory / MANIFEST, json.dumps({"format": FORMAT, "files": entries}, indent=1))
+
+
+def format_of(directory: Path) -> int | None:
+    """The format version ``directory``'s manifest records (1 when it records none), or None without a readable
+    manifest (``problem`` says why)."""
+    try:
+        return int(json.loads((directory / MANIFEST).read_text()).get("format", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def problem(directory: Path, digests: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:

@@ -13,8 +13,22 @@ import logging
 import signal
 import sys
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher import api as launcher_api
 from torch.distributed.run import parse_args, run
+
+FINAL_STATUSES = {2, 130, 143}  # a restart would meet the same bad input, or undo a stop on purpose
+
+
+class FinalStatusAgent(LocalElasticAgent):
+    """torchrun's agent, restarting a failed worker group only when some failed worker's status is not final."""
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed() and all(f.exitcode in FINAL_STATUSES for f in result.failures.values()):
+            self._remaining_restarts = 0  # the agent's own count: with none left it stops the group and returns
+        return result
 
 
 def failure_line(failed: ChildFailedError) -> str:
@@ -54,6 +68,7 @@ def main(argv: list[str]) -> None:
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(lines)
         logging.getLogger(name).setLevel(logging.INFO)
+    launcher_api.LocalElasticAgent = FinalStatusAgent
     try:
         run(parse_args(argv))
     except ChildFailedError as failed:
