@@ -26,6 +26,7 @@ Writes JSON (``--out``; default ``$OUT/routing_probe.json``), again after every 
 keeps what it measured.
 """
 import argparse
+import gc
 import json
 import os
 import sys
@@ -191,7 +192,8 @@ def probe(overrides: list[str], tokens: int, kinds: list[str], seed: int = 0, st
                          "layers": layer_rows(model, ids[:, :-1], dtype)})
             report(result)
         del model
-        if where.type == "cuda":
+        if where.type == "cuda":  # the next kind's model needs the memory this one held
+            gc.collect()
             torch.cuda.empty_cache()
     return result
 
