@@ -41,4 +41,5 @@ stage gate_frozen 75 "${PROBE[@]}" --freeze gate --out "$OUT/routing_gate_frozen
 stage writers_frozen 75 "${PROBE[@]}" --freeze $WRITERS --out "$OUT/routing_writers_frozen.json"
 stage gate_only 75 "${PROBE[@]}" --freeze $ALL_BUT_GATE --out "$OUT/routing_gate_only.json"
 stage long_warmup 75 "${PROBE[@]}" train.warmup_steps=2000 --out "$OUT/routing_long_warmup.json"
+rm -f "$OUT"/*.tmp  # a stage cut while rewriting its file: the last complete file stands (8 files come back)
 stages_end
