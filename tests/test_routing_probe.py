@@ -31,7 +31,7 @@ def test_layer_rows_match_the_moe_input():
     seen = []
     moe.register_forward_pre_hook(lambda m, args: seen.append(args[0].flatten(0, 1).clone()))
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(1))
-    row = next(r for r in routing_probe.layer_rows(model, ids) if r["layer"] == 3)
+    row = next(r for r in routing_probe.layer_rows(model, ids, torch.float32) if r["layer"] == 3)
     x = seen[0].double()
     logits = x @ moe.gate.weight.double().T
     scores = torch.nn.functional.softplus(logits).sqrt() + moe.gate.bias.double()
@@ -41,4 +41,22 @@ def test_layer_rows_match_the_moe_input():
     assert abs(row["load_max_over_mean"] - (counts.max() / counts.mean()).item()) < 1e-12
     assert row["idle_experts"] == int((counts == 0).sum())
     assert abs(row["logit_std_tokens"] - logits.std(0).mean().item()) < 1e-9
+    assert abs(row["logit_mean_std"] - logits.mean(0).std().item()) < 1e-9
     assert abs(row["cosine"] - routing_probe.mean_pairwise_cosine(x)) < 1e-12
+
+
+def test_frozen_groups_stay_and_the_rest_moves():
+    """--freeze gate: after a step every gate weight is bitwise as built, and the expert stacks moved.
+    Planted: the freeze matching no parameter (the gate takes its sign step: fails)."""
+    cfg = resolved(compose(["model=v41_mini", "data.seq_len=32"]))
+    model = Transformer(cfg.model.args, layout_from_config(cfg.layout), seed=0)
+    frozen = routing_probe.freeze(model, ["gate"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(1))
+    assert next(routing_probe.train_steps(model, cfg, ids, 1, torch.float32))[0] == 1
+    trunk = [n for n in before if n.startswith("layers.")]  # not the draft head's (group dspark, no loss here)
+    gates = [n for n in trunk if n.endswith("ffn.gate.weight")]
+    assert gates and sorted(frozen) == sorted(gates)
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], before[n]) for n in gates)
+    assert all(not torch.equal(after[n], before[n]) for n in trunk if n.endswith("ffn.experts.w2"))
