@@ -698,7 +698,7 @@ def test_v41_parts_through_triton_are_as_exact_as_the_reference(seed, monkeypatc
                    "layout.window_layers=1", "layout.encoder.layers=2", "layout.decoder.layers=2",
                    "model.window_size=16", "layout.candidate_topk_blocks=6"])
     layout = layout_from_config(cfg.layout)
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 32))
+    ids = torch.randint(0, cfg.model.vocab_size, (1, 32))
     doc_ids = torch.zeros_like(ids)
     doc_ids[0, 21:] = 1
     labels = torch.roll(ids, -1, 1)
