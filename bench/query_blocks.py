@@ -70,8 +70,11 @@ def _attention_block(scale: float, window: int, with_mass: bool, a: int, b: int,
     return (out, probs[..., window:]) if with_mass else (out,)
 
 
-def sparse_attention(block: int, q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int,
+def sparse_attention(budget: int, q, kv_window, win_lo, kv_comp, topk_idx, sink, scale: float, window: int,
                      rotation=None, with_mass: bool = True):
+    H, D = q.shape[2:]
+    slots = window + (0 if topk_idx is None else topk_idx.shape[-1])
+    block = _queries(budget, slots * (8 * D + 12 * H))  # fp32 keys and their gradient; scores, probabilities
     part = partial(_attention_block, scale, window, with_mass and topk_idx is not None)
     out = _ByQueryBlocks.apply(part, q.shape[1], block, q, kv_window, win_lo, kv_comp, topk_idx, sink, rotation)
     return out[0], (out[1] if len(out) > 1 else None)
@@ -81,13 +84,18 @@ def _logits_block(a: int, b: int, q, w, k, topk_idx):
     return (_INDEX_LOGITS(q[:, a:b], w[:, a:b], k, topk_idx[:, a:b]),)
 
 
-def index_logits(block: int, q, w, k, topk_idx):
+def index_logits(budget: int, q, w, k, topk_idx):
+    block = _queries(budget, topk_idx.shape[-1] * (8 * k.shape[-1] + 12 * q.shape[2]))  # keys, grad; dots, ReLU
     return _ByQueryBlocks.apply(_logits_block, q.shape[1], block, q, w, k, topk_idx)[0]
 
 
-def indexer_select(block: int, q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_size: int = 8,
+def indexer_select(budget: int, q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=None, block_size: int = 8,
                    keep_blocks: int = 0):
-    """No gradient: the blocks' selections, concatenated (the reference breaks ties by index, per query)."""
+    """No gradient: the blocks' selections, concatenated (the reference breaks ties by index, per query). The
+    reference scores every entry for every head (fp32 dots, ReLU, weighted: 12 bytes a head) and matches every
+    entry's block against every candidate block (a byte each)."""
+    candidates = 0 if cand_blocks is None else cand_blocks.shape[-1]
+    block = _queries(budget, k.shape[1] * (12 * q.shape[2] + candidates + 24))
     picks = [_INDEXER_SELECT(q[:, a:a + block], w[:, a:a + block], k, vis_lo[:, a:a + block], vis_hi[:, a:a + block],
                              topk, None if cand_blocks is None else cand_blocks[:, a:a + block], block_size,
                              keep_blocks)
@@ -96,14 +104,20 @@ def indexer_select(block: int, q, w, k, vis_lo, vis_hi, topk: int, cand_blocks=N
     return topk_idx, (torch.cat([p[1] for p in picks], dim=1) if keep_blocks else None)
 
 
+def _queries(budget: int, per_query: int) -> int:
+    """Queries of a block whose intermediates take about ``budget`` bytes at ``per_query`` bytes each."""
+    return max(1, budget // max(1, per_query))
+
+
 @contextlib.contextmanager
-def by_query_blocks(block: int):
-    """Inside, ``kernels.reference``'s sparse attention, indexer selection and indexer logits run ``block`` queries
-    at a time."""
+def by_query_blocks(budget: int):
+    """Inside, ``kernels.reference``'s sparse attention, indexer selection and indexer logits run as many queries
+    at a time as hold about ``budget`` bytes of intermediates (each op's count of bytes a query is an estimate from
+    its shapes, within a small factor)."""
     blocked = {"sparse_attention": sparse_attention, "indexer_select": indexer_select, "index_logits": index_logits}
     saved = {name: getattr(reference, name) for name in blocked}
     for name, op in blocked.items():
-        setattr(reference, name, partial(op, block))
+        setattr(reference, name, partial(op, budget))
     try:
         yield
     finally:
