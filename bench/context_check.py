@@ -1,4 +1,4 @@
-"""Context parallelism's kernels on a GPU (issues 37, 55): chunks of a row through the Triton kernels equal the whole row.
+"""Context parallelism's kernels on a GPU (issues 37, 55): a row's chunks through the Triton kernels equal the row.
 
     CSA2_CODE=<commit> python bench/context_check.py --out $OUT/context_check.json [--seq-len 16384] [--chunks 2]
         [--plant no_halo]
