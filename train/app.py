@@ -30,7 +30,8 @@ from model.cli import CONF_DIR  # importing model.cli registers the schema conf/
 from model.config import JobConfig, plain
 from model.flops import training_flops
 from parallel.job import Job
-from train import checkpoint, distributed, routing
+from parallel.gradient_clock import GradientClock
+from train import checkpoint, distributed, rank_times, routing
 from train.background import BackgroundJob
 from train.data import build_loader
 from train.engine import build_engine, train_step
@@ -188,6 +189,7 @@ class Trainer:
         self.wandb_id = None
         self.flops_per_step = self._flops_per_step() if job.on_gpu else None
         self.activations = ActivationStats(engine.module.stage.model, scope=engine.module.stage)
+        self.clock = GradientClock(engine)  # each rank's time to its gradients: the slow ranks named on logged steps
         self.routed = job.args.ffn == "moe" or job.trains_dspark  # the same on every rank: gathers are collective
         self.expert_loads: dict[str, list[float]] = {}  # of the last logged step (experts.jsonl)
         self.writer = BackgroundJob(self.train_config.checkpoint_async, "checkpoint writer")
@@ -235,6 +237,7 @@ class Trainer:
         logged = step % self.train_config.log_every == 0
         self.writer.check()  # a checkpoint write that failed in the background fails the job here
         start = time.perf_counter()
+        self.clock.start()
         with self.activations.recording(logged), collective_timeout(step, self.train_config.collective_timeout_s):
             result = train_step(self.engine, [next(self.loader) for _ in range(self.engine.micro_batches)])
         seconds = time.perf_counter() - start
@@ -256,6 +259,11 @@ class Trainer:
         if self.flops_per_step is not None:  # per GPU, against one GPU's peak
             tflops = self.flops_per_step / seconds / distributed.world_size() / 1e12
             row.update(tflops=tflops, mfu=tflops / self.train_config.peak_tflops)
+        if logged and distributed.world_size() > 1:
+            times = rank_times.gather(self.clock.seconds, self.device)
+            row.update(rank_times.series(times))
+            if distributed.rank() == 0 and (line := rank_times.slow_ranks_line(step, times)):
+                log.warning("%s", line)
         if logged:
             pipe = self.engine.grid.get_pipe_parallel_group()
             row.update(self.activations.collect(pipe))
