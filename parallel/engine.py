@@ -46,9 +46,11 @@ from parallel.zero import OptimizerShards
 class CSA2PipelineModule(PipelineModule):
     """One ``PipelineStage`` per pipeline stage. ``loss_fn(outputs, labels)`` runs on the last stage; it names
     its reported parts (``part_names()``) and keeps those of its latest microbatch in ``parts`` (scalars),
-    which DeepSpeed averages over microbatches and data-parallel ranks (``engine.get_additional_losses()``)."""
+    which DeepSpeed averages over microbatches and data-parallel ranks (``engine.get_additional_losses()``).
+    It is built here, by ``make_loss(context, head)``, once what it needs exists: the rank's context shard (None
+    without context parallelism) and, with ``head_chunk``, the stage's LM head (None otherwise)."""
 
-    def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, loss_fn,
+    def __init__(self, args: ModelArgs, layout: Layout, plan: StagePlan, make_loss,
                  micro_batch: int, seq_len: int, dtype: torch.dtype, index_k: str, seed: int,
                  recompute_layers: int, keep_attention_layers: tuple[int, ...] | None = None, token_map=None,
                  run_dspark: bool = False, expert_parallel: int = 1, expert_overlap: bool = True,
@@ -72,7 +74,8 @@ class CSA2PipelineModule(PipelineModule):
                            recompute_layers, keep[s], token_map, run_dspark, tables, dispatch, self.context,
                            lora, offload_inputs, head_chunk)
                  for s in range(stages)]
-        super().__init__(layers=specs, num_stages=stages, loss_fn=loss_fn, partition_method="uniform")
+        super().__init__(layers=specs, num_stages=stages, partition_method="uniform")
+        self.loss_fn = make_loss(self.context, self.stage.head if head_chunk else None)
         laid = set(tables[0].ranks if tables else ()) | set(
             dispatch.ranks + self.expert_groups.data_ranks if dispatch else ()) | set(
             self.context.ranks if self.context else ())

@@ -85,10 +85,9 @@ class PipelineLoss:
     loss runs the head a chunk of tokens at a time (``chunked_lm_loss``)."""
 
     def __init__(self, coef: float, sources: list[int], dspark_coef: float = 0.0,
-                 draft_parts: tuple[str, ...] = (), context=None, head_chunk: int = 0):
+                 draft_parts: tuple[str, ...] = (), context=None, head_chunk: int = 0, head=None):
         self.coef, self.sources, self.dspark_coef, self.draft_parts = coef, sources, dspark_coef, draft_parts
-        self.context, self.head_chunk = context, head_chunk
-        self.head = None  # with head_chunk: the last stage's LM head (``PipelineStage.head``), set once it exists
+        self.context, self.head_chunk, self.head = context, head_chunk, head  # head: with head_chunk, the LM head
         self.parts: OrderedDict | None = None
 
     def part_names(self) -> list[str]:
@@ -144,15 +143,16 @@ def build_engine(job: Job, memory_line: str | None = None) -> CSA2PipelineEngine
         if memory_line:
             print(memory_line, flush=True)
     head_chunk = parallel.head_chunk
-    loss = PipelineLoss(train.indexer_loss_coef, list(layout.index_source_layer_ids), train.dspark_loss_coef,
-                        DRAFT_PARTS if job.trains_dspark else (), head_chunk=head_chunk)
+
+    def make_loss(context, head):
+        return PipelineLoss(train.indexer_loss_coef, list(layout.index_source_layer_ids), train.dspark_loss_coef,
+                            DRAFT_PARTS if job.trains_dspark else (), context, head_chunk, head)
     with torch.device(job.device), prints_to_debug():  # DeepSpeed prints seeds, topology and stage split
-        module = CSA2PipelineModule(args, layout, split.plan, loss, data.micro_batch_size, data.seq_len, job.dtype,
+        module = CSA2PipelineModule(args, layout, split.plan, make_loss, data.micro_batch_size, data.seq_len, job.dtype,
                                     parallel.index_k, train.seed, job.recomputed_layers, job.kept_attention_layers,
                                     engram_token_map(data, args), job.trains_dspark, parallel.expert_parallel,
                                     parallel.expert_overlap, parallel.context_parallel, job.lora,
                                     parallel.recompute_offload, head_chunk)
-    loss.context, loss.head = module.context, module.stage.head if head_chunk else None
     schedule = warmup_cosine(train.warmup_steps, train.max_steps, train.min_lr_ratio)
     groups = param_groups(list(module.optimized_named_parameters().items()), train.weight_decay)
     ds_config = deepspeed_config(train, data.micro_batch_size, batch.microbatches, parallel.zero_stage,
