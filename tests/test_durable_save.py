@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -123,9 +124,10 @@ def test_every_rename_is_durable_before_the_next_step(tmp_path, monkeypatch):
 
 
 def test_background_saves_write_the_bytes_of_synchronous_ones(tmp_path, monkeypatch):
-    real_save, started = durable.save_tensors, set()
+    real_save, started, threads = durable.save_tensors, set(), set()
 
     def slow_save(obj, path):  # a slow disk: the next step runs before the rest of the checkpoint is written
+        threads.add(threading.current_thread() is threading.main_thread())
         if path.parent not in started:
             started.add(path.parent)
             time.sleep(0.5)
@@ -134,7 +136,9 @@ def test_background_saves_write_the_bytes_of_synchronous_ones(tmp_path, monkeypa
     monkeypatch.setattr(durable, "save_tensors", slow_save)
     runs = {mode: tmp_path / mode for mode in ("true", "false")}
     for mode, run_dir in runs.items():
+        threads.clear()
         _run(run_dir, *STEPS, f"train.checkpoint_async={mode}")
+        assert threads == {mode == "false"}, mode  # the setting reaches the writer: written on the main thread or not
     background, foreground = (runs[mode] / "checkpoints" for mode in ("true", "false"))
     tags = sorted(p.name for p in foreground.iterdir() if p.is_dir())
     assert tags == ["step00000002", "step00000004", "step00000006"]

@@ -956,6 +956,7 @@ ELSEWHERE = {  # settings whose test needs another job: one that reads them from
     "train.lora.rank": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
     "train.lora.alpha": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
     "train.lora.targets": "tests/test_lora.py::test_adapted_model_equals_the_merged_full_weight_model",
+    "train.checkpoint_async": "tests/test_durable_save.py::test_background_saves_write_the_bytes_of_synchronous_ones",
     "train.lora.quantized_base":
         "tests/test_released_format.py::test_lora_training_over_the_quantised_base_equals_the_dequantised_one",
 }
