@@ -84,6 +84,8 @@ class CSA2PipelineModule(PipelineModule):
                                f"group of this stage, {self.mpu().get_data_parallel_group_ranks()}")
         self.layout, self.plan, self.index_k, self.run_dspark = layout, plan, index_k, run_dspark
         self.row_shards = self.stage.model.row_shards()
+        if dispatch:  # ExpertOverload names the MoE
+            dispatch.names.update({moe.experts: name for name, moe in self.stage.model.experts().items()})
         self.expert_shards = self.stage.model.expert_shards()
 
     @staticmethod

@@ -16,6 +16,12 @@ the other way, so the experts' inputs, the routing weights (and through them the
 get the gradients of the whole batch. The counts are read on the host (the splits of ``all_to_all_single``): one
 synchronisation per layer and direction, the MoE step's only ones.
 
+Load. Under uniform routing a rank receives as many rows as it sends (tokens x top-k); a rank holding busier experts
+receives more, up to E times as many when every token goes to its experts. Each dispatch keeps the rows it received
+by MoE (``received``: the trainer logs them), and on CUDA checks them against the memory left before running the
+experts: a rank that would run out stops with ``ExpertOverload``, naming the layer and its load (``received_bytes``
+is the working set the check and the plan count).
+
 Every rank of a group must run every MoE forward and backward in the same order (a rank that routes nothing to
 another still sends it an empty part): the pipeline schedule gives every replica of a stage the same order.
 """
@@ -27,6 +33,17 @@ import torch.distributed as dist
 from model.config import ModelArgs
 from model.layout import Layout
 from model.moe import inverse_permutation, reorder
+
+
+class ExpertOverload(RuntimeError):
+    """A rank's experts received more routed rows than its GPU's memory left can run (collapsed routing)."""
+
+
+def received_bytes(dim: int, inter_dim: int, rows: int, itemsize: int) -> int:
+    """The experts' working set for ``rows`` received rows: per row, in the compute dtype, the input (dim), the
+    w1|w3 products (2 x inter), the clamped SwiGLU (inter) and the output (dim), and as much again for their gradients
+    in the backward. The fp32 routing weights and the permutations' indices are left out (< 1% at V4.1's widths)."""
+    return rows * (2 * dim + 3 * inter_dim) * itemsize * 2
 
 
 class _AllToAll(torch.autograd.Function):
@@ -61,6 +78,8 @@ class ExpertAllToAll:
     def __init__(self, group, ranks: list[int], overlap: bool = True):
         self.group, self.ranks, self.overlap = group, list(ranks), overlap
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.received: dict[torch.nn.Module, tuple[int, int]] = {}  # experts -> (rows received, rows sent), latest
+        self.names: dict[torch.nn.Module, str] = {}  # experts -> their MoE's module name, for ExpertOverload
 
     def experts_of(self, n_experts: int) -> range:
         """The global ids of the experts this rank holds, of a MoE of ``n_experts``."""
@@ -75,6 +94,9 @@ class ExpertAllToAll:
         per_expert = counts.view(world, held)  # rows for each rank's experts, by destination
         received = exchange(per_expert, [1] * world, [1] * world, self.group)  # [source, my expert]
         send, receive = per_expert.sum(1).tolist(), received.sum(1).tolist()
+        self.received[experts] = sum(receive), sum(send)
+        if rows.is_cuda:
+            self.check_memory(experts, rows)
         pending = [] if self.overlap else None
         slots = _AllToAll.apply(rows, send, receive, self.group, pending)
         slot_weights = _AllToAll.apply(weights.unsqueeze(-1), send, receive, self.group, pending).squeeze(-1)
@@ -83,6 +105,27 @@ class ExpertAllToAll:
             work.wait()
         back = run_received(experts, slots, slot_weights, received, sum(receive))
         return _AllToAll.apply(back, receive, send, self.group), during
+
+    def check_memory(self, experts, rows: torch.Tensor) -> None:
+        """Stop before running ``experts`` on more rows than this rank's memory holds: what the device has free plus
+        what the caching allocator holds unused, against ``received_bytes``."""
+        got, sent = self.received[experts]
+        device = rows.device
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(
+            device)
+        check_received(self.names.get(experts, "a MoE"), self.rank, self.world, got, sent,
+                       received_bytes(experts.dim, experts.inter_dim, got, rows.element_size()), free)
+
+
+def check_received(name: str, rank: int, world: int, got: int, sent: int, need: float, free: float) -> None:
+    """``ExpertOverload`` when the experts' working set for the ``got`` rows received (``need`` bytes) exceeds
+    ``free``: one line naming the MoE, the rank and its load."""
+    if need > free:
+        raise ExpertOverload(
+            f"{name}: expert-parallel rank {rank} of {world} received {got:,} routed rows, {got / max(sent, 1):.1f}x "
+            f"the {sent:,} it sent (uniform routing: about 1x); its experts would need {need / 2**30:.1f} GiB, "
+            f"{free / 2**30:.1f} GiB is free — routing has collapsed onto this rank's experts (see "
+            "moe/<layer>/load_max_over_mean and received_max_over_mean in metrics.jsonl, docs/TRAINING_HEALTH.md)")
 
 
 def run_received(experts, rows: torch.Tensor, weights: torch.Tensor, received: torch.Tensor, total: int,

@@ -26,7 +26,7 @@ from model.layout import Layout
 from parallel.batch import BatchPlan
 from parallel.checks import check_experts
 from parallel.context import chunk_length
-from parallel.experts import leaving, routed_bytes
+from parallel.experts import leaving, received_bytes, routed_bytes
 from parallel.job import Job, plan, planned_device
 from parallel.memory import context_bytes, layer_parameters, lora_counts
 from parallel.partition import StagePlan, layer_costs
@@ -106,6 +106,12 @@ def describe_experts(args: ModelArgs, layout: Layout, plan: StagePlan, micro_bat
              f"(E-1)/E = {leaving(E):.0%} of it leaving the rank (uniform routing assumed: a rank holding busier "
              f"experts receives more); dispatch + combine forward, their gradients backward"
              + (", and the forward's again in the recomputation" if recomputed else "")]
+    rows = micro_batch * seq_len * args.moe.n_activated_experts
+    loads = ", ".join(f"{load}x {_mib(received_bytes(args.dim, args.moe.inter_dim, load * rows, dtype.itemsize))}"
+                      for load in sorted({1, 2, E}))
+    lines.append(f"  received rows per MoE and microbatch: {rows:,} a rank under uniform routing (tokens x top-k), "
+                 f"up to {E}x when every token goes to one rank's experts; the experts' working set at 1x, 2x, ... "
+                 f"that: {loads} (a rank that would run out of memory stops, naming the layer and its load)")
     exchanges = [b * leaving(E) for b in routed_bytes(args, layout, micro_batch, seq_len, dtype.itemsize, dspark)]
     for s, layers in enumerate(plan.stages):
         fwd = 2 * sum(exchanges[i] for i in layers)

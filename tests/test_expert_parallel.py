@@ -16,6 +16,7 @@ import torch
 
 from parallel.local import spawn
 from tests import pipeline_harness as harness
+from train import routing
 
 WORLD, MICRO = 4, 2
 OVERRIDES = ["model=v41_mini", "train.dspark_loss_coef=1.0", f"data.seq_len={harness.SEQ_LEN}",
@@ -75,7 +76,10 @@ def _train(engine, data, steps: int, checkpoint_dir: Path | None = None) -> dict
             checkpoint.save(engine, checkpoint_dir, step, {"step": step}, {}, keep=0)
     state = {n: t for n, t in engine.module.stage.model.state_dict().items() if n not in engine.module.row_shards}
     tables = {n: p for n, p in engine.module.stage.model.named_parameters() if n in engine.module.row_shards}
-    return {"losses": losses, "grads": grads, "state": {**_global(engine, state), **_global(engine, tables)}}
+    received = {key: torch.tensor(pair) for key, pair in routing.received_rows(engine).items()}
+    loads = {routing.layer_key(name): load.float().cpu() for name, load in engine.expert_loads.items()}
+    return {"losses": losses, "grads": grads, "state": {**_global(engine, state), **_global(engine, tables)},
+            "received": received, "loads": loads}
 
 
 def _spread(rank, out):
@@ -217,6 +221,22 @@ def test_routing_biases_are_identical_on_every_replica(runs):
             for r in ranks:
                 if name in r[key]["state"]:
                     assert torch.equal(r[key]["state"][name], ranks[0][key]["state"][name]), (key, name)
+
+
+def test_each_ranks_received_rows_are_its_experts_loads(runs):
+    """The rows each rank received at the last dispatch (``train.routing.received_rows``, logged as
+    ``moe/<layer>/received_max_over_mean``) against the step's expert loads: with E = 4 over the 4 replicas (one
+    group, one microbatch a step) rank r received exactly the loads of its experts, so the busiest rank's rows are the
+    largest sum of a quarter of the experts' loads, and the mean is the tokens x top-k each rank sent. Caught: the
+    rows a rank sent counted instead (every rank the same: max = mean)."""
+    ranks, _ = runs
+    run = ranks[0]["E2_into_E4"]
+    assert run["received"] and run["received"].keys() <= run["loads"].keys()
+    for key, (most, mean) in run["received"].items():
+        per_rank = run["loads"][key].view(4, -1).sum(1)
+        assert most.item() == per_rank.max().item() and mean.item() == per_rank.mean().item(), key
+        assert per_rank.max() > per_rank.mean(), key  # the test can tell received from sent
+    assert ranks[0]["E1"]["received"] == {}  # no expert parallelism: nothing gathered
 
 
 def test_a_checkpoint_missing_experts_is_refused(runs):

@@ -50,6 +50,11 @@ def test_plan_prints_experts_per_rank_and_all_to_all_bytes(mini):
     assert f"stage 0: 10 MoE layer(s), {stage0 / 2**20:,.1f} MiB sent per microbatch" in text
     assert f"forward {10 * exchange * 2 / 2**20:,.1f} MiB" in text
     assert describe_experts(args, layout, plan, B, T, torch.bfloat16, 1, D, True) == ""
+    # received rows: B*T x top-2 under uniform routing; per row (2 x dim 128 + 3 x inter 64) x 2 B, twice (backward)
+    rows, per_row = B * T * 2, (2 * 128 + 3 * 64) * 2 * 2
+    assert (f"received rows per MoE and microbatch: {rows:,} a rank under uniform routing (tokens x top-k), up to 2x "
+            f"when every token goes to one rank's experts; the experts' working set at 1x, 2x, ... that: "
+            f"1x {rows * per_row / 2**20:,.1f} MiB, 2x {2 * rows * per_row / 2**20:,.1f} MiB") in text
     drafting = routed_bytes(args, layout, B, T, 2, dspark=True)
     assert drafting[-1] - drafting[0] == 1 * B * T * 5 * 2 * 128 * 2  # 1 block x T x block_size 5 x top-2
 
@@ -137,3 +142,31 @@ def test_slice_residual_is_what_the_slice_adds_to_the_derived_times():
     assert found["fwd_s"] == pytest.approx(0.01) and found["bwd_s"] == pytest.approx(0.03)
     with pytest.raises(ValueError):
         vp.slice_correction({"slices": [{"layers": [20], "runs": [other]}]}, step, moe_ffn)
+
+
+def test_a_rank_that_would_run_out_names_the_layer_and_its_load():
+    """``check_received``: silent while the experts' working set fits, one line naming the MoE, the rank and its
+    load when it does not."""
+    from parallel.experts import ExpertOverload, check_received
+
+    check_received("layers.17.ffn", 3, 8, 524_288, 65_536, need=2 * 2**30, free=2 * 2**30)
+    with pytest.raises(ExpertOverload) as caught:
+        check_received("layers.17.ffn", 3, 8, 524_288, 65_536, need=9 * 2**30, free=2.5 * 2**30)
+    assert str(caught.value).startswith(
+        "layers.17.ffn: expert-parallel rank 3 of 8 received 524,288 routed rows, 8.0x the 65,536 it sent (uniform "
+        "routing: about 1x); its experts would need 9.0 GiB, 2.5 GiB is free — routing has collapsed")
+
+
+def test_an_overloaded_rank_ends_the_job_in_its_line_with_status_1(capsys, monkeypatch):
+    """The job's error handling (``train.errors.reported``) prints the overload's one line, not a traceback or the
+    generic out-of-memory advice, and exits 1 (the run cannot go on; the input was not wrong)."""
+    import train.errors as errors
+    from parallel.experts import ExpertOverload, check_received
+
+    monkeypatch.setattr(errors, "SHOW_TRACEBACK", False)
+    with pytest.raises(ExpertOverload) as caught:
+        check_received("layers.17.ffn", 3, 8, 524_288, 65_536, need=9 * 2**30, free=2.5 * 2**30)
+    with pytest.raises(SystemExit) as stopped, errors.reported():
+        raise caught.value
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == f"error: {caught.value}\n"

@@ -270,6 +270,7 @@ class Trainer:
             if self.routed:
                 layers = routing.gather(self.engine, pipe)
                 row.update(routing.scalars(layers))
+                row.update(routing.received_scalars(routing.received_rows(self.engine)))
                 self.expert_loads = routing.normalised_loads(layers)
         return row
 

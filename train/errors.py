@@ -1,7 +1,7 @@
 """How ``python -m train`` ends when it cannot go on: one line on stderr from rank 0, and an exit status.
 
 - bad input (config, override, layout, batch, data, checkpoint): ``error: <what> — <what to do>``, status 2;
-- a run that cannot continue (diverged, out of GPU memory): the same one line, status 1;
+- a run that cannot continue (diverged, out of GPU memory, a rank's experts overloaded): the same one line, status 1;
 - SIGINT / SIGTERM (``train/interrupt.py``): the line that says what was saved and how to resume, 130 / 143;
 - anything else is a bug: Python's traceback, status 1.
 With ``HYDRA_FULL_ERROR=1`` every error shows its traceback.
@@ -70,7 +70,7 @@ def reported():
         code = _exit_code(error)
         if SHOW_TRACEBACK or code is None:
             raise
-        _report(_out_of_memory_line(error) if code == 1 and not isinstance(error, ReportedError) else error_line(error))
+        _report(_out_of_memory_line(error) if _out_of_memory(error) else error_line(error))
         raise SystemExit(code) from None
 
 
@@ -78,13 +78,21 @@ def _exit_code(error: Exception) -> int | None:
     """2 for bad input, 1 for a run that cannot go on, None for a bug (traceback)."""
     import torch
 
+    from parallel.experts import ExpertOverload
+
     if isinstance(error, ReportedError):
         return error.exit_code
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, ExpertOverload)):
         return 1
     if isinstance(error, _usage_errors()):
         return USAGE_ERROR
     return None
+
+
+def _out_of_memory(error: Exception) -> bool:
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError)
 
 
 def _out_of_memory_line(error: Exception) -> str:

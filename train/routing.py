@@ -6,6 +6,9 @@ rank of a pipeline gathers its stage's loads and routing biases to the others (`
 - into ``metrics.jsonl`` and wandb, per layer ``moe/<layer>/load_max_over_mean`` (1 is perfect balance),
   ``moe/<layer>/load_entropy`` (nats; log(experts) is perfect balance), ``moe/<layer>/idle_experts`` (experts that
   received no token in the step), ``moe/<layer>/bias_min`` and ``bias_max``;
+- under expert parallelism, per layer ``moe/<layer>/received_max_over_mean``: the rows the busiest rank of an
+  expert-parallel group received, over the group's mean (1 under uniform routing, E when every token goes to one
+  rank's experts), and ``moe/<layer>/received_max``, those rows (``received_rows``);
 - into ``experts.jsonl``, the loads themselves (each layer's normalised to a mean of 1), from which
   ``experts.png`` draws one heatmap per layer: experts by steps, a hot row is an overloaded expert.
 Layers are named ``layer<N>`` (``layers.N.ffn``) and ``mtp<K>`` (the draft head's ``mtp.K.ffn``).
@@ -41,6 +44,32 @@ def gather(engine, group=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     stages = [None] * dist.get_world_size(group)
     dist.all_gather_object(stages, local, group=group)
     return {key: value for stage in stages for key, value in stage.items()}
+
+
+def received_rows(engine) -> dict[str, tuple[float, float]]:
+    """Per MoE layer, ``(max, mean)`` over the expert-parallel ranks of the rows each received at the step's last
+    dispatch (a collective over the world; empty without expert parallelism)."""
+    groups = engine.module.expert_groups
+    if groups is None:
+        return {}
+    dispatch, moes = groups.dispatch, engine.module.stage.model.experts()
+    mine = {layer_key(name): dispatch.received[moe.experts][0] for name, moe in moes.items()
+            if moe.experts in dispatch.received}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    rows = {}
+    for rank in ranks:
+        for key, got in rank.items():
+            rows.setdefault(key, []).append(got)
+    return {key: (max(got), sum(got) / len(got)) for key, got in rows.items()}
+
+
+def received_scalars(rows: dict[str, tuple[float, float]]) -> dict[str, float]:
+    out = {}
+    for key, (most, mean) in sorted(rows.items()):
+        out[f"{PREFIX}{key}/received_max_over_mean"] = most / mean if mean else 1.0
+        out[f"{PREFIX}{key}/received_max"] = most
+    return out
 
 
 def scalars(layers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
