@@ -29,6 +29,13 @@ from model.quant import FORMATS, dequantize, quantize
 
 # Bytes a value with its scales: an e8m0 byte per 32 x 32 FP8 block, per 32 packed FP4 values (two a byte).
 STORED_BYTES = {"fp8": 1 + 1 / 1024, "fp4": 0.5 + 1 / 32}
+TABLE_BLOCK = (1, 32)  # an Engram table's FP8 rows: an e8m0 scale per 32 values of a row
+
+
+def table_bytes(width: int) -> float:
+    """Bytes a value of an Engram table held as released, rows of ``width``: a code, and a scale per 32 (1.03 at
+    V4.1's 256)."""
+    return 1 + -(-width // TABLE_BLOCK[1]) / width
 
 
 class QuantizedMatrix(nn.Module):
@@ -147,11 +154,34 @@ class QuantizedLinear(Projection, nn.Module):
         return self.weight.linear(x)
 
 
+class QuantizedTable(nn.Module):
+    """A frozen Engram table's rows of this rank (``EngramTable``'s range) as the release stores them: FP8 codes with
+    an e8m0 scale per 32 values, about 1.03 bytes a value against fp32's 4 (the two V4.1 tables: 196.6 G values).
+    Codes and scales are the bytes of one ``packed`` row (``[part_rows, dim + dim / 32]`` uint8), so that the lookup's
+    exchange (``EngramTable.exchange``: local, or the rows' owners over a process group) moves a row whole; the rows
+    looked up are decoded into the table's dtype (fp32): the values the table held, exactly. (Found by its
+    ``part_rows``, as a stack of experts by its ``expert_ids``: the converters sit below the layers they adapt.)"""
+
+    def __init__(self, table: nn.Module):
+        super().__init__()
+        weight = _frozen(table.weight, "an Engram table").detach()
+        codes, scale = quantize(weight, "fp8", TABLE_BLOCK)
+        self.exchange, self.rows, self.part_rows, self.start = table.exchange, table.rows, table.part_rows, table.start
+        self.dim, self.dtype = weight.shape[1], weight.dtype
+        self.register_buffer("packed", torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.exchange.lookup(self.packed, ids).reshape(-1, self.packed.shape[1])
+        codes, scale = rows[:, :self.dim].view(torch.float8_e4m3fn), rows[:, self.dim:].view(torch.float8_e8m0fnu)
+        return dequantize(codes, scale, "fp8", TABLE_BLOCK, self.dtype).view(*ids.shape, self.dim)
+
+
 def quantize_base(model: nn.Module, formats, kernel_backend: str) -> int:
     """Convert the frozen base matrices of ``model``'s blocks (``layers.*``: the draft head keeps its own) that
     ``formats(name) -> (fmt, block) | None`` gives a quantised form (``name``: the state-dict name, a stack of routed
-    experts' as its first expert's ``...experts.{j}.w1.weight``) into ``QuantizedLinear`` / ``QuantizedMatrix``;
-    returns how many matrices were converted. A base matrix that still trains is an error: only a frozen base may be
+    experts' as its first expert's ``...experts.{j}.w1.weight``) into ``QuantizedLinear`` / ``QuantizedMatrix``, and
+    their Engram tables into ``QuantizedTable`` (FP8 rows of 32, the release's form whatever ``formats`` says of the
+    block); returns how many matrices and tables were converted. A base matrix that still trains is an error: only a frozen base may be
     rounded to the released grid."""
     converted = 0
     for name, module in [(f"layers.{n}.{m}".rstrip("."), sub) for n, block in model.layers.items()
@@ -167,6 +197,10 @@ def quantize_base(model: nn.Module, formats, kernel_backend: str) -> int:
             continue
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}"
+            if hasattr(child, "part_rows") and formats(f"{full}.weight") is not None:  # an Engram table
+                setattr(module, child_name, QuantizedTable(child))
+                converted += 1
+                continue
             form = formats(f"{full}.weight") if isinstance(child, nn.Linear) and child.bias is None else None
             if form is None:
                 continue

@@ -395,9 +395,10 @@ class CSA2PipelineEngine(PipelineAdapter):
                 dist.broadcast(p.data.view(torch.uint8), first, group=self.seq_data_parallel_group)
 
     def _sharded_tensors(self) -> list[torch.nn.Parameter]:
-        """The parameters that hold other rows on every replica: the tables' shards and the experts' ranges."""
+        """The parameters that hold other rows on every replica: the tables' shards and the experts' ranges (a table
+        held as released under LoRA, ``model.quantized_base.QuantizedTable``, is a buffer, no parameter)."""
         named = dict(self.module.stage.model.named_parameters())
-        return [named[n] for n in (*self.module.row_shards, *self.module.expert_shards)]
+        return [named[n] for n in (*self.module.row_shards, *self.module.expert_shards) if n in named]
 
     def step_optimizer(self, lr_kwargs=None) -> None:
         optimizer_step(self.step_parts, self.total_loss if self.is_last_stage() else None, lr_kwargs)

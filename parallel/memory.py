@@ -9,7 +9,8 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
   ``LOW_PRECISION`` names when the job computes in bf16, fp32 for the rest, and the adapters' state as above; with
   ``train.lora.quantized_base`` those matrices (but the head) are held as the release stores them
   (``model/quantized_base.py``): FP4 for the routed experts, FP8 for the rest (``STORED_BYTES`` with the scales;
-  the few frozen FP8 matrices outside them, the indexer's wq_b and Engram's wkv, still counted at fp32);
+  the few frozen FP8 matrices outside them, the indexer's wq_b and Engram's wkv, still counted at fp32), and the
+  Engram tables' rows in FP8 with a scale per 32 (``table_bytes``) instead of fp32;
 - casts: under bf16 autocast the bf16 copy of every fp32 weight of the stage lives until its forward ends (2 B per
   parameter; none of a frozen weight kept in bf16); it is gone before a backward starts (a recomputed layer casts
   again, inside its transient);
@@ -45,7 +46,7 @@ from model.config import ModelArgs, ParallelConfig
 from model.hyper import mix_width
 from model.layout import Layout, Mode
 from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
-from model.quantized_base import STORED_BYTES
+from model.quantized_base import STORED_BYTES, table_bytes
 from model.transformer import Transformer
 from parallel.payload import Payload, boundary_fields, latent_dtype
 
@@ -269,13 +270,14 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
         per_row = 4 + (8 if args.engram.train else 0)  # fp32 weight, sparse Adam's moments (no dense gradient)
         state = [trained(n, e) + t * per_row / ranks for n, e, t in zip(counts["dense"], counts["experts"], tables)]
         casts = [(n + e / E) * cast for n, e in zip(counts["dense"], counts["experts"])]
-    else:  # frozen base: weights only, bf16 where attach keeps them so; tables fp32, frozen
+    else:  # frozen base: weights only, bf16 where attach keeps them so; tables fp32 (as released: FP8 rows), frozen
         low = lora_counts(args, layout, lora)
+        per_value = table_bytes(args.engram.head_dim) if lora.quantized_base else 4
         w = dtype.itemsize if dtype == torch.bfloat16 else 4
         fp32 = [(n - ln - f8, (e - le - f4) / E) for n, e, ln, le, f8, f4 in
                 zip(counts["dense"], counts["experts"], low["low"], low["low_experts"], low["fp8"], low["fp4"])]
         stored = [f8 * STORED_BYTES["fp8"] + f4 / E * STORED_BYTES["fp4"] for f8, f4 in zip(low["fp8"], low["fp4"])]
-        state = [4 * (n + e) + w * (ln + le / E) + q + t * 4 / ranks + trained(an, ae)
+        state = [4 * (n + e) + w * (ln + le / E) + q + t * per_value / ranks + trained(an, ae)
                  for (n, e), ln, le, q, t, an, ae in zip(fp32, low["low"], low["low_experts"], stored, tables,
                                                          low["adapters"], low["adapter_experts"])]
         casts = [(n + e + an + ae / E) * cast for (n, e), an, ae in zip(fp32, low["adapters"], low["adapter_experts"])]

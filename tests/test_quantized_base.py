@@ -20,7 +20,7 @@ from kernels.triton_quant_gemm import quant_matmul  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.lora import LoRA, attach  # noqa: E402
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, e2m1_to_float, quantize  # noqa: E402
-from model.quantized_base import QuantizedLinear, QuantizedMatrix, quantize_base  # noqa: E402
+from model.quantized_base import QuantizedLinear, QuantizedMatrix, QuantizedTable, quantize_base  # noqa: E402
 from tests.oracle import oracle_forward  # noqa: E402
 from tests.test_v41_oracle import MIN_GAP, _one_thread, batch, configured, objective, random_state  # noqa: E402, F401
 from train.released_format import quantized_form  # noqa: E402
@@ -146,8 +146,9 @@ def test_quantized_base_model_matches_the_oracle():
         if min(diag[key] for key in ("topk_margin", "block_margin", "route_margin", "argmax_margin")) > MIN_GAP:
             break
     quantize_base(model, quantized_form, "torch")
-    left = [n for n in model.state_dict() if n.startswith("layers.") and quantized_form(n) and ".embed." not in n]
+    left = [n for n in model.state_dict() if n.startswith("layers.") and quantized_form(n)]
     assert not left and isinstance(model.layers["0"].attn.wq_a, QuantizedLinear)  # every stored matrix converted
+    assert all(isinstance(model.layers[str(i)].engram.embed, QuantizedTable) for i in args.engram.layers)
     assert isinstance(model.layers["0"].ffn.experts.w1, QuantizedMatrix)
     out = model(ids, doc)
     torch.testing.assert_close(out.logits, logits, rtol=1e-10, atol=1e-10)
@@ -203,7 +204,7 @@ def test_the_memory_model_counts_the_converted_bytes():
     """``parallel.memory.lora_counts`` under ``quantized_base`` times ``STORED_BYTES`` against the bytes of the codes
     and scales a converted ``v41_mini`` holds, for the matrices the memory model counts so (its ``LOW_PRECISION``
     ones in the blocks). Planted and caught: FP8 costed at 1.03 bytes a value (a scale per 32, the Engram tables'
-    rows), FP4 at 0.5 (no scales)."""
+    rows), FP4 at 0.5 (no scales); the tables' FP8 rows at fp32's 4 bytes or without their scales."""
     from model.lora import LOW_PRECISION
     from model.quantized_base import STORED_BYTES
     from parallel.memory import lora_counts
@@ -221,6 +222,18 @@ def test_the_memory_model_counts_the_converted_bytes():
     assert held["fp8"] > 0 and held["fp4"] > 0
     for fmt in ("fp8", "fp4"):
         assert sum(counts[fmt]) * STORED_BYTES[fmt] == pytest.approx(held[fmt], rel=1e-12)
+    # the Engram tables: estimate()'s frozen state with and without them held as released, against the packed bytes
+    from parallel.memory import estimate, parameter_counts
+
+    tables = sum(m.packed.nbytes for m in model.modules() if isinstance(m, QuantizedTable))
+    table_values = sum(parameter_counts(args, layout)["tables"])
+    assert tables == table_values * (1 + 1 / args.engram.head_dim)  # v41_mini's rows of 16: one scale a row
+    kept = estimate(args, layout, 1, 32, torch.float32, layout.n_layers, 1, 1, False, lora=lora)
+    fp32 = estimate(args, layout, 1, 32, torch.float32, layout.n_layers, 1, 1, False,
+                    lora=LoRA(RANK, ALPHA, EVERY_MOE, quantized_base=False))
+    low = lora_counts(args, layout, lora)
+    fp32_matrices = sum(low["fp8"]) * (4 - STORED_BYTES["fp8"]) + sum(low["fp4"]) * (4 - STORED_BYTES["fp4"])
+    assert sum(fp32.state) - sum(kept.state) == pytest.approx(fp32_matrices + table_values * 4 - tables, rel=1e-12)
 
 
 def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
@@ -240,3 +253,33 @@ def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
     for r in results:
         assert r["max_rel_diff"] < 1e-5 and r["weight_bytes"]["quantised"] < r["weight_bytes"]["bf16"]
         assert all(r[f"{way}_{step}_ms"] > 0 for way in ("bf16", "quantised") for step in ("forward", "backward"))
+
+
+def _table_lookup(rank, out):
+    """Rank ``rank`` of 2 holds half of a 37-row table of grid values (FP8 rows of 32 with their scales), converted;
+    it looks up ids of both halves through the process group's exchange."""
+    from model.engram import EngramTable
+    from model.quant import dequantize, quantize
+    from model.quantized_base import TABLE_BLOCK, QuantizedTable
+    from parallel.rows import RowExchange
+
+    g = torch.Generator().manual_seed(0)
+    whole = dequantize(*quantize(torch.randn(38, 64, generator=g) * 3, "fp8", TABLE_BLOCK), "fp8", TABLE_BLOCK)
+    table = EngramTable(37, 64, RowExchange(), rank, 2)
+    with torch.no_grad():
+        table.weight.copy_(whole[table.start:table.start + table.part_rows])
+    table.weight.requires_grad_(False)
+    ids = torch.randint(0, 37, (3, 5), generator=torch.Generator().manual_seed(rank))
+    torch.save({"got": QuantizedTable(table)(ids), "want": whole[ids]}, f"{out}/rank{rank}.pt")
+
+
+def test_a_table_held_as_released_looks_up_rows_across_ranks(tmp_path):
+    """Two gloo ranks: the rows of a converted table's halves, looked up across the ranks (codes and scales moved as
+    one byte row), are the fp32 table's values exactly. Planted and caught: the scales' bytes left behind (a row's
+    codes only)."""
+    from parallel.local import spawn
+
+    spawn(_table_lookup, 2, str(tmp_path))
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert torch.equal(result["got"], result["want"]), rank
