@@ -21,11 +21,10 @@ import time
 import pytest
 
 from tests.test_interrupt import REPO, _env
-from tests.test_train_run import SMALL, _run, _train_rows
+from tests.test_train_run import SMALL, _exact_rows, _run
 from train import checkpoint, durable
 
 STEPS = ["train.max_steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=0"]
-TIMING = {"tokens_per_s", "memory_mb"}
 
 # Runs ``python -m train`` with a SIGKILL planted at one point of the save of step 4 (argv[1]); argv[2:]: overrides.
 KILLER = """
@@ -57,16 +56,12 @@ def _train(run_dir, *extra, killer_point=None):
                           env={**_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
 
 
-def _rows(run_dir):
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in _train_rows(run_dir)]
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
     done = _train(run_dir)
     assert done.returncode == 0, done.stderr[-3000:]
-    return _rows(run_dir)
+    return _exact_rows(run_dir)
 
 
 @pytest.mark.parametrize("point", ["mid-file", "before latest"])
@@ -81,7 +76,7 @@ def test_kill_9_mid_save_keeps_the_previous_checkpoint_and_resume_takes_it(tmp_p
     resumed = _train(tmp_path, "train.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt / 'step00000002'} at step 2" in resumed.stdout + resumed.stderr
-    assert _rows(tmp_path) == straight
+    assert _exact_rows(tmp_path) == straight
     assert (ckpt / "latest").read_text() == "step00000006"
 
 
@@ -153,4 +148,4 @@ def test_background_saves_write_the_bytes_of_synchronous_ones(tmp_path, monkeypa
         for state in states:
             del state["config"]["train"]["checkpoint_async"]
         assert states[0] == states[1]
-    assert _rows(runs["true"]) == _rows(runs["false"])
+    assert _exact_rows(runs["true"]) == _exact_rows(runs["false"])

@@ -15,7 +15,7 @@ from model.cli import compose
 from model.lora import LoRA, attach
 from parallel.local import spawn
 from tests import pipeline_harness as harness
-from tests.test_train_run import _run, _train_rows
+from tests.test_train_run import _exact_rows, _run
 from train.export import export
 from train.reference_format import WEIGHTS
 
@@ -281,8 +281,7 @@ def test_adapter_checkpoint_resumes_like_an_uninterrupted_run(base, tmp_path):
     _run(straight, *init)
     _run(split, *init, "train.stop_at=2")
     _run(split, *init, "train.resume=auto")
-    timing = {"tokens_per_s", "memory_mb"}
-    rows = [[{k: v for k, v in row.items() if k not in timing} for row in _train_rows(d)] for d in (split, straight)]
+    rows = [_exact_rows(d) for d in (split, straight)]
     assert rows[0] == rows[1] and len(rows[0]) == 4
     adapters = weights_of(straight)
     assert adapters and all(".lora." in n for n in adapters)

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_run import SMALL, _train_rows
+from tests.test_train_run import SMALL, _exact_rows
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE = ["parallel.cuts=[8]", "train.grad_accum_steps=2", "train.checkpoint_every=2"]
-TIMING = {"tokens_per_s", "memory_mb"}
 
 
 def train(run_dir, stages: int, *overrides):
@@ -24,10 +23,6 @@ def train(run_dir, stages: int, *overrides):
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
-
-
-def rows(run_dir):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in _train_rows(run_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +48,7 @@ def test_plan_is_printed_before_training(straight):
 def test_resume_at_the_same_stage_count_is_exact(straight, stopped, tmp_path):
     shutil.copytree(stopped, tmp_path, dirs_exist_ok=True)
     train(tmp_path, 2, "train.max_steps=4", "train.resume=auto")
-    assert rows(tmp_path) == rows(straight[0])
+    assert _exact_rows(tmp_path) == _exact_rows(straight[0])
 
 
 def test_resume_under_another_stage_count(straight, stopped, tmp_path):
@@ -61,7 +56,7 @@ def test_resume_under_another_stage_count(straight, stopped, tmp_path):
     bitwise the same weights (same loss); later steps may differ by the shadow indexers' reduction order."""
     shutil.copytree(stopped, tmp_path, dirs_exist_ok=True)
     train(tmp_path, 1, "train.max_steps=4", "train.resume=auto")
-    got, want = rows(tmp_path), rows(straight[0])
+    got, want = _exact_rows(tmp_path), _exact_rows(straight[0])
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert got[2]["loss"] == want[2]["loss"] and got[2]["lm_loss"] == want[2]["lm_loss"]
     assert got[3]["loss"] == pytest.approx(want[3]["loss"], rel=1e-6)
