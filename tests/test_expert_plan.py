@@ -164,6 +164,7 @@ def test_an_overloaded_rank_ends_the_job_in_its_line_with_status_1(capsys, monke
     from parallel.experts import ExpertOverload, check_received
 
     monkeypatch.setattr(errors, "SHOW_TRACEBACK", False)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # reported() sets it to 1: undone after the test, for later jobs
     with pytest.raises(ExpertOverload) as caught:
         check_received("layers.17.ffn", 3, 8, 524_288, 65_536, need=9 * 2**30, free=2.5 * 2**30)
     with pytest.raises(SystemExit) as stopped, errors.reported():
