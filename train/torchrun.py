@@ -22,13 +22,26 @@ FINAL_STATUSES = {2, 130, 143}  # a restart would meet the same bad input, or un
 
 
 class FinalStatusAgent(LocalElasticAgent):
-    """torchrun's agent, restarting a failed worker group only when some failed worker's status is not final."""
+    """torchrun's agent, restarting a failed worker group only when some failed worker's status is not final, and
+    saying each restart in one line (torchrun logs it at INFO only, so it would pass unseen)."""
+
+    failed = None  # the failure that ends the group's current attempt, in words
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
-        if result.is_failed() and all(f.exitcode in FINAL_STATUSES for f in result.failures.values()):
-            self._remaining_restarts = 0  # the agent's own count: with none left it stops the group and returns
+        if result.is_failed():
+            first = min(result.failures.values(), key=lambda f: f.timestamp)
+            self.failed = f"local rank {first.local_rank} failed ({status_text(first.exitcode)})"
+            if all(f.exitcode in FINAL_STATUSES for f in result.failures.values()):
+                self._remaining_restarts = 0  # the agent's own count: with none left it stops the group and returns
         return result
+
+    def _restart_workers(self, worker_group):
+        if self.failed is not None:  # not a membership change: the agent counted this restart already
+            print(f"torchrun: {self.failed}; restarting the group ({self._remaining_restarts + 1} of "
+                  f"{worker_group.spec.max_restarts} restarts left)", file=sys.stderr, flush=True)
+            self.failed = None
+        super()._restart_workers(worker_group)
 
 
 def failure_line(failed: ChildFailedError) -> str:
@@ -42,32 +55,10 @@ def status_text(exitcode: int) -> str:
     return f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"status {exitcode}"
 
 
-class RestartLines(logging.Filter):
-    """One line per restart of the worker group. The worker processes' records are kept, not printed: the first failed
-    worker's exit code and local rank (at the end ``failure_line`` says it), the SIGTERM sent to the others. The
-    agent's INFO record of a restart prints the failure with the restarts left; its warnings pass as under torchrun."""
-
-    failed = "a worker failed"
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.name.endswith("multiprocessing.api"):
-            if record.msg.startswith("failed (exitcode"):
-                exitcode, local_rank = record.args[:2]
-                self.failed = f"local rank {local_rank} failed ({status_text(int(exitcode))})"
-            return False
-        if "attempts left; will restart worker group" in record.msg:
-            left, most = record.args[2:4]
-            print(f"torchrun: {self.failed}; restarting the group ({left} of {most} restarts left)", file=sys.stderr,
-                  flush=True)
-            return False
-        return record.levelno >= logging.WARNING
-
-
 def main(argv: list[str]) -> None:
-    lines = RestartLines()
-    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
-        logging.getLogger(name).addFilter(lines)
-        logging.getLogger(name).setLevel(logging.INFO)
+    # The worker processes' ERROR record of the first failure repeats failure_line or the restart line; their
+    # warnings (the SIGTERM sent to the other workers) add nothing a user acts on.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     launcher_api.LocalElasticAgent = FinalStatusAgent
     try:
         run(parse_args(argv))
