@@ -166,8 +166,7 @@ class QuantizedTable(nn.Module):
         super().__init__()
         weight = _frozen(table.weight, "an Engram table").detach()
         codes, scale = quantize(weight, "fp8", TABLE_BLOCK)
-        self.exchange, self.rows, self.part_rows, self.start = table.exchange, table.rows, table.part_rows, table.start
-        self.dim, self.dtype = weight.shape[1], weight.dtype
+        self.exchange, self.dim, self.dtype = table.exchange, weight.shape[1], weight.dtype
         self.register_buffer("packed", torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], 1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
