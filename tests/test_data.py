@@ -3,6 +3,7 @@ error cases and the hf sources (CPU, fast)."""
 
 import io
 import json
+import logging
 import math
 
 import datasets
@@ -178,6 +179,41 @@ def test_resume_continues_with_the_same_batches(streaming, n_before):
     assert_same(take(resumed, 12), reference[n_before:])
     assert (resumed.tokens_total, resumed.tokens_padding) == (uninterrupted.tokens_total,
                                                               uninterrupted.tokens_padding)
+
+
+def counted_stream_loader(texts, reads: list, **options) -> PackedLoader:
+    """`letter_loader(streaming=True)`'s loader, whose source appends each document it reads to `reads`."""
+    iterable = datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset(num_shards=3)
+    counted = iterable.map(lambda example: reads.append(example["text"]) or example)
+    documents = StreamingDocuments(counted, seed=3, shuffle_buffer=7)
+    return PackedLoader(documents, BYTE, seq_len=16, micro_batch_size=2, **{"pack_buffer": 4, "pack_carry": 2,
+                                                                             **options})
+
+
+def test_streaming_resume_seeks_instead_of_re_reading(caplog):
+    """A streaming source resumes from the dataset's own state at the block of the saved position, also on
+    another number of ranks: it reads at most that block and the next before its first batch, where re-reading
+    reads the epoch up to the position. A state without the seek (an older checkpoint) re-reads, saying so."""
+    texts, reads = letter_texts(len(LETTERS), longest=30), []
+    reference = take(counted_stream_loader(texts, reads), 30)
+    interrupted = counted_stream_loader(texts, reads, rank=1, world_size=2)
+    take(interrupted, 10)  # global batches 0..19
+    state = _roundtrip(interrupted.state_dict())
+    block = 7  # the source's shuffle_buffer
+    assert state["epoch"] == 0 and state["buf_start"] > 3 * block, "the position should lie blocks into the epoch"
+    for seek in (True, False):
+        reads.clear()
+        resumed = counted_stream_loader(texts, reads)
+        resumed.load_state_dict(state if seek else {key: value for key, value in state.items() if key != "seek"})
+        with caplog.at_level(logging.INFO, logger="train.data"):
+            first = take(resumed, 1)
+        if seek:
+            assert len(reads) <= 2 * block, f"the resume read {len(reads)} documents: it re-read the epoch"
+            assert "re-reading" not in caplog.text
+        else:
+            assert len(reads) >= state["buf_start"]
+            assert f"document {state['buf_start']} of epoch 0 is reached by re-reading" in caplog.text
+        assert_same(first + take(resumed, 9), reference[20:])
 
 
 def test_resume_on_the_stdlib_corpus():

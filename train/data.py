@@ -18,11 +18,12 @@ least-full rows are held back for the next buffer (except at the end of an epoch
 a seeded random order (so one batch does not hold the consecutive chunks of a long document).
 
 Determinism and resume. Epoch e reads documents in an order fixed by (shuffle_seed, e) (a permutation for
-map-style datasets, a seeded buffer shuffle for streaming ones), and a buffer's row order is fixed by
-(shuffle_seed, e, index of its first document). Hence "epoch, first document of the current buffer, the
-chunks held back into it, rows of it already emitted" fixes all later batches: that is the whole
-`state_dict()`. Resuming re-reads the buffer from its first document (streaming sources re-read the epoch up
-to it) and skips the emitted rows.
+map-style datasets; for streaming ones the shards in a seeded order, then each block of `shuffle_buffer`
+documents in a seeded order), and a buffer's row order is fixed by (shuffle_seed, e, index of its first
+document). Hence "epoch, first document of the current buffer, the chunks held back into it, rows of it already
+emitted" fixes all later batches: that is the `state_dict()`, with, for a streaming source, the `datasets`
+state where that document's block starts (`seek`). Resuming re-reads the buffer from its first document (a
+streaming source seeks to its block and reads that block) and skips the emitted rows.
 
 Data parallelism. There is one global stream of micro-batches; rank r of W yields global batches r, W+r,
 2W+r, ... Every rank reads and tokenizes the whole stream (W times the tokenizing work of sharding by
@@ -34,6 +35,7 @@ global stream too.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -78,16 +80,26 @@ class MapDocuments:
     def __len__(self) -> int:
         return len(self._dataset)
 
-    def texts(self, epoch: int, start: int) -> Iterator[str]:
-        """Texts of `epoch` from its `start`-th document on."""
+    def texts(self, epoch: int, start: int, seek: None = None) -> Iterator[str]:
+        """Texts of `epoch` from its `start`-th document on (`seek`: unused, see `seek`)."""
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self._dataset))
         for lo in range(start, len(order), self._FETCH):
             yield from self._dataset[order[lo:lo + self._FETCH].tolist()][self.text_field]
 
+    @staticmethod
+    def seek(texts: Iterator[str]) -> None:
+        """Nothing: a map-style dataset reaches any document by its index."""
+        return None
+
 
 class StreamingDocuments:
-    """Texts of an IterableDataset, buffer-shuffled with a per-epoch seed; `start` is reached by re-reading. Rows
-    are checked as they stream by (`train/bad_rows.py`); `rows` names the local files a parse error is in."""
+    """Texts of an IterableDataset, reached by seeking. Epoch e reads the shards in an order seeded by (seed, e)
+    (`IterableDataset.shuffle` with a buffer of one), cut into blocks of `shuffle_buffer` documents, each block
+    read whole and emitted in an order seeded by (seed, e, block). A position is reached through the dataset's own
+    `state_dict()` taken where its block starts (`seek`), and the rest of that block: at most `shuffle_buffer`
+    documents read, wherever in the epoch. (`datasets`' rolling shuffle buffer is not part of its `state_dict`,
+    so its resume would not continue the same stream.) Rows are checked as they stream by (`train/bad_rows.py`);
+    `rows` names the local files a parse error is in."""
 
     def __init__(self, dataset: datasets.IterableDataset, text_field: str = "text", seed: int = 0,
                  shuffle_buffer: int = 10_000, description: str = "streaming dataset", format: str = "text",
@@ -98,29 +110,108 @@ class StreamingDocuments:
         self.text_field, self.seed, self.shuffle_buffer = text_field, seed, shuffle_buffer
         self.description, self.format, self.rows = description, format, rows
 
-    def texts(self, epoch: int, start: int) -> Iterator[str]:
-        """Texts of `epoch` from its `start`-th document on."""
-        generator = np.random.default_rng([self.seed, epoch])
-        shuffled = iter(self._dataset.shuffle(generator=generator, buffer_size=self.shuffle_buffer))
-        for position in itertools.count():
-            try:
-                example = next(shuffled)
-            except StopIteration:
-                return
-            except Exception as error:  # a local file the builder cannot parse, met while streaming
-                if self.rows is None or not self.rows.files:
-                    raise
-                raise ValueError(unreadable(self.rows.builder, self.rows.files, error)) from error
-            if position < start:
-                continue
-            if self.text_field not in example:
-                _check_field(list(example), self.text_field, self.description)
-            problem = row_problem(example[self.text_field], "text" if self.format == "text" else "chat",
-                                  self.text_field)
-            if problem:
-                raise ValueError(f"a row of {self.description} (row {position + 1} of epoch {epoch}'s shuffled "
-                                 f"stream): {problem} — fix or remove that row")
-            yield example[self.text_field]
+    def texts(self, epoch: int, start: int, seek: dict | None = None) -> StreamBlocks:
+        """Texts of `epoch` from its `start`-th document on; `seek` is what `seek()` said for that document."""
+        shards = self._dataset.shuffle(generator=np.random.default_rng([self.seed, epoch]), buffer_size=1)
+        if start > 0 and (seek is None or seek["block_size"] != self.shuffle_buffer):
+            log.info("streaming data: the saved position has no %s, so document %d of epoch %d is reached by "
+                     "re-reading the epoch up to it", "seek state (a checkpoint from before it was kept)"
+                     if seek is None else f"seek state for data.shuffle_buffer={self.shuffle_buffer} (it was "
+                     f"{seek['block_size']})", start, epoch)
+            seek = None
+        return StreamBlocks(self, shards, epoch, start, seek)
+
+    @staticmethod
+    def seek(texts: StreamBlocks) -> dict:
+        """Where `texts` stands, as `texts()` takes it back: plain values (`torch.load(weights_only=True)`)."""
+        return texts.seek()
+
+    def check(self, example: dict, position: int, epoch: int) -> str:
+        """The text of `example`, the `position`-th of `epoch`; a bad row is a ValueError naming it."""
+        if self.text_field not in example:
+            _check_field(list(example), self.text_field, self.description)
+        problem = row_problem(example[self.text_field], "text" if self.format == "text" else "chat", self.text_field)
+        if problem:
+            raise ValueError(f"a row of {self.description} (row {position + 1} of epoch {epoch}'s shuffled "
+                             f"stream): {problem} — fix or remove that row")
+        return example[self.text_field]
+
+
+class StreamBlocks(Iterator[str]):
+    """One epoch of a `StreamingDocuments` from a document on, block by block (see there)."""
+
+    def __init__(self, documents: StreamingDocuments, shards: datasets.IterableDataset, epoch: int, start: int,
+                 seek: dict | None):
+        self._documents, self._shards, self._epoch = documents, shards, epoch
+        self._block, self._block_state = (seek["block"], seek["source"]) if seek else (0, None)
+        if self._block_state is not None:
+            shards.load_state_dict(self._block_state)
+        self._examples: Iterator[dict] | None = None  # opened at the first read, after the seek
+        self._skip = start - self._block * documents.shuffle_buffer  # documents still to pass over
+        self._block_texts: list = []
+        self._offset = 0
+
+    def seek(self) -> dict:
+        """The block of the next document and the dataset's state where that block starts."""
+        self._advance()
+        return {"block": self._block, "block_size": self._documents.shuffle_buffer, "source": self._block_state}
+
+    def __next__(self) -> str:
+        if not self._advance():
+            raise StopIteration
+        self._offset += 1
+        return self._block_texts[self._offset - 1]
+
+    def _advance(self) -> bool:
+        """Stand at the next document (reading blocks, passing over `_skip` documents); False at the epoch's end."""
+        while self._offset == len(self._block_texts) or self._skip:
+            if self._offset == len(self._block_texts) and not self._read_block():
+                return False
+            passed = min(self._skip, len(self._block_texts) - self._offset)
+            self._offset, self._skip = self._offset + passed, self._skip - passed
+        return True
+
+    def _read_block(self) -> bool:
+        """Read the next block whole and put it in its order; False when the epoch has no document left."""
+        opening = self._examples is None
+        if opening:
+            self._examples = iter(self._shards)
+        else:
+            self._block, self._block_state = self._block + 1, self._shards.state_dict()
+        # The dataset warns, when it starts from a loaded state, that its shuffle buffer's content is not in it:
+        # that buffer holds one example, passed on at once.
+        documents = self._documents
+        with _quiet("datasets.iterable_dataset") if opening else contextlib.nullcontext():
+            examples = self._take(documents.shuffle_buffer)
+        order = np.random.default_rng([documents.seed, self._epoch, self._block]).permutation(len(examples))
+        first = self._block * documents.shuffle_buffer
+        self._block_texts = [documents.check(examples[k], first + i, self._epoch) for i, k in enumerate(order)]
+        self._offset = 0
+        return bool(examples)
+
+    def _take(self, count: int) -> list[dict]:
+        """Up to `count` examples of the dataset; a local file the builder cannot parse is a ValueError naming it."""
+        examples = []
+        try:
+            examples.extend(itertools.islice(self._examples, count))
+        except Exception as error:
+            rows = self._documents.rows
+            if rows is None or not rows.files:
+                raise
+            raise ValueError(unreadable(rows.builder, rows.files, error)) from error
+        return examples
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """The block's log records of `logger` below CRITICAL are dropped."""
+    target = logging.getLogger(logger)
+    level = target.level
+    target.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        target.setLevel(level)
 
 
 def _check_field(columns: list[str], text_field: str, description: str) -> None:
@@ -187,16 +278,12 @@ def hf_dataset(path: str, name: str | None = None, split: str = "train", streami
                      "data.sample_by=document|paragraph|line chooses)", path, sample_by, sample_by)
     options = {"sample_by": sample_by, "encoding_errors": "replace", "keep_linebreaks": True} \
         if builder == "text" else {}
-    builders = logging.getLogger("datasets.packaged_modules")  # they log a parse error before raising it
-    level = builders.level
-    builders.setLevel(logging.CRITICAL)
     try:
-        return datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=streaming,
-                                     **options), rows
+        with _quiet("datasets.packaged_modules"):  # the builders log a parse error before raising it
+            return datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=streaming,
+                                         **options), rows
     except Exception as error:  # the builders' own (ArrowInvalid, pandas' ParserError, UnicodeDecodeError, ...)
         raise ValueError(unreadable(builder, files, error)) from error
-    finally:
-        builders.setLevel(level)
 
 
 def _text_sampling(files: list[str]) -> str:
@@ -383,9 +470,10 @@ class PackedLoader(RankRows):
         self.tokens_total = self.tokens_padding = 0
         # Position in the global stream (all of the state): the current buffer starts at document
         # `_buf_start` of `_epoch` plus the chunks `_carry_in` left by the buffer before; `_rows_done` of
-        # its rows are out.
+        # its rows are out. `_seek`: how the source reaches `_buf_start` without re-reading up to it.
         self._epoch = self._buf_start = self._rows_done = 0
         self._carry_in: list[np.ndarray] = []
+        self._seek: dict | None = None
         self._rows: list[list[tuple[int, int, int]]] | None = None  # None: rebuild from the position
         # Derived from the current buffer, to go on without re-reading.
         self._docs: list[np.ndarray] = []
@@ -404,7 +492,7 @@ class PackedLoader(RankRows):
         Only ints and int64 tensors, so `torch.load(weights_only=True)` reads it back.
         """
         return {"epoch": self._epoch, "buf_start": self._buf_start, "rows_done": self._rows_done,
-                "carry": [torch.tensor(chunk) for chunk in self._carry_in],
+                "carry": [torch.tensor(chunk) for chunk in self._carry_in], "seek": self._seek,
                 "tokens_total": self.tokens_total, "tokens_padding": self.tokens_padding,
                 "stream": self._stream_settings()}
 
@@ -415,6 +503,7 @@ class PackedLoader(RankRows):
                              f"this loader makes {self._stream_settings()}")
         self._epoch, self._buf_start, self._rows_done = state["epoch"], state["buf_start"], state["rows_done"]
         self._carry_in = [chunk.cpu().numpy().astype(np.int64) for chunk in state["carry"]]
+        self._seek = state.get("seek")  # absent from the states saved before it was kept: the source re-reads
         self.tokens_total, self.tokens_padding = state["tokens_total"], state["tokens_padding"]
         self._rows = None
 
@@ -425,7 +514,7 @@ class PackedLoader(RankRows):
     def _take_row(self) -> list[tuple[int, int, int]]:
         """Next row of the global stream as (document, start, length) chunks; updates the counters."""
         if self._rows is None:
-            texts = self.documents.texts(self._epoch, self._buf_start)
+            texts = self.documents.texts(self._epoch, self._buf_start, self._seek)
             self._fill(self._epoch, self._buf_start, texts, self._carry_in)
         while self._rows_done == len(self._rows):
             self._next_buffer()
@@ -444,6 +533,7 @@ class PackedLoader(RankRows):
 
     def _fill(self, epoch: int, start: int, texts: Iterator[str], carry_in: list[np.ndarray]) -> None:
         """Read and pack the buffer at document `start` of `epoch` (where `texts` stands) plus `carry_in`."""
+        seek = self.documents.seek(texts)
         docs, consumed, epoch_done = self._read(texts)
         if start == 0 and not docs:
             raise ValueError(f"dataset is empty (no non-empty document): {self.documents.description}")
@@ -458,7 +548,7 @@ class PackedLoader(RankRows):
         order = np.random.default_rng([self.shuffle_seed, epoch, start]).permutation(len(emitted))
         self._rows = [bins[emitted[k]] for k in order]
         self._carry_out = [self._docs[doc][s:s + length + 1].copy() for b in held for doc, s, length in bins[b]]
-        self._epoch, self._buf_start, self._carry_in = epoch, start, carry_in
+        self._epoch, self._buf_start, self._carry_in, self._seek = epoch, start, carry_in, seek
         self._texts, self._next_doc, self._epoch_done = texts, start + consumed, epoch_done
 
     def _read(self, texts: Iterator[str]) -> tuple[list[np.ndarray], int, bool]:
