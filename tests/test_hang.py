@@ -1,8 +1,9 @@
 """A rank stopped with SIGSTOP mid-run (2 gloo processes under torchrun): within ``train.collective_timeout_s`` the
-other rank ends the job with one line naming the step, itself and the collective, instead of silence.
+other rank ends the job with one line naming the step, itself, the collective and the stopped rank, instead of silence.
 
-Planted bug it catches: the timeouts not shortened after the first step (the start-up timeout, 1800 s, keeps the job
-silent past the test's limit)."""
+Planted bugs it catches: the timeouts not shortened after the first step (the start-up timeout, 1800 s, keeps the job
+silent past the test's limit); a heartbeat that does not stop with its process's main thread (the stopped rank not
+named)."""
 import signal
 import subprocess
 import time
@@ -34,4 +35,5 @@ def test_a_stopped_rank_ends_in_a_named_timeout(tmp_path):
     line = next((l for l in err.splitlines() if "waited more than 5 s in a collective" in l), None)
     assert line is not None, err[-3000:]
     assert line.startswith("error: step ") and "rank 0 of 2" in line, line
+    assert "rank 1 silent for " in line, line  # the rank that stopped, by its heartbeat
     assert waited < 30, waited  # the 5 s limit and the line, not the 1800 s of start-up

@@ -39,6 +39,7 @@ from train.errors import ReportedError, reported
 from train.evaluate import Evaluator, data_tokenizer
 from train.health import ActivationStats
 from train.interrupt import Interrupted, Interrupts
+from train.heartbeat import Heartbeat, interval_for
 from train.timeouts import collective_timeout
 from train.metrics import MetricsLogger
 from train.preflight import Checked, checkpoint_dir, launched_world_size, preflight
@@ -193,6 +194,9 @@ class Trainer:
         self.routed = job.args.ffn == "moe" or job.trains_dspark  # the same on every rank: gathers are collective
         self.expert_loads: dict[str, list[float]] = {}  # of the last logged step (experts.jsonl)
         self.writer = BackgroundJob(self.train_config.checkpoint_async, "checkpoint writer")
+        # every rank's beat in the group's store: a timed-out collective names the ranks that stopped beating
+        self.heartbeat = Heartbeat(distributed.rank(), distributed.world_size(),
+                                   interval_for(self.train_config.collective_timeout_s))
         # the writer's collectives run beside the training's: on a group of their own, as torch's async_save does
         self.save_group = distributed.side_group() if self.writer.enabled and self.train_config.checkpoint_every \
             else None
@@ -230,6 +234,7 @@ class Trainer:
                     raise Interrupted(signum)  # run() words the last line
         finally:
             bar.close()
+            self.heartbeat.close()
             self.writer.wait()  # the last checkpoint is published before the job goes on or ends
 
     def step(self, step: int) -> dict:
@@ -238,7 +243,8 @@ class Trainer:
         self.writer.check()  # a checkpoint write that failed in the background fails the job here
         start = time.perf_counter()
         self.clock.start()
-        with self.activations.recording(logged), collective_timeout(step, self.train_config.collective_timeout_s):
+        timed = collective_timeout(step, self.train_config.collective_timeout_s, self.heartbeat)
+        with self.activations.recording(logged), timed:
             result = train_step(self.engine, [next(self.loader) for _ in range(self.engine.micro_batches)])
         seconds = time.perf_counter() - start
         if self.steps_run == 0:  # start-up and the first step are over: a hang from now on is named sooner

@@ -3,11 +3,13 @@
 The process groups' timeouts are set by ``train.distributed`` (``init``: the start-up one; ``set_timeout``: the shorter
 one after the first step); the backend then raises on the ranks that wait. Its error is a long C++ message, raised
 from deep inside DeepSpeed's schedule: here it becomes a ``ReportedError`` naming the step, the rank that waited and
-the limit, with the backend's own first words (gloo: "Timed out waiting 5000ms for recv operation").
+the limit, with the backend's own first words (gloo: "Timed out waiting 5000ms for recv operation"), and the ranks
+whose heartbeat stopped or lags (``train/heartbeat.py``): the ones it waited for.
 """
 import contextlib
 
 from train import distributed
+from train.heartbeat import Heartbeat
 from train.errors import ReportedError
 
 
@@ -18,8 +20,10 @@ class CollectiveTimeout(ReportedError):
 
 
 @contextlib.contextmanager
-def collective_timeout(step: int, seconds: float):
-    """A timed-out collective inside the step as one line: the step, this rank, the limit and the backend's words."""
+def collective_timeout(step: int, seconds: float, heartbeat: Heartbeat):
+    """A timed-out collective inside the step as one line: the step, this rank, the limit, the backend's words and
+    the ranks ``heartbeat`` finds stopped or behind. The heartbeat reports ``step`` from here on."""
+    heartbeat.step = step
     try:
         yield
     except RuntimeError as error:
@@ -27,7 +31,10 @@ def collective_timeout(step: int, seconds: float):
         if "timed out" not in text.lower() and "timeout" not in text.lower():
             raise
         first = next((line.strip() for line in text.splitlines() if "time" in line.lower()), text.strip())
+        others = heartbeat.others()
+        cause = others or "every other rank beats at this step: one of them hangs inside it"
+        check = "the host and GPU of each rank named" if others else "the ranks' hosts and GPUs"
         raise CollectiveTimeout(
             f"step {step}: rank {distributed.rank()} of {distributed.world_size()} waited more than {seconds:g} s in a "
-            f"collective ({first[:300]}) — another rank stopped or hangs (check the ranks this one did not hear from, "
-            "their hosts and GPUs); train.collective_timeout_s sets the limit") from error
+            f"collective ({first[:300]}); {cause} — check {check}; train.collective_timeout_s sets the limit"
+        ) from error
