@@ -5,6 +5,9 @@
   ``train.resume=auto`` takes it, and the resumed job logs every number as the job that was never killed.
   Planted bugs it catches: ``latest`` replaced before the tag directory is complete (the resume takes a torn
   checkpoint or none), writing into the tag directory in place instead of ``.partial``.
+- ``kill -9`` of rank 1 of 2 (torchrun, one restart) in the middle of its file of the second save: the group
+  restarts from the first checkpoint and recomputes the steps after it as the killed attempt did. Planted bug it
+  catches: rank 0 publishing the tag without waiting for every rank's files (the restart resumes a torn step 4).
 - Durability order: every file of a published checkpoint (``latest`` too) was fsync'd under its temporary name
   before its rename, and the directory holding each rename was fsync'd before the next step of the publication.
   Planted bugs: no ``os.fsync`` of a file; no fsync of the directory after a rename.
@@ -27,16 +30,23 @@ from train import checkpoint, durable
 STEPS = ["train.max_steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=0"]
 
 # Runs ``python -m train`` with a SIGKILL planted at one point of the save of step 4 (argv[1]); argv[2:]: overrides.
+# Mid-file: in rank 0's first layer file, or in rank 1's optimizer state (of a torchrun job's first attempt only, the
+# rows logged until then kept in <run dir>/at_kill/).
 KILLER = """
-import os, runpy, signal, sys
+import os, pathlib, runpy, shutil, signal, sys
 from train import durable
 
 point, sys.argv = sys.argv[1], ["train", *sys.argv[2:]]
 real_write, real_text = durable._Hashing.write, durable.write_text
+victim = {"mid-file": ".layer_001.pt", "rank 1 mid-file": ".optimizer_stage00_dp01.pt"}.get(point)
+run_dir = pathlib.Path(next(arg.split("=", 1)[1] for arg in sys.argv if arg.startswith("hydra.run.dir=")))
 
 def write(self, data):
     written = real_write(self, data)
-    if point == "mid-file" and ".step00000004.partial/.layer_001.pt" in self.file.name:
+    if (victim and f".step00000004.partial/{victim}" in self.file.name
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        (run_dir / "at_kill").mkdir(exist_ok=True)
+        shutil.copy(run_dir / "metrics.jsonl", run_dir / "at_kill" / "metrics.jsonl")
         os.kill(os.getpid(), signal.SIGKILL)  # the file's first bytes are out, the rest never comes
     return written
 
@@ -78,6 +88,28 @@ def test_kill_9_mid_save_keeps_the_previous_checkpoint_and_resume_takes_it(tmp_p
     assert f"resumed from {ckpt / 'step00000002'} at step 2" in resumed.stdout + resumed.stderr
     assert _exact_rows(tmp_path) == straight
     assert (ckpt / "latest").read_text() == "step00000006"
+
+
+def test_kill_9_of_one_rank_mid_save_restarts_from_the_previous_checkpoint(tmp_path):
+    """2 gloo processes under torchrun (one restart): rank 1 dies in the middle of its file of step 4's save (rank 0
+    writing its own or done); the restarted group resumes from step 2, never from the torn step 4, and recomputes steps
+    3 and 4 as the first attempt computed them before the kill."""
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER)
+    run_dir = tmp_path / "run"
+    job = subprocess.run([sys.executable, "-m", "train.torchrun", "--standalone", "--nproc-per-node", "2",
+                          "--max-restarts", "1", str(killer), "rank 1 mid-file", *SMALL, "train.max_steps=4",
+                          "train.checkpoint_every=2", f"hydra.run.dir={run_dir}", "train.resume=auto"],
+                         cwd=REPO, env={**_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "local rank 1 failed (signal SIGKILL)" in job.stderr, job.stderr[-3000:]
+    ckpt = run_dir / "checkpoints"
+    assert f"resumed from {ckpt / 'step00000002'} at step 2" in job.stdout + job.stderr, job.stderr[-3000:]
+    before_kill = _exact_rows(run_dir / "at_kill")
+    assert [row["step"] for row in before_kill] == [1, 2, 3, 4]  # killed in the save after step 4
+    assert _exact_rows(run_dir) == before_kill
+    assert (ckpt / "latest").read_text() == "step00000004"
 
 
 def test_every_rename_is_durable_before_the_next_step(tmp_path, monkeypatch):
