@@ -234,8 +234,10 @@ class Trainer:
                     raise Interrupted(signum)  # run() words the last line
         finally:
             bar.close()
-            self.heartbeat.close()
-            self.writer.wait()  # the last checkpoint is published before the job goes on or ends
+            try:
+                self.writer.wait()  # the last checkpoint is published before the job goes on or ends
+            finally:
+                self.heartbeat.close()  # after the save's collectives: this rank beats as long as it has peers
 
     def step(self, step: int) -> dict:
         """One optimizer step; returns its ``metrics.jsonl`` row."""
