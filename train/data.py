@@ -115,7 +115,8 @@ class StreamingDocuments:
         shards = self._dataset.shuffle(generator=np.random.default_rng([self.seed, epoch]), buffer_size=1)
         if start > 0 and (seek is None or seek["block_size"] != self.shuffle_buffer):
             log.info("streaming data: the saved position has no %s, so document %d of epoch %d is reached by "
-                     "re-reading the epoch up to it", "seek state (a checkpoint from before it was kept)"
+                     "re-reading the epoch up to it", "seek state (a checkpoint from before it was kept, whose "
+                     "streaming order was another: this epoch may repeat or miss some documents)"
                      if seek is None else f"seek state for data.shuffle_buffer={self.shuffle_buffer} (it was "
                      f"{seek['block_size']})", start, epoch)
             seek = None
