@@ -9,8 +9,8 @@ whose heartbeat stopped or lags (``train/heartbeat.py``): the ones it waited for
 import contextlib
 
 from train import distributed
-from train.heartbeat import Heartbeat
 from train.errors import ReportedError
+from train.heartbeat import Heartbeat
 
 
 class CollectiveTimeout(ReportedError):
