@@ -270,7 +270,7 @@ def _table_lookup(rank, out):
         table.weight.copy_(whole[table.start:table.start + table.part_rows])
     table.weight.requires_grad_(False)
     ids = torch.randint(0, 37, (3, 5), generator=torch.Generator().manual_seed(rank))
-    torch.save({"got": QuantizedTable(table)(ids), "want": whole[ids]}, f"{out}/rank{rank}.pt")
+    torch.save({"got": QuantizedTable.of(table)(ids), "want": whole[ids]}, f"{out}/rank{rank}.pt")
 
 
 def test_a_table_held_as_released_looks_up_rows_across_ranks(tmp_path):
