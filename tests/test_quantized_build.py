@@ -17,13 +17,15 @@ from train.init_from import fill_stored, load_stage
 
 LORA = LoRA(4, 8.0, ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts"), quantized_base=True)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SMALLER = ["model.moe.n_routed_experts=4", "model.moe.inter_dim=32", "model.dspark.n_routed_experts=2",
+           "model.engram.vocab_size=100"]
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    """The released miniature (its Engram tables too), written by the format test's writer, opened as
-    ``train.init_from`` opens it."""
-    args, layout = configured(OVERRIDES)
+    """A released miniature (its Engram tables and draft head too, fewer and narrower experts and smaller tables
+    than ``v41_mini``'s: the format test's writer takes a while per block), opened as ``train.init_from`` opens it."""
+    args, layout = configured([*OVERRIDES, *SMALLER])
     directory = tmp_path_factory.mktemp("released") / "release"
     write_release(directory, random_state(Transformer(args, layout).double(), 0), hf_config(args, layout))
     config = run_config(directory)
