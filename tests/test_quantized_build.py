@@ -13,7 +13,7 @@ from model.quantized_base import QuantizedMatrix, QuantizedTable, quantize_base,
 from model.quantized_build import quantized_transformer
 from tests.test_released_format import OVERRIDES, hf_config, opened, run_config, write_release
 from tests.test_v41_oracle import _one_thread, configured, random_state  # noqa: F401 (_one_thread: autouse)
-from train.init_from import fill_stored, load_stage
+from train.init_from import InitError, fill_stored, load_stage
 
 LORA = LoRA(4, 8.0, ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts"), quantized_base=True)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -124,3 +124,13 @@ def test_no_full_precision_copy_of_the_base_is_ever_made(release):
     with FloatShapes() as old:
         _converted(release)
     assert only_base <= old.shapes
+
+
+def test_a_base_tensor_the_source_lacks_is_a_one_line_error(release):
+    """A frozen base tensor held as released that the source does not give (``train.init_strict=false`` lets the
+    match through) cannot be drawn at random: ``fill_stored`` names it instead of leaving the buffers empty."""
+    model = _built(release, filled=False)
+    lacking = "layers.2.ffn.experts.1.w2.weight"
+    assert lacking in stored_slots(model)
+    with pytest.raises(InitError, match=rf"lacks {lacking} \(1 such\).*train.lora.quantized_base=false"):
+        fill_stored(model, release.source, set(release.match.loaded) - {lacking})
