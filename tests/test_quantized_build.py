@@ -9,9 +9,11 @@ from torch.utils._pytree import tree_flatten
 
 from model import Transformer, layout_from_config
 from model.lora import LoRA, attach
-from model.quantized_base import QuantizedMatrix, QuantizedTable, quantize_base, quantized_form, stored_slots
+from model.quant import dequantize
+from model.quantized_base import TABLE_BLOCK, QuantizedMatrix, QuantizedTable, quantize_base, quantized_form, \
+    stored_slots
 from model.quantized_build import quantized_transformer
-from tests.test_released_format import OVERRIDES, hf_config, opened, run_config, write_release
+from tests.test_released_format import OVERRIDES, Dispatch, Rows, hf_config, opened, run_config, write_release
 from tests.test_v41_oracle import _one_thread, configured, random_state  # noqa: F401 (_one_thread: autouse)
 from train.init_from import InitError, fill_stored, load_stage
 
@@ -34,18 +36,23 @@ def release(tmp_path_factory):
     return init
 
 
-def _converted(init):
+WHOLE = {}
+# stage 1 of 2 (layers 5-9, the head and the draft head) on expert rank 1 of 2 and table rank 1 of 2 (layer 5's table)
+SLICE = {"layer_ids": range(5, 10), "experts": Dispatch(1, 2), "engram_rows": (Rows(1, 2), 1, 2)}
+
+
+def _converted(init, part=WHOLE):
     """Today's way: the stage built and loaded in full precision, then its base quantised."""
-    model = Transformer(init.args, init.layout, seed=5)
+    model = Transformer(init.args, init.layout, seed=5, **part)
     attach(model, LORA, seed=5)
     load_stage(model, init.source, set(init.match.loaded))
     quantize_base(model, quantized_form, "torch")
     return model
 
 
-def _built(init, filled: bool = True):
+def _built(init, filled: bool = True, part=WHOLE):
     """The stage built holding its base quantised, then filled from the stored bytes."""
-    model = quantized_transformer(quantized_form, init.args, init.layout, seed=5)
+    model = quantized_transformer(quantized_form, init.args, init.layout, seed=5, **part)
     attach(model, LORA, seed=5)
     if filled:
         fill_stored(model, init.source, set(init.match.loaded))
@@ -54,30 +61,35 @@ def _built(init, filled: bool = True):
 
 
 def _decoded(module) -> torch.Tensor:
-    if isinstance(module, QuantizedTable):
-        return module(torch.arange(module.packed.shape[0]))
+    if isinstance(module, QuantizedTable):  # every row held (no exchange: a stand-in's table may not look up)
+        codes, scale = module.packed[:, :module.dim], module.packed[:, module.dim:]
+        return dequantize(codes.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu), "fp8", TABLE_BLOCK)
     return module.dequantized()
 
 
-def test_a_stage_built_without_its_base_equals_the_converted_one(release):
-    """Before any load, every tensor outside the base is the ordinary build's draw bit for bit (init by name); after
-    the fill and load, every quantised module decodes to the converted stage's values bit for bit and every other
-    tensor is equal, and the held bytes are the file's own (the converter may pick another scale for a block whose
-    largest code is <= qmax/2: the same values). Planted and caught: the experts' slots off by one expert, the scales
-    left unfilled, the materialised tensors not drawn, a table's rows read from row 0 instead of its start."""
-    fresh, ordinary = _built(release, filled=False), Transformer(release.args, release.layout, seed=5)
+@pytest.mark.parametrize("part", [WHOLE, SLICE], ids=["whole", "stage1-experts1-rows1"])
+def test_a_stage_built_without_its_base_equals_the_converted_one(release, part):
+    """The whole model, and a pipeline stage on an expert rank and a table rank: before any load, every tensor
+    outside the base is the ordinary build's draw bit for bit (init by name); after the fill and load, every
+    quantised module decodes to the converted stage's values bit for bit and every other tensor is equal, and the
+    held bytes are the file's own (the converter may pick another scale for a block whose largest code is <= qmax/2:
+    the same values). Planted and caught: the experts' slots off by one expert, the scales left unfilled, the
+    materialised tensors not drawn, a table's rows read from row 0 instead of its start, a rank's experts filled
+    from expert 0 on."""
+    fresh, ordinary = _built(release, False, part), Transformer(release.args, release.layout, seed=5, **part)
     attach(ordinary, LORA, seed=5)
     base = {name for name in stored_slots(fresh)}
     drawn = {n: t for n, t in ordinary.state_dict().items() if n not in base}
     kept = fresh.state_dict()
-    assert set(drawn) <= set(kept) and len(drawn) > 100
+    assert set(drawn) <= set(kept) and len(drawn) > 50
     for name, value in drawn.items():
         assert torch.equal(kept[name], value), name
 
-    built, converted = _built(release), _converted(release)
+    built, converted = _built(release, part=part), _converted(release, part)
     modules = dict(converted.named_modules())
     held = [(n, m) for n, m in built.named_modules() if isinstance(m, (QuantizedMatrix, QuantizedTable))]
-    assert len(held) == len([m for m in modules.values() if isinstance(m, (QuantizedMatrix, QuantizedTable))]) > 30
+    assert len(held) == len([m for m in modules.values() if isinstance(m, (QuantizedMatrix, QuantizedTable))]) > 20
+    assert any(isinstance(m, QuantizedTable) for _, m in held)
     for name, module in held:
         assert torch.equal(_decoded(module), _decoded(modules[name])), name
     state, want = built.state_dict(), converted.state_dict()
