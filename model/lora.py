@@ -30,6 +30,7 @@ w3), ``experts`` (every routed expert's w1, w2, w3) and ``dense_ffn`` (a dense m
 import functools
 import math
 import re
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
@@ -153,7 +154,7 @@ def attach(model: nn.Module, lora: LoRA, seed: int, low_precision: torch.dtype |
             p.data = p.data.to(low_precision)
     model.moves_biases = False
     for name, module in targeted_modules(model, lora.targets):
-        device = next(module.parameters()).device
+        device = next(chain(module.parameters(), module.buffers())).device  # a base held quantised: buffers only
         if hasattr(module, "expert_ids"):  # stacked routed experts: one adapter per matrix, per-expert draws
             adapters = nn.ModuleDict({w: Adapter(getattr(module, w).shape, lora.rank, lora.scale)
                                       for w in FFN_MATRICES}).to(device)

@@ -5,7 +5,10 @@ experts; about 1.03 and 0.53 bytes a value with the scales, against 2 for the bf
 Why it is built this way:
 - A converter, ``quantize_base``, applied to a built (and loaded) model whose base is frozen: each base
   ``nn.Linear`` becomes a ``QuantizedLinear`` (what a converter added to it, an adapter, handed on by
-  ``Projection.rebased``), each stacked routed matrix a ``QuantizedMatrix``. The layers' forwards do not change: they take their matmul operands from ``matmul_weights``
+  ``Projection.rebased``), each stacked routed matrix a ``QuantizedMatrix``. ``hold_base`` makes the same modules
+  with their buffers still to fill, for a stage built without its full-precision base (``model/quantized_build.py``):
+  ``stored_slots`` names the bytes each expects, which a released source copies in as stored.
+  The layers' forwards do not change: they take their matmul operands from ``matmul_weights``
   / ``cast_stacked`` (``model/weights.py``), which hand a quantised group over as ``QuantizedRows``, and multiply
   through ``model.weights.linear`` / ``grouped_linear``.
 - The products run on the stored bytes: ``kernels/triton_quant_gemm.py`` decodes a tile of codes and scales in
@@ -20,16 +23,36 @@ Why it is built this way:
   the dequantise-then-bf16 path's function exactly, only the GEMM's summation order differs. ``torch._scaled_mm``
   would need FP8 activations and cuBLAS's 1 x 128 / 128 x 128 blocks, not the release's 32 x 32.
 """
+import re
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.projection import Projection
-from model.quant import FORMATS, dequantize, quantize
+from model.quant import BLOCK_FP8, BLOCK_ROW, FORMATS, dequantize, quantize, scale_shape
 
 # Bytes a value with its scales: an e8m0 byte per 32 x 32 FP8 block, per 32 packed FP4 values (two a byte).
 STORED_BYTES = {"fp8": 1 + 1 / 1024, "fp4": 0.5 + 1 / 32}
 TABLE_BLOCK = (1, 32)  # an Engram table's FP8 rows: an e8m0 scale per 32 values of a row
+# What DeepSeek's release stores quantised (SPEC §6), by our state-dict names: FP8 in 32 x 32 blocks, FP4 in rows of
+# 32 (the routed experts, the draft head's too), the Engram tables' FP8 rows of 32.
+FP8_MATRICES = re.compile(r".*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
+                          r")\.weight|mtp\.\d+\.main_proj\.weight")
+FP4_MATRICES = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight")
+
+
+def quantized_form(name: str) -> tuple[str, tuple[int, int]] | None:
+    """``(fmt, block)`` of a tensor the release stores quantised, None for a plain one: the ``formats`` of
+    ``quantize_base`` and ``hold_base``."""
+    if name.endswith("engram.embed.weight"):
+        return "fp8", TABLE_BLOCK
+    if FP8_MATRICES.fullmatch(name):
+        return "fp8", BLOCK_FP8
+    if FP4_MATRICES.fullmatch(name):
+        return "fp4", BLOCK_ROW
+    return None
 
 
 def table_bytes(width: int) -> float:
@@ -51,6 +74,18 @@ class QuantizedMatrix(nn.Module):
         self.kernel_backend = kernel_backend
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
+
+    @classmethod
+    def empty(cls, shape: torch.Size, fmt: str, block: tuple[int, int], kernel_backend: str = "auto",
+              device: torch.device | None = None) -> "QuantizedMatrix":
+        """Buffers for ``shape`` (``[out, in]`` or ``[E, out, in]``), their values still to be filled
+        (``stored_slots``)."""
+        *lead, out, fan_in = shape
+        stack = lead[0] if lead else 1
+        codes = torch.empty(stack, out, fan_in // 2 if fmt == "fp4" else fan_in, device=device,
+                            dtype=torch.uint8 if fmt == "fp4" else torch.float8_e4m3fn)
+        scale = torch.empty(stack, *scale_shape((out, fan_in), block), dtype=torch.float8_e8m0fnu, device=device)
+        return cls(codes, scale, fmt, block, shape, kernel_backend)
 
     @classmethod
     def of(cls, weight: torch.Tensor, fmt: str, block: tuple[int, int],
@@ -159,15 +194,28 @@ class QuantizedTable(nn.Module):
     an e8m0 scale per 32 values, about 1.03 bytes a value against fp32's 4 (the two V4.1 tables: 196.6 G values).
     Codes and scales are the bytes of one ``packed`` row (``[part_rows, dim + dim / 32]`` uint8), so that the lookup's
     exchange (``EngramTable.exchange``: local, or the rows' owners over a process group) moves a row whole; the rows
-    looked up are decoded into the table's dtype (fp32): the values the table held, exactly. (Found by its
-    ``part_rows``, as a stack of experts by its ``expert_ids``: the converters sit below the layers they adapt.)"""
+    looked up are decoded into the table's dtype (fp32): the values the table held, exactly. ``start`` and ``rows``
+    (the first row held, the whole table's rows) say which rows of the release fill it. (Found by its ``part_rows``,
+    as a stack of experts by its ``expert_ids``: the converters sit below the layers they adapt.)"""
 
-    def __init__(self, table: nn.Module):
+    def __init__(self, table: nn.Module, packed: torch.Tensor):
         super().__init__()
-        weight = _frozen(table.weight, "an Engram table").detach()
-        codes, scale = quantize(weight, "fp8", TABLE_BLOCK)
-        self.exchange, self.dim, self.dtype = table.exchange, weight.shape[1], weight.dtype
-        self.register_buffer("packed", torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], 1))
+        self.exchange, self.dim, self.dtype = table.exchange, table.weight.shape[1], table.weight.dtype
+        self.start, self.rows = table.start, table.rows
+        self.register_buffer("packed", packed)
+
+    @classmethod
+    def of(cls, table: nn.Module) -> "QuantizedTable":
+        """``table``'s values quantised."""
+        codes, scale = quantize(_frozen(table.weight, "an Engram table").detach(), "fp8", TABLE_BLOCK)
+        return cls(table, torch.cat([codes.view(torch.uint8), scale.view(torch.uint8)], 1))
+
+    @classmethod
+    def empty(cls, table: nn.Module, device: torch.device | None = None) -> "QuantizedTable":
+        """Zero bytes (rows of value 0 at the smallest scale: what ``of`` makes of the last shard's zero padding rows),
+        the rows of the table still to be filled (``stored_slots``)."""
+        part_rows, dim = _frozen(table.weight, "an Engram table").shape
+        return cls(table, torch.zeros(part_rows, dim + -(-dim // TABLE_BLOCK[1]), dtype=torch.uint8, device=device))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.exchange.lookup(self.packed, ids).reshape(-1, self.packed.shape[1])
@@ -175,41 +223,103 @@ class QuantizedTable(nn.Module):
         return dequantize(codes, scale, "fp8", TABLE_BLOCK, self.dtype).view(*ids.shape, self.dim)
 
 
-def quantize_base(model: nn.Module, formats, kernel_backend: str) -> int:
-    """Convert the frozen base matrices of ``model``'s blocks (``layers.*``: the draft head keeps its own) that
-    ``formats(name) -> (fmt, block) | None`` gives a quantised form (``name``: the state-dict name, a stack of routed
-    experts' as its first expert's ``...experts.{j}.w1.weight``) into ``QuantizedLinear`` / ``QuantizedMatrix``, and
-    their Engram tables into ``QuantizedTable`` (FP8 rows of 32, the release's form whatever ``formats`` says of the
-    block); returns how many matrices and tables were converted. A base matrix that still trains is an error: only a frozen base may be
-    rounded to the released grid."""
-    converted = 0
+def base_targets(model: nn.Module, formats) -> list[tuple[nn.Module, str, str, tuple]]:
+    """``(owner, attribute, name, form)`` of every frozen base matrix or table of ``model``'s blocks (``layers.*``)
+    and of its draft head's routed experts (``mtp.*``: 6.3 GiB a GPU of V4.1-Flash in fp32 on 8 expert ranks; the
+    rest of the draft head is small and stays as it is) that ``formats(name) -> (fmt, block) | None`` gives a
+    quantised form: the plain ``nn.Linear``s (no bias) under their module name, the stacked routed matrices
+    (``...experts.w1``, asked of ``formats`` as their first expert's ``...experts.{j}.w1.weight``) and the Engram
+    tables (``...engram.embed``)."""
+    draft = getattr(model, "mtp", None)
+    found = []
     for name, module in [(f"layers.{n}.{m}".rstrip("."), sub) for n, block in model.layers.items()
-                         for m, sub in block.named_modules()]:
+                         for m, sub in block.named_modules()] + [
+            (f"mtp.{n}", sub) for n, sub in (draft.named_modules() if draft is not None else ())
+            if hasattr(sub, "expert_ids")]:
         if hasattr(module, "expert_ids"):  # a stack of routed experts
-            for w in ("w1", "w2", "w3"):
-                form = formats(f"{name}.{module.expert_ids.start}.{w}.weight")
-                if form is not None:
-                    weight = _frozen(getattr(module, w), f"{name}.{w}")
-                    delattr(module, w)
-                    setattr(module, w, QuantizedMatrix.of(weight, *form, kernel_backend))
-                    converted += 1
+            found += [(module, w, f"{name}.{w}", form) for w in ("w1", "w2", "w3")
+                      if (form := formats(f"{name}.{module.expert_ids.start}.{w}.weight")) is not None]
             continue
-        for child_name, child in list(module.named_children()):
+        for child_name, child in module.named_children():
             full = f"{name}.{child_name}"
-            if hasattr(child, "part_rows") and formats(f"{full}.weight") is not None:  # an Engram table
-                setattr(module, child_name, QuantizedTable(child))
-                converted += 1
-                continue
-            form = formats(f"{full}.weight") if isinstance(child, nn.Linear) and child.bias is None else None
-            if form is None:
-                continue
-            quantized = QuantizedLinear(QuantizedMatrix.of(_frozen(child.weight, full), *form, kernel_backend))
-            setattr(module, child_name, child.rebased(quantized) if isinstance(child, Projection) else quantized)
-            converted += 1
-    return converted
+            if hasattr(child, "part_rows") or isinstance(child, nn.Linear) and child.bias is None:
+                form = formats(f"{full}.weight")
+                if form is not None:
+                    found.append((module, child_name, full, form))
+    return found
+
+
+def quantize_base(model: nn.Module, formats, kernel_backend: str) -> int:
+    """Convert ``base_targets`` into ``QuantizedLinear`` / ``QuantizedMatrix`` and the Engram tables into
+    ``QuantizedTable`` (FP8 rows of 32, the release's form whatever ``formats`` says of the block), their values
+    quantised; returns how many matrices and tables were converted. A base matrix that still trains is an error:
+    only a frozen base may be rounded to the released grid."""
+    return _convert(model, formats, lambda weight, name, form: QuantizedMatrix.of(_frozen(weight, name), *form,
+                                                                                 kernel_backend), QuantizedTable.of)
+
+
+def hold_base(model: nn.Module, formats, kernel_backend: str, device: torch.device | None = None) -> int:
+    """``quantize_base``'s modules for ``base_targets`` with their buffers on ``device`` still to be filled
+    (``stored_slots``), whatever the weights hold (typically nothing: meta tensors, ``model/quantized_build.py``);
+    returns how many matrices and tables were converted."""
+    return _convert(model, formats, lambda weight, name, form: QuantizedMatrix.empty(
+        _frozen(weight, name).shape, *form, kernel_backend, device), lambda table: QuantizedTable.empty(table, device))
+
+
+def _convert(model: nn.Module, formats, matrix, table) -> int:
+    """Each target replaced by ``matrix(weight, name, form)`` (in a ``QuantizedLinear`` for a linear, whose adapter
+    ``Projection.rebased`` hands on) or ``table(table)``."""
+    targets = base_targets(model, formats)
+    for owner, attribute, name, form in targets:
+        child = getattr(owner, attribute)
+        if hasattr(child, "part_rows"):
+            setattr(owner, attribute, table(child))
+        elif isinstance(child, nn.Linear):
+            quantized = QuantizedLinear(matrix(child.weight, name, form))
+            setattr(owner, attribute, child.rebased(quantized) if isinstance(child, Projection) else quantized)
+        else:  # a stacked parameter
+            delattr(owner, attribute)
+            setattr(owner, attribute, matrix(child, name, form))
+    return len(targets)
 
 
 def _frozen(weight: torch.Tensor, name: str) -> torch.Tensor:
     if weight.requires_grad:
         raise ValueError(f"{name} trains: only a frozen base (train.lora.rank > 0) is kept quantised")
     return weight
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one stored tensor of the release goes: views of a quantised module's ``codes`` and ``scale`` as bytes
+    (uint8), and the stored rows ``[start, stop)`` of an Engram table (None: the whole matrix)."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+    block: tuple[int, int]
+    rows: tuple[int, int] | None = None
+
+
+def stored_slots(model: nn.Module) -> dict[str, Slot]:
+    """The released tensors (state-dict names: ``...wq_a.weight``, a routed expert's ``...experts.{j}.w1.weight``,
+    ``...engram.embed.weight``) that ``model``'s quantised modules hold, and where their bytes go."""
+    slots = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            m = module.weight
+            slots[f"{name}.weight"] = Slot(_bytes(m.codes[0]), _bytes(m.scale[0]), m.fmt, m.block)
+        elif hasattr(module, "expert_ids"):
+            for w, m in module.named_children():
+                if isinstance(m, QuantizedMatrix):
+                    slots.update({f"{name}.{j}.{w}.weight": Slot(_bytes(m.codes[i]), _bytes(m.scale[i]), m.fmt,
+                                                                  m.block) for i, j in enumerate(module.expert_ids)})
+        elif isinstance(module, QuantizedTable):
+            stop = min(module.start + module.packed.shape[0], module.rows)
+            held = module.packed[:max(stop - module.start, 0)]
+            slots[f"{name}.weight"] = Slot(held[:, :module.dim], held[:, module.dim:], "fp8", TABLE_BLOCK,
+                                           (module.start, max(stop, module.start)))
+    return slots
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)

@@ -7,10 +7,10 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
   data-parallel ranks, with no dense gradient (it is sparse) and sparse Adam's two moments when it trains. Under
   LoRA (``model/lora.py``) the base is frozen: its weights only (no gradient, no moments), in bf16 for the matrices
   ``LOW_PRECISION`` names when the job computes in bf16, fp32 for the rest, and the adapters' state as above; with
-  ``train.lora.quantized_base`` those matrices (but the head) are held as the release stores them
-  (``model/quantized_base.py``): FP4 for the routed experts, FP8 for the rest (``STORED_BYTES`` with the scales;
-  the few frozen FP8 matrices outside them, the indexer's wq_b and Engram's wkv, still counted at fp32), and the
-  Engram tables' rows in FP8 with a scale per 32 (``table_bytes``) instead of fp32;
+  ``train.lora.quantized_base`` the matrices the stage holds as the release stores them (``model/quantized_base.py``'s
+  ``base_targets``: the blocks' FP8 and FP4 ones, the draft head's routed experts) cost ``STORED_BYTES`` a value
+  with the scales, and the Engram tables' rows FP8 with a scale per 32 (``table_bytes``) instead of fp32; the stage
+  is built that way (``model/quantized_build.py``), so loading it peaks no higher;
 - casts: under bf16 autocast the bf16 copy of every fp32 weight of the stage lives until its forward ends (2 B per
   parameter; none of a frozen weight kept in bf16); it is gone before a backward starts (a recomputed layer casts
   again, inside its transient);
@@ -41,12 +41,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from model.config import ModelArgs, ParallelConfig
 from model.hyper import mix_width
 from model.layout import Layout, Mode
 from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
-from model.quantized_base import STORED_BYTES, table_bytes
+from model.quantized_base import STORED_BYTES, base_targets, quantized_form, table_bytes
 from model.transformer import Transformer
 from parallel.payload import Payload, boundary_fields, latent_dtype
 
@@ -86,16 +87,23 @@ def lora_counts(args: ModelArgs, layout: Layout, lora: LoRA) -> dict[str, tuple[
     under bf16 autocast (``LOW_PRECISION``) outside the routed experts, ``low_experts`` the routed experts' of them;
     ``adapters`` the adapters' parameters outside the routed experts, ``adapter_experts`` the routed experts' (split
     over expert ranks with their experts). The adapters are ``Adapter``s of the shapes ``targeted_modules`` finds,
-    built on the meta device (no draws). With ``lora.quantized_base`` the blocks' ones are ``fp8`` and ``fp4`` (the
-    routed experts) instead, in the release's form."""
+    built on the meta device (no draws). With ``lora.quantized_base`` the matrices the stage holds in the release's
+    form (``model.quantized_base.base_targets``: the blocks' and the draft head's routed experts) are ``fp8`` and
+    ``fp4`` (the routed experts) instead, whatever their kind above; the Engram tables are ``estimate``'s."""
     model = _meta_model(args, layout)
     counts = {kind: [0] * layout.n_layers for kind in ("low", "low_experts", "adapters", "adapter_experts", "fp8",
                                                        "fp4")}
+    held = {}  # parameter name -> fmt
+    for owner, attribute, name, (fmt, _) in base_targets(model, quantized_form) if lora.quantized_base else ():
+        target = getattr(owner, attribute)
+        if isinstance(target, nn.Linear):
+            held[f"{name}.weight"] = fmt
+        elif not hasattr(target, "part_rows"):  # a routed stack (a table: not a matrix)
+            held[name] = fmt
     for name, p in model.named_parameters():
-        if LOW_PRECISION.fullmatch(name):
+        if name in held or LOW_PRECISION.fullmatch(name):
             routed = ".ffn.experts." in name
-            kind = ("fp4" if routed else "fp8") if lora.quantized_base and name.startswith("layers.") else \
-                "low_experts" if routed else "low"
+            kind = held[name] if name in held else "low_experts" if routed else "low"
             counts[kind][_layer_of(name)] += p.numel()
     with torch.device("meta"):
         for name, module in targeted_modules(model, lora.targets):

@@ -5,6 +5,8 @@ ranks of that stage). The first stage takes ``(input_ids, doc_ids)``; the last r
 indexer_losses)`` for the loss; the others exchange ``Payload`` tensors. The shared state of a microbatch exists
 only inside one ``forward`` call (and in what autograd saved for its backward), never on the module.
 """
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -12,6 +14,8 @@ from model.attention import IndexKeys
 from model.config import ModelArgs
 from model.layout import Layout, Mode
 from model.lora import LoRA, adapter_of, attach
+from model.quantized_base import quantized_form
+from model.quantized_build import quantized_transformer
 from model.rope import Rotary
 from model.transformer import Transformer, init_parameters
 from parallel.ledger import Ledger
@@ -47,15 +51,18 @@ class PipelineStage(nn.Module):
         head, ``experts`` is the expert-parallel dispatch (``model.transformer``), ``context`` this rank's chunk of
         every row (``parallel.context.ContextShard``; None: whole rows). ``lora``: the base is frozen (its
         autocast-only matrices kept in bf16 under bf16) and only adapters train and are checkpointed
-        (``model/lora.py``)."""
+        (``model/lora.py``); with ``lora.quantized_base`` the base is held as the release stores it, its bytes filled
+        by ``train.init_from`` (``model/quantized_build.py``)."""
         super().__init__()
         if index_k not in ("shadow", "payload"):
             raise ValueError(f"parallel.index_k={index_k!r}: use 'shadow' or 'payload'")
         layers = plan.stages[stage_id]
         self.stage_id, self.layout, self.compute_dtype, self.context = stage_id, layout, dtype, context
         self.head_chunk = head_chunk
-        self.model = Transformer(args, layout, layers, seed, token_map=token_map, engram_rows=engram_rows,
-                                 run_dspark=run_dspark, experts=experts)
+        build = (partial(quantized_transformer, quantized_form) if lora is not None and lora.quantized_base
+                 else Transformer)  # the frozen base held as released, never built in full precision
+        self.model = build(args, layout, layers, seed, token_map=token_map, engram_rows=engram_rows,
+                           run_dspark=run_dspark, experts=experts)
         recompute_leading(self.model.layers.values(), recompute_layers, keep_attention_layers, offload_inputs)
         sources = shadow_sources(layout, layers) if index_k == "shadow" else []
         self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in sources})

@@ -88,11 +88,11 @@ RANK, ALPHA = 4, 8.0
 
 def _quantized_state(model, seed: int) -> dict:
     """``random_state``'s fp64 values with every matrix the release stores quantised in the blocks (``layers.*``)
-    replaced by its dequantised FP8 / FP4 values (the Engram tables too, which ``quantize_base`` leaves as they
+    and the draft head's routed experts replaced by its dequantised FP8 / FP4 values (the Engram tables too, which ``quantize_base`` leaves as they
     are: a lookup, not a GEMM)."""
     state = {}
     for name, value in random_state(model, seed).items():
-        form = quantized_form(name) if name.startswith("layers.") else None
+        form = quantized_form(name) if name.startswith("layers.") or ".ffn.experts." in name else None
         if form is not None and value.dim() == 2:
             value = dequantize(*quantize(value.detach(), *form), *form, torch.float64).requires_grad_(False)
         state[name] = value
@@ -202,10 +202,9 @@ def test_grouped_triton_experts_equal_the_reference_loop():
 
 def test_the_memory_model_counts_the_converted_bytes():
     """``parallel.memory.lora_counts`` under ``quantized_base`` times ``STORED_BYTES`` against the bytes of the codes
-    and scales a converted ``v41_mini`` holds, for the matrices the memory model counts so (its ``LOW_PRECISION``
-    ones in the blocks). Planted and caught: FP8 costed at 1.03 bytes a value (a scale per 32, the Engram tables'
-    rows), FP4 at 0.5 (no scales); the tables' FP8 rows at fp32's 4 bytes or without their scales."""
-    from model.lora import LOW_PRECISION
+    and scales of every matrix a converted ``v41_mini`` holds quantised (the draft head's experts too). Planted and
+    caught: FP8 costed at 1.03 bytes a value (a scale per 32, the Engram tables' rows), FP4 at 0.5 (no scales); the
+    tables' FP8 rows at fp32's 4 bytes or without their scales; the draft head's experts left at fp32."""
     from model.quantized_base import STORED_BYTES
     from parallel.memory import lora_counts
 
@@ -215,9 +214,10 @@ def test_the_memory_model_counts_the_converted_bytes():
     attach(model, lora, seed=0)
     quantize_base(model, quantized_form, "torch")
     held = {"fp8": 0, "fp4": 0}
-    for name, module in model.named_modules():  # ...attn.wq_a.weight (a QuantizedLinear's), ...ffn.experts.w1
-        if isinstance(module, QuantizedMatrix) and LOW_PRECISION.fullmatch(name):
+    for module in model.modules():  # ...attn.wq_a.weight (a QuantizedLinear's), ...ffn.experts.w1, mtp.0...
+        if isinstance(module, QuantizedMatrix):
             held[module.fmt] += module.codes.nbytes + module.scale.nbytes
+    assert isinstance(model.mtp[0].ffn.experts.w1, QuantizedMatrix)
     counts = lora_counts(args, layout, lora)
     assert held["fp8"] > 0 and held["fp4"] > 0
     for fmt in ("fp8", "fp4"):
@@ -270,7 +270,7 @@ def _table_lookup(rank, out):
         table.weight.copy_(whole[table.start:table.start + table.part_rows])
     table.weight.requires_grad_(False)
     ids = torch.randint(0, 37, (3, 5), generator=torch.Generator().manual_seed(rank))
-    torch.save({"got": QuantizedTable(table)(ids), "want": whole[ids]}, f"{out}/rank{rank}.pt")
+    torch.save({"got": QuantizedTable.of(table)(ids), "want": whole[ids]}, f"{out}/rank{rank}.pt")
 
 
 def test_a_table_held_as_released_looks_up_rows_across_ranks(tmp_path):

@@ -407,7 +407,7 @@ def test_a_lora_run_exports_its_merged_adapters_in_the_released_form(release, tm
 def test_lora_training_over_the_quantised_base_equals_the_dequantised_one(release, tmp_path, monkeypatch):
     """Two LoRA steps over the released miniature, the base kept as released (``train.lora.quantized_base``) and
     dequantised into fp32: the same losses (the quantised values are the released ones; fp32 on the CPU), and the
-    converter did run (a spy counts the matrices it held). Planted and caught: the setting not reaching
+    stored bytes were filled in (a spy counts the tensors). Planted and caught: the setting not reaching
     ``InitFrom``."""
     import train.init_from as init_from_module
     from model.cli import compose
@@ -416,8 +416,8 @@ def test_lora_training_over_the_quantised_base_equals_the_dequantised_one(releas
 
     directory, *_ = release
     held = []
-    convert = init_from_module.quantize_base
-    monkeypatch.setattr(init_from_module, "quantize_base", lambda *a: held.append(convert(*a)) or held[-1])
+    fill = init_from_module.fill_stored
+    monkeypatch.setattr(init_from_module, "fill_stored", lambda *a: held.append(fill(*a)) or held[-1])
     losses = {}
     for quantized in ("false", "true"):
         run(compose([*SMALL, "model=v41_mini", "model.kernel_backend=torch", f"train.init_from={directory}",

@@ -29,12 +29,12 @@ import torch
 from model import ModelArgs, Transformer, layout_from_config
 from model.config import JobConfig, apply
 from model.layout import Layout
-from model.quantized_base import quantize_base
+from model.quantized_base import stored_slots
 from parallel.job import Job
 from train import checkpoint
 from train.lora import checkpoint_weights
 from train.reference_format import ExportedWeights, is_exported, model_settings, reference_config, write_json
-from train.released_format import ReleasedWeights, is_released, quantized_form, released_settings
+from train.released_format import ReleasedWeights, is_released, released_settings
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +169,11 @@ class InitFrom:
     def load_into(self, engine) -> None:
         """Copy the matched weights into this rank's stage (owned parameters; shadow replicas follow their owners)."""
         model = engine.module.stage.model
-        load_stage(model, self.source, set(self.match.loaded))
-        if self.quantized_base:  # the loaded values are codes times scales: quantising them gives the same back
-            held = quantize_base(model, quantized_form, self.args.kernel_backend)
-            log.info("train.lora.quantized_base: %d frozen matrices of this stage held as the release stores them",
+        if self.quantized_base:  # the stage was built holding its base quantised (model/quantized_build.py)
+            held = fill_stored(model, self.source, set(self.match.loaded))
+            log.info("train.lora.quantized_base: %d frozen tensors of this stage hold the bytes the release stores",
                      held)
+        load_stage(model, self.source, set(self.match.loaded))
         engine.sync_shadows()
 
     def describe_ranks(self, stages: tuple[range, ...], replicas: int, expert_parallel: int) -> list[str]:
@@ -194,9 +194,10 @@ class InitFrom:
                 values = sum(_numel(self.source.shapes()[n], r) for n, r in share.items()) * 4
                 experts = f", experts {expert_rank + 1}/{expert_parallel} of each MoE" if expert_parallel > 1 else ""
                 tables = f", 1/{replicas} of the Engram rows" if args.engram.layers and replicas > 1 else ""
+                kept = "the frozen base held as stored, the rest dequantised" if self.quantized_base else \
+                    f"{values / 1e9:.3g} GB dequantised (fp32 masters, one layer at a time)"
                 lines.append(f"stage {stage} (layers {layers.start}-{layers.stop - 1}){experts}{tables}: "
-                             f"{len(share)} tensors, {stored / 1e9:.3g} GB read, {values / 1e9:.3g} GB dequantised "
-                             "(fp32 masters, one layer at a time)")
+                             f"{len(share)} tensors, {stored / 1e9:.3g} GB read, {kept}")
         for line in lines:
             log.info("train.init_from: %s", line)
         return lines
@@ -235,16 +236,12 @@ def load_stage(model, source, loaded: set[str]) -> None:
     """Load ``loaded`` tensors of the source into ``model`` (a stage's slice): its own layers, only its experts
     (expert parallelism) and only its rows of the Engram tables, one layer at a time (a dequantised released
     layer is the most that is held at once besides the model), read onto the model's device (where a released
-    source decodes its FP8 / FP4 bytes)."""
+    source decodes its FP8 / FP4 bytes). Tensors the model holds quantised (``fill_stored``'s) are not in its state
+    dict under these names and are left to ``fill_stored``."""
     state = model.state_dict()
     device = next(model.parameters()).device
     shards = model.row_shards()
-    by_part: dict[str, list[str]] = {}
-    for name in state:
-        if name in loaded:
-            part = name.split(".")
-            by_part.setdefault(".".join(part[:2]) if part[0] in ("layers", "mtp") else part[0], []).append(name)
-    for names in by_part.values():
+    for names in by_part([name for name in state if name in loaded]):
         rows = {n: (shards[n][0], max(shards[n][0], min(shards[n][0] + state[n].shape[0], shards[n][1])))
                 for n in names if n in shards}
         tensors = source.load(names, rows=rows, device=device)
@@ -253,6 +250,42 @@ def load_stage(model, source, loaded: set[str]) -> None:
             full[:stop - start] = tensors[name]
             tensors[name] = full
         model.load_state_dict(tensors, strict=False)
+
+
+def fill_stored(model, source: ReleasedWeights, loaded: set[str]) -> int:
+    """Copy into ``model``'s quantised modules (``model.quantized_base.stored_slots``) the codes and scales the
+    released ``source`` stores, as stored (no decoding, no full-precision copy; an Engram table's rows of this rank
+    only), one layer at a time onto the model's device; returns how many tensors were filled. The base of a LoRA run
+    must come from the source: one it lacks, or stores in another form, is an error."""
+    slots = stored_slots(model)
+    missing = sorted(set(slots) - loaded)
+    if missing:
+        raise InitError(f"train.lora.quantized_base: train.init_from lacks {missing[0]} ({len(missing)} such), a "
+                        "frozen base tensor held as released — start from the release this model is, or set "
+                        "train.lora.quantized_base=false")
+    device = next(model.parameters()).device
+    for names in by_part(list(slots)):
+        stored = source.load_stored(names, {n: slots[n].rows for n in names if slots[n].rows}, device)
+        for name in names:
+            codes, scale, fmt, block = stored[name]
+            slot = slots[name]
+            if (fmt, block) != (slot.fmt, slot.block):
+                raise InitError(f"train.init_from={source.directory}: {name} is stored "
+                                f"{'plain' if fmt is None else f'{fmt} in blocks of {block}'}, not {slot.fmt} in "
+                                f"blocks of {slot.block} as the release stores it — set "
+                                "train.lora.quantized_base=false")
+            slot.codes.copy_(codes.view(torch.uint8))
+            slot.scale.copy_(scale.view(torch.uint8))
+    return len(slots)
+
+
+def by_part(names: list[str]) -> list[list[str]]:
+    """``names`` grouped by layer (``layers.N``, ``mtp.K``) or top-level module: what is read at once."""
+    parts: dict[str, list[str]] = {}
+    for name in names:
+        part = name.split(".")
+        parts.setdefault(".".join(part[:2]) if part[0] in ("layers", "mtp") else part[0], []).append(name)
+    return list(parts.values())
 
 
 def rank_share(shapes: dict[str, torch.Size], args: ModelArgs, layers: range, has_embed: bool, has_head: bool,

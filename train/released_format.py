@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from model.config import ModelArgs
 from model.layout import Layout
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, quantize, scale_shape
+from model.quantized_base import quantized_form
 from train.reference_format import CONFIG, INDEX, SHARD, WEIGHTS, _file_mode, model_and_layout, model_settings, \
     reference_config, write_json
 
@@ -186,28 +187,16 @@ class Storage:
     dtype: torch.dtype  # of the stored values (plain); the codes' for fp8 / fp4
 
 
-FP8_MATRICES = re.compile(r".*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
-                          r")\.weight|mtp\.\d+\.main_proj\.weight")
-FP4_MATRICES = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight")
 FP32_TENSORS = re.compile(r".*(\.attn_sink|\.hc_\w+|\.ffn\.gate\.bias)")
 
 
 def storage(name: str) -> Storage:
-    """The stored form of our tensor ``name`` in the release (the module docstring's table)."""
-    if name.endswith("engram.embed.weight"):
-        return Storage("fp8", BLOCK_ROW, torch.float8_e4m3fn)
-    if FP8_MATRICES.fullmatch(name):
-        return Storage("fp8", BLOCK_FP8, torch.float8_e4m3fn)
-    if FP4_MATRICES.fullmatch(name):
-        return Storage("fp4", BLOCK_ROW, torch.int8)
+    """The stored form of our tensor ``name`` in the release (the module docstring's table;
+    ``model.quantized_base.quantized_form`` for the quantised ones)."""
+    form = quantized_form(name)
+    if form is not None:
+        return Storage(*form, torch.float8_e4m3fn if form[0] == "fp8" else torch.int8)
     return Storage(None, None, torch.float32 if FP32_TENSORS.fullmatch(name) else torch.bfloat16)
-
-
-def quantized_form(name: str) -> tuple[str, tuple[int, int]] | None:
-    """``(fmt, block)`` of a tensor the release stores quantised, None for a plain one: ``model/quantized_base.py``'s
-    ``formats``."""
-    form = storage(name)
-    return None if form.fmt is None else (form.fmt, form.block)
 
 
 def scale_name(name: str) -> str:
@@ -338,11 +327,24 @@ class ReleasedWeights:
                 out.update({name: read(name, handle, file) for name in wanted})
         return out
 
+    def load_stored(self, names, rows: dict[str, tuple[int, int]] | None = None,
+                    device: torch.device | None = None) -> dict[str, tuple]:
+        """``names`` as stored, onto ``device``: ``(codes, scale, fmt, block)`` of a quantised tensor (fp8 codes;
+        fp4 codes packed two a byte, as stored), ``(values, None, None, None)`` of a plain one; ``rows`` as
+        ``load``'s. Nothing is decoded (a base held quantised, ``train.lora.quantized_base``)."""
+        rows = rows or {}
+        return self._per_file(names, lambda name, handle, file: self._stored(name, handle, file, rows.get(name),
+                                                                             device))
+
     def _read(self, name, handle, file, dtype, rows, device):
+        codes, scale, fmt, block = self._stored(name, handle, file, rows, device)
+        return codes.to(dtype) if scale is None else dequantize(codes, scale, fmt, block, dtype)
+
+    def _stored(self, name, handle, file, rows, device):
         entry, scale_entry = self.entries[name], self.entries.get(scale_name(name))
         codes = self._slice(handle, name, rows).to(device)
         if scale_entry is None:
-            return codes.to(dtype)
+            return codes, None, None, None
         packed = entry.dtype in PACKED
         block = block_of(name, packed)
         if rows is not None and block[0] != 1:
@@ -352,7 +354,7 @@ class ReleasedWeights:
         else:
             with safe_open(str(self.directory / scale_entry.file), framework="pt") as other:
                 scale = self._slice(other, scale_name(name), rows)
-        return dequantize(codes, scale.to(device), "fp4" if packed else "fp8", block, dtype)
+        return codes, scale.to(device), "fp4" if packed else "fp8", block
 
     def _slice(self, handle, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
         piece = handle.get_slice(name)
