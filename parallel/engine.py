@@ -22,6 +22,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from deepspeed.runtime.sparse_tensor import SparseTensor
 
@@ -259,18 +260,20 @@ class CSA2PipelineEngine(PipelineAdapter):
         self.shadow_links.reduce_gradients()
 
     def reduce_gradients(self) -> None:
-        """DeepSpeed's data-parallel reduction (``gradients_for_reduction``), then the tables' and the experts'."""
-        super().reduce_gradients()
+        """DeepSpeed's data-parallel all-reduce of the replicated gradients, then the tables' and the experts'
+        reductions over their own groups."""
+        self.buffered_allreduce_fallback(grads=self._replicated_gradients(),
+                                         elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
         replicas = self.grid.get_data_parallel_world_size()
         if self.tables is not None:
             self.tables.average(replicas)
         if self.experts:
             average_expert_gradients(self.experts, self.module.expert_groups.data, replicas)
 
-    def gradients_for_reduction(self):
-        """DeepSpeed's list of gradients to all-reduce, without the row-sharded tables and the expert-parallel
-        experts (their shards hold other rows on every replica: summing them would mix rows; the experts are reduced
-        over their own group in ``reduce_gradients``), and with no DeepSpeed MoE groups."""
+    def _replicated_gradients(self) -> list:
+        """The gradients DeepSpeed's data-parallel all-reduce sums: all but the row-sharded tables' and the
+        expert-parallel experts' (their shards hold other rows on every replica: summing them would mix rows; the
+        experts are reduced over their own group in ``reduce_gradients``)."""
         sharded = {id(p) for p in self._sharded_tensors()}
         grads = []
         for p in self.module.parameters():
@@ -279,7 +282,7 @@ class CSA2PipelineEngine(PipelineAdapter):
             if p.grad is None:  # every replica reduces the same tensors
                 p.grad = torch.zeros_like(p)
             grads.append(SparseTensor(p.grad) if p.grad.is_sparse else p.grad.data)
-        return grads, {}
+        return grads
 
     def broadcast_model(self) -> None:
         """DeepSpeed's start-up broadcast of the weights from the first data-parallel rank, but the row-sharded
