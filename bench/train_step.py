@@ -354,7 +354,7 @@ def details(a, res, engine, batch, sync, cuda, device, precision, probe, step_s)
             xn = blk.attn_norm(x if pre is None else hyper.collapse(x, pre))
             attention = lambda: blk.attn(xn, geometry, reads)  # noqa: E731
             runs = [("attention", attention, None),
-                    ("block", lambda: blk.compute(x, pre, replace(inputs, collect_recall=False)), None)]
+                    ("block", lambda: blk.compute(x, pre, inputs), None)]
             if cuda:  # the same attention forward with cuBLAS (not cuBLASLt) GEMMs: are the memsets the library's?
                 runs.append(("attention_cublas", attention, "cublas"))
                 default_library = torch.backends.cuda.preferred_blas_library()

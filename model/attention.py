@@ -12,7 +12,6 @@ from torch import nn
 import kernels
 from model.config import ModelArgs
 from model.context import gather_entries, with_window_halo
-from model.diagnostics import index_recall
 from model.geometry import EntryGeometry, Geometry, Groups, TokenGeometry
 from model.layout import LayerPlan, Mode
 from model.norm import RMSNorm
@@ -119,13 +118,12 @@ class Attention(nn.Module):
         # here, their served grid once model/qat.py's converter has replaced them (model.qat).
         self.served_window_kv, self.served_compressed_kv, self.served_index = (nn.Identity() for _ in range(3))
 
-    def forward(self, x: torch.Tensor, geometry: Geometry, reads: dict[str, torch.Tensor],
-                collect_recall: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, x: torch.Tensor, geometry: Geometry,
+                reads: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Pure function of its inputs (so activation recomputation may re-run it): ``reads`` holds the shared
         tensors this layer consumes (``SharedState.reads``), the returned dict those it produces."""
         B, T, _ = x.shape
-        args, plan, tokens = self.args, self.plan, geometry.tokens
-        ops = kernels.ops(args.kernel_backend, x.device)
+        args, tokens = self.args, geometry.tokens
         w_in, wq_b, wo_a, wo_b = matmul_weights([(self.wq_a, self.wkv), self.wq_b, self.wo_a, self.wo_b],
                                                 args.kernel_backend)
         q_low, kv = finish_parts((self.wq_a, self.wkv), weight_linear(x, w_in), x)  # wq_a and wkv: one GEMM
@@ -133,37 +131,50 @@ class Attention(nn.Module):
         # q's RoPE is applied in the attention
         q = self.wq_b.finish(weight_linear(qr, wq_b), qr).view(B, T, args.n_heads, args.head_dim)
         kv_window = self.served_window_kv(self.kv_norm(kv, self.rotary, tokens))
-        produced, kv_comp, topk, context = {}, None, None, geometry.context
-        if plan.mode is not Mode.WINDOW:
-            entries = geometry.entries(plan.ratio)
-            if plan.mode is Mode.FULL:
-                latent = produced["kv"] = self.compressor(x, entries) if context is None else \
-                    self._chunk_entries(x, entries, context)
-                index_k = produced["index_k"] = self.indexer.keys(latent, self.rotary, entries)
-            else:
-                latent, index_k = reads["kv"], reads.get("index_k")
-            if plan.selects:
-                produced.update(self._select(ops, x, qr, tokens, entries, index_k, reads.get("candidates")))
-            topk = produced["topk"] if plan.selects else reads["topk"]
-            # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
-            kv_comp = self.served_compressed_kv(self.rotary(latent, entries, out_dtype=q.dtype))
-        rotation = self.rotary.rotation(tokens, torch.promote_types(q.dtype, torch.float32))
+        kv_comp, topk, produced = None, None, {}
+        if self.plan.mode is not Mode.WINDOW:
+            kv_comp, topk, produced = self._compressed(x, qr, geometry, reads, q.dtype)
+        out, selected_mass = self.attend(q, kv_window, kv_comp, topk, geometry)
+        if topk is not None:
+            produced["selected_mass"] = selected_mass
+        return self._project_out(out, wo_a, wo_b), produced
+
+    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, geometry: Geometry, reads: dict[str, torch.Tensor],
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(kv_comp, topk, produced)``: the compressed entries this layer reads (RoPE'd, in the queries' ``dtype``,
+        on their served grid), the selection they are read through, and what the layer produces: a Full layer's KV
+        and index keys, a selecting layer's selection."""
+        plan, entries, produced = self.plan, geometry.entries(self.plan.ratio), {}
+        if plan.mode is Mode.FULL:
+            latent = produced["kv"] = self.compressor(x, entries) if geometry.context is None else \
+                self._chunk_entries(x, entries, geometry.context)
+            index_k = produced["index_k"] = self.indexer.keys(latent, self.rotary, entries)
+        else:
+            latent, index_k = reads["kv"], reads.get("index_k")
+        if plan.selects:
+            produced.update(self._select(x, qr, geometry.tokens, entries, index_k, reads.get("candidates")))
+        topk = produced["topk"] if plan.selects else reads["topk"]
+        # one dtype for the kernels: under bf16 autocast an m > 1 compressor's latent is fp32 (fp32 pooling)
+        return self.served_compressed_kv(self.rotary(latent, entries, out_dtype=dtype)), topk, produced
+
+    def attend(self, q: torch.Tensor, kv_window: torch.Tensor, kv_comp: torch.Tensor | None,
+               topk: torch.Tensor | None, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, selected_mass)``: the sink-softmax attention of the queries (RoPE applied here) over their window
+        and their ``topk`` compressed entries, and the head-summed probability of each selected entry (None
+        without a selection, or while recomputing). Evaluation diagnostics wrap it (``model/diagnostics.py``)."""
+        args, context, T = self.args, geometry.context, q.shape[1]
+        rotation = self.rotary.rotation(geometry.tokens, torch.promote_types(q.dtype, torch.float32))
         operands = q, kv_window, geometry.window_lo, topk, rotation
         if context is not None:
             operands = with_window_halo(context, args.window_size, *operands, geometry.start)
-        q_in, kv_window, win_lo, topk_in, rotation = operands
-        out, selected_mass = ops.sparse_attention(q_in, kv_window, win_lo, kv_comp, topk_in, self.attn_sink,
-                                                  args.head_dim ** -0.5, args.window_size, rotation,
-                                                  with_mass=not kernels.recomputing())
+        q, kv_window, win_lo, topk, rotation = operands
+        out, selected_mass = kernels.ops(args.kernel_backend, q.device).sparse_attention(
+            q, kv_window, win_lo, kv_comp, topk, self.attn_sink, args.head_dim ** -0.5, args.window_size, rotation,
+            with_mass=not kernels.recomputing())
         if context is not None:  # drop the halo's placeholder queries
             out = out[:, -T:]
             selected_mass = selected_mass[:, -T:] if selected_mass is not None else None
-        if topk is not None:
-            produced["selected_mass"] = selected_mass
-            if collect_recall:
-                produced["recall"] = index_recall(self.rotary(q, tokens), kv_comp, entries.vis_lo, entries.vis_hi,
-                                                  topk, args.head_dim ** -0.5)
-        return self._project_out(out, wo_a, wo_b), produced
+        return out, selected_mass
 
     def _chunk_entries(self, x: torch.Tensor, entries: EntryGeometry, context) -> torch.Tensor:
         """The row's entries under context parallelism: this chunk pools the groups completing in it (with the
@@ -173,9 +184,10 @@ class Attention(nn.Module):
         x_groups = x if m == 1 else torch.cat([context.halo(x, m - 1), x], dim=1)
         return gather_entries(context, self.compressor(x_groups, entries.own), entries)
 
-    def _select(self, ops, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k,
+    def _select(self, x, qr, tokens: TokenGeometry, entries: EntryGeometry, index_k,
                 candidates) -> dict[str, torch.Tensor]:
         """Top-k selection of this Full/Reindex layer (and candidate blocks if it is the candidate source)."""
+        ops = kernels.ops(self.args.kernel_backend, x.device)
         q_index, weights = self.indexer.queries(x, qr, self.rotary, tokens)
         q_index, index_k = self.served_index(q_index), self.served_index(index_k)
         topk, blocks = ops.indexer_select(

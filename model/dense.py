@@ -32,7 +32,7 @@ class DenseAttention(nn.Module):
         self.wo = nn.Linear(self.heads * self.head_dim, args.dim, bias=False)
         self.rotary = Rotary.for_layer(args, compressed=False)
 
-    def forward(self, x: torch.Tensor, geometry: Geometry, reads: dict, collect_recall: bool = False):
+    def forward(self, x: torch.Tensor, geometry: Geometry, reads: dict):
         B, T, _ = x.shape
         q, k, v = self.wqkv(x).view(B, T, 3, self.heads, self.head_dim).unbind(2)
         q, k = (self.rotary(t, geometry.tokens) for t in (q, k))

@@ -1,5 +1,15 @@
-"""Evaluation-only diagnostics of the sparse selection (no gradients, dense: use at evaluation lengths)."""
+"""Evaluation-only diagnostics of the sparse selection (no gradients, dense: use at evaluation lengths).
+
+They are applied to a built model from outside, as wrappers of a layer's ``attend`` step (``recording_index_recall``)
+for the forwards of an evaluation, so that the attention's own forward holds its formula and nothing else.
+"""
+import contextlib
+
 import torch
+from torch import nn
+
+from model.attention import Attention
+from model.layout import Mode
 
 RECALL_CHUNK_BYTES = 1 << 30  # fp32 dense scores of one chunk of queries: memory stays linear in T
 
@@ -33,3 +43,34 @@ def _recall_of_queries(q, kv_comp, vis_lo, vis_hi, topk_idx, scale: float):
     selected = topk_idx >= 0
     hit = dense_set.gather(-1, topk_idx.clamp(min=0)) & selected
     return hit.sum(-1).float() / selected.sum(-1).clamp(min=1), selected.any(-1)
+
+
+class RecallProbe:
+    """A sparse attention layer's ``attend`` that also records the layer's ``index_recall`` (under its layer id in
+    ``recall``): its RoPE'd queries against the compressed entries it read, through the selection it read them by."""
+
+    def __init__(self, attention: Attention, recall: dict[int, torch.Tensor]):
+        self.attention, self.attend, self.recall = attention, attention.attend, recall
+
+    def __call__(self, q, kv_window, kv_comp, topk, geometry):
+        result = self.attend(q, kv_window, kv_comp, topk, geometry)
+        layer = self.attention
+        entries = geometry.entries(layer.plan.ratio)
+        self.recall[layer.plan.layer_id] = index_recall(layer.rotary(q, geometry.tokens), kv_comp, entries.vis_lo,
+                                                        entries.vis_hi, topk, layer.args.head_dim ** -0.5)
+        return result
+
+
+@contextlib.contextmanager
+def recording_index_recall(model: nn.Module):
+    """Within it, every forward of ``model`` records each layer that reads a selection (every layer but the
+    window-only ones) into the yielded dict, layer id -> recall, the latest forward's value."""
+    recall: dict[int, torch.Tensor] = {}
+    layers = [m for m in model.modules() if isinstance(m, Attention) and m.plan.mode is not Mode.WINDOW]
+    for layer in layers:
+        layer.attend = RecallProbe(layer, recall)
+    try:
+        yield recall
+    finally:
+        for layer in layers:
+            del layer.attend

@@ -25,16 +25,13 @@ class LayerInputs:
     geometry: Geometry
     reads: dict[str, torch.Tensor]  # the shared tensors it consumes (``SharedState.reads``)
     engram_ids: torch.Tensor | None  # its Engram's hash ids (None: no Engram before this layer)
-    collect_recall: bool
     host_stash: HostStash  # where an offloading wrapper parks the layer's input until the backward
 
 
 class SharedState:
-    def __init__(self, layout: Layout, doc_ids: torch.Tensor, window: int, collect_recall: bool = False,
-                 context=None):
+    def __init__(self, layout: Layout, doc_ids: torch.Tensor, window: int, context=None):
         """``context``: this forward computes one chunk of the rows ``doc_ids`` (``model/context.py``)."""
         self.layout = layout
-        self.collect_recall = collect_recall
         self.geometry = Geometry(doc_ids, window, context)
         self.kv: dict[int, torch.Tensor] = {}  # Full layer -> pre-RoPE latent [B,S,head_dim]
         self.index_k: dict[int, torch.Tensor] = {}  # Full layer -> post-RoPE index keys [B,S,index_head_dim]
@@ -43,7 +40,6 @@ class SharedState:
         self.index_logits: dict[int, torch.Tensor] = {}  # index source -> student logits [B,T,K]
         self.index_target: dict[int, torch.Tensor] = {}  # index source -> sum of readers' normalised mass
         self.indexer_losses: dict[int, torch.Tensor] = {}  # index source -> KL, once its last reader ran
-        self.index_recall: dict[int, torch.Tensor] = {}  # reading layer -> recall (evaluation diagnostic)
         self.on_store = None  # optional callback(field, layer, tensor) for every tensor stored (a ledger)
         self.host_stash = HostStash()  # recomputed layers' inputs waiting on the host (``parallel/recompute.py``)
         # Around the attention (SPEC §5): the row's token ids (Engram hashes, the draft head's inputs and targets),
@@ -54,8 +50,7 @@ class SharedState:
 
     def inputs(self, plan: LayerPlan) -> LayerInputs:
         """Everything layer ``plan`` reads of this forward beside its stream."""
-        return LayerInputs(self.geometry, self.reads(plan), self.engram_ids.get(plan.layer_id), self.collect_recall,
-                           self.host_stash)
+        return LayerInputs(self.geometry, self.reads(plan), self.engram_ids.get(plan.layer_id), self.host_stash)
 
     def reads(self, plan: LayerPlan) -> dict[str, torch.Tensor]:
         """The shared tensors layer ``plan`` consumes."""
@@ -77,8 +72,6 @@ class SharedState:
                 self._store(field, plan.layer_id, produced[field])
         if "selected_mass" in produced:
             self._add_reader_mass(plan.index_source, produced["selected_mass"])
-        if "recall" in produced:
-            self.index_recall[plan.layer_id] = produced["recall"]
         if "dspark_feature" in produced:
             self.dspark_features[plan.layer_id] = produced["dspark_feature"]
         self._release_after(plan.layer_id)

@@ -86,7 +86,7 @@ class Block(hyper.HyperConnected, nn.Module):
             x = self.engram_update(x, pre, inputs.engram_ids)
         draft = {"dspark_feature": hyper.mean_copy(x, pre).detach()} if self.feeds_dspark else {}
         h, attn_mix = self.hc_pre("attn", x, pre)
-        h, produced = self.attn(self.attn_norm(h), inputs.geometry, inputs.reads, inputs.collect_recall)
+        h, produced = self.attn(self.attn_norm(h), inputs.geometry, inputs.reads)
         x = self.hc_post(h, x, attn_mix)
         h, ffn_mix = self.hc_pre("ffn", x, attn_mix.pre)
         x = self.hc_post(self.ffn(self.ffn_norm(h)), x, ffn_mix)
@@ -101,7 +101,6 @@ class Block(hyper.HyperConnected, nn.Module):
 class ModelOutput:
     logits: torch.Tensor  # [B,T,V] fp32 (fp64 in an fp64 model)
     indexer_losses: dict[int, torch.Tensor]  # index source layer -> KL of its selection (SPEC §2)
-    index_recall: dict[int, torch.Tensor]  # reading layer -> recall vs its dense attention (collect_recall only)
     draft_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # the draft head's parts, when it trains
 
 
@@ -149,14 +148,14 @@ class Transformer(nn.Module):
             init_parameters(self.state_dict(keep_vars=True).items(), args, layout.n_layers, seed, self.row_shards())
 
     def new_state(self, doc_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
-                  collect_recall: bool = False, context=None) -> SharedState:
+                  context=None) -> SharedState:
         """The forward's shared state; ``input_ids`` when this slice hashes n-grams or trains the draft head.
         ``context``: the forward computes one chunk of the rows (``model/context.py``); ``doc_ids`` and
         ``input_ids`` are the whole rows'."""
         if context is not None and (self.run_dspark or self.args.attention == "dense"):
             raise ValueError("a forward over one chunk of each row (context) runs CSA2 attention without the draft "
                              "head only (parallel/checks.py's check_context says why)")
-        state = SharedState(self.layout, doc_ids, self.args.window_size, collect_recall, context)
+        state = SharedState(self.layout, doc_ids, self.args.window_size, context)
         state.input_ids = input_ids
         if self.engram_hash is not None:  # look-back reaches into earlier chunks: hash the row, keep the chunk
             ids = state.geometry.chunk_of(self.engram_hash(input_ids, state.geometry.row_tokens.doc_start))
@@ -234,16 +233,15 @@ class Transformer(nn.Module):
         return loads
 
     def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                collect_recall: bool = False, context=None) -> ModelOutput:
-        """Logits and per-source indexer losses; ``collect_recall`` adds each reading layer's index recall.
+                context=None) -> ModelOutput:
+        """Logits and per-source indexer losses (each reading layer's index recall: ``model.diagnostics``).
         With a ``context`` (``model/context.py``) the logits are those of its chunk's tokens and each indexer loss
         is the chunk's share of the rows' (the chunks' shares add up to it)."""
-        state = self.new_state(torch.zeros_like(input_ids) if doc_ids is None else doc_ids, input_ids,
-                               collect_recall, context)
+        state = self.new_state(torch.zeros_like(input_ids) if doc_ids is None else doc_ids, input_ids, context)
         x, pre = self.run_layers(*self.embed_tokens(state.geometry.chunk_of(input_ids)), state)
         logits = self.logits(x, pre)
         draft = self.draft(state, logits)
-        return ModelOutput(logits, state.indexer_losses, state.index_recall, draft.losses if draft else {})
+        return ModelOutput(logits, state.indexer_losses, draft.losses if draft else {})
 
 
 def identity_map(vocab_size: int) -> tuple[list[int], int]:

@@ -1,9 +1,12 @@
 """Every private name of DeepSpeed that CSA2 touches, and nothing else: the one file to re-check on a DeepSpeed upgrade.
 
-DeepSpeed's pipeline engine offers no public hook for what our step needs (its own data-parallel reduction without
-the row-sharded tables and experts, our optimizer step, overlapped boundary transfers), so ``PipelineAdapter``
-overrides the private methods that do it and hands each over to a public, named hook of ours. Each hook defaults to
-DeepSpeed's behaviour, so a subclass overrides only what it changes and calls ``super()`` for DeepSpeed's part.
+DeepSpeed's pipeline engine offers no public hook for what our step needs (our reductions and optimizer step run
+from its pipeline instructions, overlapped boundary transfers, a start-up broadcast that leaves the row-sharded
+tables and experts alone), so ``PipelineAdapter`` overrides the private methods that do it and hands each over to a
+public, named hook of ours. Each hook defaults to DeepSpeed's behaviour, so a subclass overrides only what it changes
+and calls ``super()`` for DeepSpeed's part. Where DeepSpeed has a public method for a part, the hooks call it instead:
+a list of gradients goes to its bucketed data-parallel all-reduce as ``buffered_allreduce_fallback(grads=...)``, and
+a schedule is wrapped where it is run rather than where DeepSpeed builds it.
 ``tests/test_deepspeed_private.py`` fails when another module of ``parallel/``, ``train/``, ``model/`` or ``bench/``
 names a private attribute of DeepSpeed's pipeline classes, or when DeepSpeed is not the version checked here.
 
@@ -20,8 +23,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 CHECKED_VERSION = "0.19.8"
 
 # The private names used below, for the guard test; keep in step with the code of this file.
-PRIVATE_NAMES = ("_INSTRUCTION_MAP", "_exec_schedule", "_train_schedule", "_inference_schedule",
-                 "_get_gradients_for_reduction", "_broadcast_model")
+PRIVATE_NAMES = ("_INSTRUCTION_MAP", "_exec_schedule", "_broadcast_model")
 
 _DEEPSPEED = PipelineEngine._INSTRUCTION_MAP
 """DeepSpeed's function for each pipeline instruction type (``schedule.ForwardPass``, ``schedule.ReduceGrads``, ...):
@@ -53,9 +55,9 @@ class PipelineAdapter(PipelineEngine):
 
     - per instruction of the schedule: ``reduce_tied_gradients``, ``reduce_gradients``, ``step_optimizer``,
       ``send_activations``, ``recv_activations``, ``send_gradients``, ``recv_gradients``;
-    - ``wrap_schedule`` (the training and the inference schedule, before they run), ``after_schedule`` (once one ran);
-    - ``gradients_for_reduction`` (what the data-parallel all-reduce sums), ``broadcast_model`` (the start-up copy of
-      the first data-parallel rank's weights, called from DeepSpeed's constructor)."""
+    - ``wrap_schedule`` (a training or an inference schedule, before it runs), ``after_schedule`` (once one ran);
+    - ``broadcast_model`` (the start-up copy of the first data-parallel rank's weights, called from DeepSpeed's
+      constructor)."""
 
     _INSTRUCTION_MAP = {
         **_DEEPSPEED,
@@ -101,25 +103,12 @@ class PipelineAdapter(PipelineEngine):
     def after_schedule(self) -> None:
         pass
 
-    def gradients_for_reduction(self):
-        """``(non-expert gradients, expert gradients by group name)``, DeepSpeed's pair."""
-        return super()._get_gradients_for_reduction()
-
     def broadcast_model(self) -> None:
         super()._broadcast_model()
 
-    def _train_schedule(self):
-        return self.wrap_schedule(super()._train_schedule())
-
-    def _inference_schedule(self, micro_batches):
-        return self.wrap_schedule(super()._inference_schedule(micro_batches))
-
     def _exec_schedule(self, pipe_schedule):
-        super()._exec_schedule(pipe_schedule)
+        super()._exec_schedule(self.wrap_schedule(pipe_schedule))
         self.after_schedule()
-
-    def _get_gradients_for_reduction(self):
-        return self.gradients_for_reduction()
 
     def _broadcast_model(self):
         self.broadcast_model()

@@ -12,16 +12,17 @@ touches DeepSpeed's private names) and holds no step logic of its own:
 - with ``p2p="overlap"``, boundary transfers that overlap compute: asynchronous, batched, on process groups of
   their own, each send right after the pass that produced it (``parallel/p2p.py``); ``"deepspeed"`` keeps
   DeepSpeed's blocking transfers.
-Checkpoints hold the model per transformer layer and the optimizer state per parameter name (and row range), so
-they load under any split and data-parallel size.
+The stage's checkpoint files are its ``checkpoint`` component's (``parallel/stage_checkpoint.py``): the model per
+transformer layer and the optimizer state per parameter name (and row range), so they load under any split and
+data-parallel size.
 """
-import glob
 import os
 from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
 from deepspeed.runtime.pipe.module import LayerSpec, PipelineModule
 from deepspeed.runtime.sparse_tensor import SparseTensor
 
@@ -34,9 +35,10 @@ from parallel.deepspeed_private import PipelineAdapter
 from parallel.experts import average_expert_gradients, expert_groups
 from parallel.p2p import EagerSends, StageLinks, boundary_groups
 from parallel.partition import StagePlan
-from parallel.rows import RowExchange, join_rows, rows_file, saved_rows
+from parallel.rows import RowExchange
 from parallel.shadows import Replicas
 from parallel.stage import PipelineStage
+from parallel.stage_checkpoint import StageCheckpoint
 from parallel.step import StepParts, optimizer_step
 from parallel.step_guard import StepGuard
 from parallel.tables import TableOptimizer, table_optimizer
@@ -139,99 +141,18 @@ class CSA2PipelineModule(PipelineModule):
             parts = OrderedDict((name, torch.zeros(())) for name in self.loss_fn.part_names())
         return parts
 
-    def weight_files(self) -> dict[str, dict]:
-        """What this rank writes of a checkpoint's weights, file name: contents (views of the live tensors; the
-        writer copies them). One file per transformer layer (plus embedding and head), named by the full model's
-        layer ids, from the first data-parallel rank of each stage (the others hold the same weights); a row-sharded
-        table's rows from every rank that holds some, one file per rank (``rows_file``); each range of experts from
-        the first of the ranks that hold it."""
-        files = {}
-        state = self.stage.owned_state_dict()
-        for name, (start, rows) in self.row_shards.items():
-            if name not in state:  # a frozen table under LoRA: not checkpointed
-                continue
-            stop = min(start + state[name].shape[0], rows)  # the last shard's padding is not part of the table
-            if stop > start:
-                files[rows_file(name, start)] = {"name": name, "rows": (start, stop),
-                                                 "values": state[name][:stop - start]}
-        experts = {k: v for k, v in state.items() if is_expert(k)}
-        if experts and self.expert_data_rank() == 0:  # one copy of each range of experts
-            for part, tensors in split_by_layer(experts).items():
-                first = min(int(k.split(".experts.")[1].split(".")[0]) for k in tensors)
-                files[experts_file(part, first)] = tensors
-        if self.mpu().data_parallel_id == 0:
-            dense = {k: v for k, v in state.items() if k not in self.row_shards and not is_expert(k)}
-            files.update(split_by_layer(dense))
-        return files
-
     def expert_data_rank(self) -> int:
         """My rank among the replicas holding the same experts (the data-parallel rank without expert parallelism)."""
         if self.expert_groups is None:
             return self.mpu().data_parallel_id
         return self.expert_groups.data_ranks.index(dist.get_rank())
 
-    def load_weights(self, load_dir: str) -> None:
-        """This stage's layers from the per-layer files of ``weight_files``, whatever split wrote them, and the rows
-        of its table shards from the row files of whatever data-parallel size wrote them."""
-        own = self.stage.owned_state_dict()
-        wanted = split_by_layer({k: v for k, v in own.items() if k not in self.row_shards and not is_expert(k)})
-        state = {}
-        for part in wanted:
-            path = os.path.join(load_dir, part)
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"checkpoint {load_dir} has no {part}: it was written by another model")
-            state.update(torch.load(path, map_location="cpu", weights_only=True))
-        for part, names in split_by_layer({k: v for k, v in own.items() if is_expert(k)}).items():
-            found = {}
-            for path in sorted(glob.glob(os.path.join(load_dir, experts_file(part, "*")))):
-                saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                found.update({k: saved[k].clone() for k in names if k in saved})
-            missing = sorted(set(names) - set(found))
-            if missing:
-                raise FileNotFoundError(f"checkpoint {load_dir} does not hold every expert of this model: "
-                                        f"{len(missing)} missing, e.g. {missing[0]} — it was written for another "
-                                        "model (the expert counts differ), or an experts_*.pt file is missing")
-            state.update(found)
-        pieces = saved_rows(load_dir)
-        for name, (start, rows) in self.row_shards.items():
-            if name not in own:  # a frozen table under LoRA: not checkpointed
-                continue
-            shard = own[name].detach().clone()
-            stop = min(start + shard.shape[0], rows)
-            shard[:stop - start] = join_rows(name, start, stop, pieces.get(name, []))
-            state[name] = shard
-        self.stage.load_owned_state_dict(state)
-
-
-def is_expert(name: str) -> bool:
-    """A routed expert's matrix under its reference name (``layers.3.ffn.experts.17.w1.weight``)."""
-    return ".ffn.experts." in name
-
-
-def experts_file(part: str, first) -> str:
-    """The file of a range of routed experts of weight file ``part`` (``layer_003.pt`` -> ``experts_layer_003_
-    00024.pt``, from expert 24), one per range of experts a rank held; ``first="*"``: the glob of them."""
-    stem = part.removesuffix(".pt")
-    return f"experts_{stem}_{first}.pt" if first == "*" else f"experts_{stem}_{first:05d}.pt"
-
-
-def split_by_layer(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """Group a (stage) state dict into checkpoint files: ``layer_<id>.pt``, ``embed.pt``, ``head.pt``."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in state.items():
-        if name.startswith("layers."):
-            part = f"layer_{int(name.split('.')[1]):03d}.pt"
-        else:
-            part = "embed.pt" if name.startswith("embed.") else "head.pt"
-        parts.setdefault(part, {})[name] = tensor
-    return parts
-
 
 class CSA2PipelineEngine(PipelineAdapter):
     """The DeepSpeed adapter of a CSA2 stage: its hooks run our reductions and ``parallel.step.optimizer_step``, and
     with ``p2p="overlap"`` the boundary transfers of ``parallel/p2p.py``. The step's state is in its components:
     ``clipper``, ``guard``, ``balance``, ``tables`` (None without trained Engram tables), ``shards``,
-    ``shadow_links``."""
+    ``shadow_links``; its checkpoint files are ``checkpoint``'s (``parallel/stage_checkpoint.py``)."""
 
     def __init__(self, *args, shards: list[OptimizerShards], max_grad_norm: float = 0.0, p2p: str = "overlap",
                  table_optimizer: TableOptimizer | None = None, **kwargs):
@@ -255,6 +176,9 @@ class CSA2PipelineEngine(PipelineAdapter):
             clip=lambda: self._clip_gradients(), clipper=self.clipper, guard=self.guard, balance=self.balance,
             tables=self.tables, shards=shards, dense_step=super().step_optimizer, drop=self._drop_step,
             lr=lambda: self.optimizer.param_groups[0]["lr"], replicas=self.shadow_links, device=self.device)
+        self.checkpoint = StageCheckpoint(module.stage, module.row_shards, module.expert_shards,
+                                          self.grid.data_parallel_id == 0, module.expert_data_rank() == 0, shards,
+                                          self.tables, self.optimizer)
 
     @property
     def last_step_skipped(self) -> bool:
@@ -317,32 +241,6 @@ class CSA2PipelineEngine(PipelineAdapter):
         """This stage's optimised parameters under the full model's names."""
         return dict(self.module.stage.model.named_parameters())
 
-    @property
-    def writes_optimizer_state(self) -> bool:
-        """Whether this rank's optimizer state belongs in a checkpoint: rows it owns of the dense or the expert
-        parameters (``OptimizerShards``), or of a table shard, which only this rank holds."""
-        return any(shards.writes_state for shards in self.shards) or self.tables is not None
-
-    def optimizer_state_by_name(self, saving: bool = False) -> dict[str, dict]:
-        """This rank's optimizer state keyed by full-model parameter name and row range (experts and table rows in
-        the whole tensor's terms), so that it can be loaded under another stage split, data-parallel and
-        expert-parallel size (DeepSpeed's own files are keyed by stage and rank). ``saving``: only what this rank
-        writes (a replica's copy of state that another rank writes is left out)."""
-        state = {}
-        for shards in self.shards:
-            if shards.writes_state or not saving:
-                state.update(shards.state_by_name(self.optimizer))
-        if self.tables is not None:
-            state.update(self.tables.state_by_name())
-        return state
-
-    def load_optimizer_state_by_name(self, pieces: dict[str, list[dict]]) -> None:
-        """Load my rows of the state that every saving rank wrote (``optimizer_state_by_name``), grouped by name."""
-        for shards in self.shards:
-            shards.load_state_by_name(self.optimizer, pieces)
-        if self.tables is not None:
-            self.tables.load_state_by_name(pieces)
-
     def sync_shadows(self) -> None:
         """Copy every owner's index-key projection, and the first stage's embedding to the draft head's replica,
         to the replicas (after a step, and after loading weights)."""
@@ -362,18 +260,20 @@ class CSA2PipelineEngine(PipelineAdapter):
         self.shadow_links.reduce_gradients()
 
     def reduce_gradients(self) -> None:
-        """DeepSpeed's data-parallel reduction (``gradients_for_reduction``), then the tables' and the experts'."""
-        super().reduce_gradients()
+        """DeepSpeed's data-parallel all-reduce of the replicated gradients, then the tables' and the experts'
+        reductions over their own groups."""
+        self.buffered_allreduce_fallback(grads=self._replicated_gradients(),
+                                         elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE)
         replicas = self.grid.get_data_parallel_world_size()
         if self.tables is not None:
             self.tables.average(replicas)
         if self.experts:
             average_expert_gradients(self.experts, self.module.expert_groups.data, replicas)
 
-    def gradients_for_reduction(self):
-        """DeepSpeed's list of gradients to all-reduce, without the row-sharded tables and the expert-parallel
-        experts (their shards hold other rows on every replica: summing them would mix rows; the experts are reduced
-        over their own group in ``reduce_gradients``), and with no DeepSpeed MoE groups."""
+    def _replicated_gradients(self) -> list:
+        """The gradients DeepSpeed's data-parallel all-reduce sums: all but the row-sharded tables' and the
+        expert-parallel experts' (their shards hold other rows on every replica: summing them would mix rows; the
+        experts are reduced over their own group in ``reduce_gradients``)."""
         sharded = {id(p) for p in self._sharded_tensors()}
         grads = []
         for p in self.module.parameters():
@@ -382,7 +282,7 @@ class CSA2PipelineEngine(PipelineAdapter):
             if p.grad is None:  # every replica reduces the same tensors
                 p.grad = torch.zeros_like(p)
             grads.append(SparseTensor(p.grad) if p.grad.is_sparse else p.grad.data)
-        return grads, {}
+        return grads
 
     def broadcast_model(self) -> None:
         """DeepSpeed's start-up broadcast of the weights from the first data-parallel rank, but the row-sharded

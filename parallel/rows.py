@@ -9,12 +9,9 @@ the owners, and an owner's gradient is the sparse (COO, coalesced) sum over ever
 Both directions are collectives: every rank of the group must call each lookup, and its backward, in the same
 order (a rank that needs no row sends nothing, but takes part). Works with gloo (CPU) and NCCL.
 
-A table's shards are saved the same way they are held: one file per rank of its rows (``rows_file``), joined by
-row ranges on loading (``join_rows``), so a checkpoint loads under another number of ranks.
+A table's shards are saved the same way they are held, one file per rank of its rows
+(``parallel/stage_checkpoint.py``), so a checkpoint loads under another number of ranks.
 """
-import glob
-import os
-
 import torch
 import torch.distributed as dist
 
@@ -67,27 +64,3 @@ class _Lookup(torch.autograd.Function):
         grad_weight = torch.sparse_coo_tensor(lent.unsqueeze(0), grad_lent, ctx.weight_shape,
                                               check_invariants=False).coalesce()
         return grad_weight, None, None
-
-
-def rows_file(name: str, start: int) -> str:
-    """The file of the rows from ``start`` of row-sharded table ``name`` (``layers.1.engram.embed.weight``)."""
-    return f"rows_{name}_{start:012d}.pt"
-
-
-def saved_rows(load_dir: str) -> dict[str, list[dict]]:
-    """Every row file of a checkpoint, grouped by table name."""
-    pieces: dict[str, list[dict]] = {}
-    for path in sorted(glob.glob(os.path.join(load_dir, "rows_*.pt"))):
-        piece = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        pieces.setdefault(piece["name"], []).append(piece)
-    return pieces
-
-
-def join_rows(name: str, start: int, stop: int, pieces: list[dict]) -> torch.Tensor:
-    """Rows ``start:stop`` of table ``name`` joined from the saved pieces that overlap them."""
-    parts = sorted((max(p["rows"][0], start), min(p["rows"][1], stop), p) for p in pieces
-                   if max(p["rows"][0], start) < min(p["rows"][1], stop))
-    if sum(b - a for a, b, _ in parts) != stop - start:
-        raise FileNotFoundError(f"the checkpoint's row files of {name} do not cover rows {start}:{stop}: it was "
-                                "written by another model, or a file is missing")
-    return torch.cat([p["values"][a - p["rows"][0]:b - p["rows"][0]] for a, b, p in parts])

@@ -129,12 +129,12 @@ class PipelineStage(nn.Module):
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.compute_dtype == torch.bfloat16):
             return self.model.head_logits(features)
 
-    def whole_model(self, input_ids: torch.Tensor, doc_ids: torch.Tensor, collect_recall: bool = False):
+    def whole_model(self, input_ids: torch.Tensor, doc_ids: torch.Tensor):
         """The full model's forward (``ModelOutput``) when this single stage holds every layer: evaluation."""
         if self.incoming is not None or self.outgoing is not None:
             raise RuntimeError("whole_model needs the whole model on one stage (parallel.pipeline_stages=1)")
         with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.compute_dtype == torch.bfloat16):
-            return self.model(input_ids, doc_ids, collect_recall)
+            return self.model(input_ids, doc_ids)
 
     def _count_traversal(self, grad: torch.Tensor) -> None:
         self.backward_traversals += 1

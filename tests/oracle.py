@@ -416,7 +416,9 @@ def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tens
     limit: up above, up below, gate above, gate below}, ``engram_gates`` {layer: [B,T,hc]}, ``copies`` {layer: the
     stream entering its block [B,T,hc,D]}, ``pre_mixes`` {layer: the pre-mix its block hands on [B,T,hc]},
     ``argmax_margin`` (the smallest top-1 vs top-2 gap of the draft logits at a predicted slot: the confidence
-    target is discrete) and ``draft_hits`` (predicted slots whose argmax is the target, predicted slots).
+    target is discrete), ``draft_hits`` (predicted slots whose argmax is the target, predicted slots) and ``recall``
+    {layer: per query that reads a selection, the share of its selected entries among the ``index_topk`` visible
+    compressed entries its own dense attention (summed over heads) weighs most}.
     """
     P = params
     B, T = input_ids.shape
@@ -442,7 +444,7 @@ def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tens
         diag.setdefault("selections", {})
         for key in ("route_margin", "argmax_margin"):
             diag.setdefault(key, math.inf)
-        for key in ("routes", "clamped", "engram_gates", "copies", "pre_mixes"):
+        for key in ("routes", "clamped", "engram_gates", "copies", "pre_mixes", "recall"):
             diag.setdefault(key, {})
 
     # shared[(layer, b, seg)] = {"latent", "index_k", "sel": [LongTensor per query], "student": [...],
@@ -563,6 +565,11 @@ def oracle_forward(params: dict, dims: dict, layout: dict, input_ids: torch.Tens
                     if n_sel > 0:
                         mass = prob[:, K.shape[0] - n_sel:].detach().sum(0)
                         target.setdefault((info["idx_src"], b, si, t), []).append(mass / mass.sum())
+                        if diag is not None:  # the selection's share of the dense attention's top-k
+                            visible = kv_comp[:(t + 1) // m]
+                            dense = torch.softmax((q[t] @ visible.t()) * scale, dim=-1).sum(0)
+                            best = set(torch.sort(dense, descending=True).indices[:topk].tolist())
+                            diag["recall"].setdefault(i, []).append(len(best & set(sel[t].tolist())) / n_sel)
                 o = rope(torch.stack(outs), pos, freqs, inverse=True)  # [L, H, hd]
                 # --- grouped output projection
                 hg = H // G

@@ -71,6 +71,13 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, override
                                 for n, p in stage.model.named_parameters() if p.grad is not None})
         clip()
     engine._clip_gradients = snapshot_then_clip
+    wrap, schedules = engine.wrap_schedule, []
+
+    def recorded(schedule):  # the schedule each train_batch ran: rewritten by EagerSends under overlapped transfers
+        wrapped = wrap(schedule)
+        schedules.append(type(wrapped).__name__)
+        return wrapped
+    engine.wrap_schedule = recorded
     data = batches(job.args.vocab_size)
     losses, live_after = [], []
     for _ in range(STEPS):
@@ -86,7 +93,8 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, override
                          if recomputation(block) and recomputation(block).keep_attention],
                 "live_after": live_after, "peak_microbatches": stage.ledger.peak_microbatches,
                 "backward_traversals": stage.backward_traversals, "stage": engine.stage_id,
-                "p2p": "overlap" if engine.links is not None else "deepspeed"}, f"{out}/rank{rank}.pt")
+                "p2p": "overlap" if engine.links is not None else "deepspeed", "schedules": schedules},
+               f"{out}/rank{rank}.pt")
 
 
 def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none", p2p: str = "overlap",

@@ -125,7 +125,7 @@ def _missing_expert_error(engine, saved: Path) -> str:
     (second,) = [p for p in damaged.rglob("experts_layer_000_*.pt") if not p.name.endswith("_00000.pt")]
     second.unlink()
     try:
-        engine.module.load_weights(str(second.parent))
+        engine.checkpoint.load_weights(str(second.parent))
     except FileNotFoundError as err:
         return str(err)
     return "loaded"

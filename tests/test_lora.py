@@ -137,7 +137,7 @@ def _one_process(rank, out):
         engine.train_batch(data)
     after = stage.model.state_dict()
     results.update(before=before, after=after, grads=grads,
-                   optimizer=sorted(engine.optimizer_state_by_name()),
+                   optimizer=sorted(engine.checkpoint.optimizer_state_by_name()),
                    stepped=sum(len(g["params"]) for g in engine.optimizer.param_groups),
                    adapters=sum(1 for n, _ in stage.model.named_parameters() if ".lora." in n))
     torch.save(results, f"{out}/one.pt")

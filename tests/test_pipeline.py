@@ -178,6 +178,9 @@ def test_bf16_pipeline_equals_single_stage(bf16_runs, reference):
 
 
 def test_transfers_take_the_configured_path(pipelined):
-    """``parallel.p2p=overlap`` runs the overlapped transfers (parallel/p2p.py), ``deepspeed`` DeepSpeed's own."""
+    """``parallel.p2p=overlap`` runs the overlapped transfers (parallel/p2p.py) on the schedule with eager sends,
+    ``deepspeed`` DeepSpeed's own on its own schedule."""
     (*_, p2p), ranks = pipelined
     assert [r["p2p"] for r in ranks] == [p2p] * len(ranks)
+    ran = "EagerSends" if p2p == "overlap" else "TrainSchedule"
+    assert [r["schedules"] for r in ranks] == [[ran] * harness.STEPS] * len(ranks)

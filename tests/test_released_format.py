@@ -305,7 +305,7 @@ def test_a_stage_and_an_expert_rank_read_only_their_share(release, stage, expert
 
 def fake_checkpoint(root: Path, state: dict, config) -> Path:
     """A checkpoint tag directory as ``train/checkpoint.py`` reads one: per-layer files, trainer state, manifest."""
-    from parallel.engine import is_expert, split_by_layer
+    from parallel.stage_checkpoint import is_expert, split_by_layer
 
     tag = root / "global_step1"
     tag.mkdir(parents=True)

@@ -46,7 +46,7 @@ def _params(engine) -> dict:
 def _state(engine) -> dict:
     """A copy of the engine's optimizer state by parameter name and key (tensors and step counts)."""
     return {f"{name}/{key}": value.clone() if torch.is_tensor(value) else torch.tensor(value)
-            for name, piece in engine.optimizer_state_by_name().items() for key, value in piece["state"].items()}
+            for name, piece in engine.checkpoint.optimizer_state_by_name().items() for key, value in piece["state"].items()}
 
 
 def _worker(rank, out):

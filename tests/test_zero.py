@@ -42,7 +42,7 @@ def _data(engine, vocab: int, skip_steps: int = 0):
 def _state(engine) -> dict:
     """A copy of the engine's optimizer state by name (on CPU the engine's view aliases the live tensors)."""
     return {name: {"rows": piece["rows"], "state": {k: v.clone() for k, v in piece["state"].items()}}
-            for name, piece in engine.optimizer_state_by_name().items()}
+            for name, piece in engine.checkpoint.optimizer_state_by_name().items()}
 
 
 def _snapshot(engine, loss: float) -> dict:

@@ -28,9 +28,9 @@ deletes the newest intact one to keep a damaged one.
 
 Every rank is seeded alike and the loader's position is global (``train/data.py``), so rank 0's RNG and loader
 state is every rank's: one file serves any number of ranks on resume. The weights are stored per transformer
-layer under the full model's names (``parallel/engine.py``) and the optimizer state per parameter name and row
-range (``parallel/zero.py``), so a checkpoint resumes under another ``parallel.pipeline_stages``, data-parallel size
-or ``parallel.zero_stage``: one path for every case. DeepSpeed's own checkpoint files are not written: they
+layer under the full model's names and the optimizer state per parameter name and row range
+(``parallel/stage_checkpoint.py``), so a checkpoint resumes under another ``parallel.pipeline_stages``, data-parallel
+size or ``parallel.zero_stage``: one path for every case. DeepSpeed's own checkpoint files are not written: they
 would repeat the first data-parallel rank's optimizer state (twice the weights' size again) in a form keyed by
 stage, which a resume under another split could not use.
 """
@@ -59,7 +59,7 @@ TRAINER_STATE = "trainer_state.json"
 RESUME_STATE = "resume_state.pt"
 OPTIMIZER_STATE = "optimizer_stage{stage:02d}_dp{dp:02d}.pt"
 OPTIMIZER_STATES = "optimizer_stage*_dp*.pt"
-WEIGHT_FILES = ("embed.pt", "layer_*.pt", "head.pt", "experts_*.pt")  # as CSA2PipelineModule.weight_files names them
+WEIGHT_FILES = ("embed.pt", "layer_*.pt", "head.pt", "experts_*.pt")  # as StageCheckpoint.weight_files names them
 # Config keys that change how the same weights are computed, not what they are: they may differ on resume.
 RUNTIME_ONLY_KEYS = ("model.kernel_backend",)
 
@@ -285,10 +285,10 @@ def stage(engine, trainer_state: dict, resume_state: dict) -> dict[str, object]:
 
     Rank 0 adds ``trainer_state`` (JSON) and ``resume_state`` (RNG and loader position) with the schedule and
     engine counters."""
-    files = dict(engine.module.weight_files())
-    if engine.writes_optimizer_state:
+    files = dict(engine.checkpoint.weight_files())
+    if engine.checkpoint.writes_optimizer_state:
         files[OPTIMIZER_STATE.format(stage=engine.stage_id, dp=engine.grid.data_parallel_id)] = \
-            engine.optimizer_state_by_name(saving=True)
+            engine.checkpoint.optimizer_state_by_name(saving=True)
     if dist.get_rank() == 0:
         files[RESUME_STATE] = {**resume_state, **_engine_state(engine)}
         files[TRAINER_STATE] = json.dumps(trainer_state, indent=1)
@@ -378,7 +378,7 @@ def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
                  saved_stages, engine.num_stages)
     try:
         resume = torch.load(ref.path / RESUME_STATE, weights_only=True)
-        engine.module.load_weights(str(ref.path))
+        engine.checkpoint.load_weights(str(ref.path))
         pieces = optimizer_pieces(ref)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:
         raise CheckpointError(f"checkpoint {ref.path} could not be read: {error} — resume from an older one "
@@ -387,7 +387,7 @@ def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
         raise CheckpointError(f"checkpoint {ref.path} has no optimizer state ({OPTIMIZER_STATES}): it is incomplete "
                               "or was written by an older version — resume from another one, or start fresh")
     engine.sync_shadows()  # replicas are not in checkpoints: their owners' values are
-    engine.load_optimizer_state_by_name(pieces)
+    engine.checkpoint.load_optimizer_state_by_name(pieces)
     engine.lr_scheduler.load_state_dict(resume["schedule"])
     for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
         group["lr"] = lr
@@ -408,7 +408,7 @@ def read_weights(ref: CheckpointRef) -> dict[str, torch.Tensor]:
                 raise CheckpointError(f"{path} is not a readable weight file ({error})") from error
     if not weights:
         raise CheckpointError(f"checkpoint {ref.path} holds no weight files ({', '.join(WEIGHT_FILES)})")
-    from parallel.rows import join_rows, saved_rows
+    from parallel.stage_checkpoint import join_rows, saved_rows
 
     for name, pieces in saved_rows(str(ref.path)).items():  # row-sharded tables, joined whole
         weights[name] = join_rows(name, 0, max(p["rows"][1] for p in pieces), pieces)

@@ -97,7 +97,7 @@ class PipelineLoss:
     def __call__(self, outputs, labels: torch.Tensor) -> torch.Tensor:
         logits, aux = outputs
         indexer, draft = aux[:len(self.sources)], aux[len(self.sources):]
-        output = ModelOutput(logits, dict(zip(self.sources, indexer)), {}, dict(zip(self.draft_parts, draft)))
+        output = ModelOutput(logits, dict(zip(self.sources, indexer)), dict(zip(self.draft_parts, draft)))
         count, chunks = None, 1
         if self.context is not None:
             count, chunks = int((labels != -100).sum()), self.context.size

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 from model.config import DataConfig, JobConfig
+from model.diagnostics import recording_index_recall
 from parallel.job import Job
 from train import distributed
 from train.data import build_loader, synthetic_tasks
@@ -114,7 +115,7 @@ class Evaluator:
             if self.engine.num_stages > 1:
                 row, logits_of = self.pipeline_heldout(), self.pipeline_logits
             else:
-                row, logits_of = self.heldout(module.stage.whole_model), self.whole_model_logits
+                row, logits_of = self.heldout(module.stage), self.whole_model_logits
             if self.synthetic:
                 row.update(self.synthetic_accuracy(logits_of))
             if probes and self.probes:
@@ -162,9 +163,10 @@ class Evaluator:
         return (logits if context is None else context.gather(logits))[:, :length]
 
     @torch.no_grad()
-    def heldout(self, model) -> dict[str, float]:
+    def heldout(self, stage) -> dict[str, float]:
         """Loss parts (``Loss.metrics``) and ``index_recall/layer{N}`` of every layer that reads a selection,
-        averaged over ``train.eval.batches`` held-out micro-batches and over ranks.
+        averaged over ``train.eval.batches`` held-out micro-batches and over ranks, of the whole model on one
+        pipeline ``stage`` (``parallel.stage.PipelineStage``).
 
         Index recall is the share of a layer's selected entries that are also in the top-k of its own dense
         attention (the model's evaluation diagnostic); a batch where a layer selected nothing does not count.
@@ -173,10 +175,11 @@ class Evaluator:
         rows, recalls = [], {}
         for _ in range(self.config.train.eval.batches):
             batch = {k: v.to(self.device) for k, v in next(self.loader).items()}
-            output = model(batch["input_ids"], batch["doc_ids"], collect_recall=True)
+            with recording_index_recall(stage.model) as recall_of:
+                output = stage.whole_model(batch["input_ids"], batch["doc_ids"])
             rows.append(compute_loss(output, batch["labels"], self.config.train.indexer_loss_coef,
                                      self.config.train.dspark_loss_coef).metrics())
-            for layer, recall in output.index_recall.items():
+            for layer, recall in recall_of.items():
                 recalls.setdefault(f"index_recall/layer{layer}", []).append(recall.item())
         row = with_squares(rows)
         for key, values in sorted(recalls.items()):  # every rank has every key: the ranks sum them below
