@@ -22,7 +22,7 @@ from kernels.triton_common import INTERPRET, new_output
 # rows of x, output columns, reduced columns per program and step (the interpreter's are small: tests cross tiles)
 BM, BP, BQ = (16, 16, 32) if INTERPRET else (64, 128, 64)
 WARPS, STAGES = 4, 3
-E8M0_BIAS = 127
+E8M0_BIAS = tl.constexpr(127)  # a global a @triton.jit body reads must be a constexpr (the compiler refuses others)
 
 
 @triton.jit
