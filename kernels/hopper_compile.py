@@ -206,7 +206,8 @@ def specs() -> list[KernelSpec]:
         out.append(KernelSpec(untuned(hyper._expand_fwd, num_warps=4),
                               dict(X=bf, Y=bf, POST=f32, COMB=f32, OUT=bf), dict(stream, HC_P=4)))
         out.append(KernelSpec(untuned(hyper._expand_bwd, num_warps=4),
-                              dict(X=bf, Y=bf, POST=f32, COMB=f32, G=bf, DX=bf, DY=bf, DPOST=f32, DCOMB=f32),
+                              dict(X=bf, Y=bf, POST=f32, COMB=f32, G=bf, DX=bf, DY=bf, DPOST=f32, DCOMB=f32,
+                                   n_rows=i32),
                               dict(stream, HC_P=4)))
         out.append(KernelSpec(untuned(hyper._collapse_fwd, num_warps=4), dict(X=bf, PRE=f32, OUT=bf),
                               dict(stream, HC_P=4)))
