@@ -19,13 +19,10 @@ from tests import pipeline_harness as harness
 from train import routing
 
 WORLD, MICRO = 4, 2
-# v41_mini on 5 layers instead of 10 (a window layer, an encoder group, a decoder Full and Reuse; 54 -> 44 CPU s of
-# spawns): every layer holds the same MoE, so no less is split, exchanged or resumed; both Engram tables and the draft
-# head's three streams stay, and the 2-stage cut [4] keeps both tables on the first stage, as [8] of 10 did.
-FIVE_LAYERS = ["layout.window_layers=1", "layout.encoder.layers=2", "layout.decoder.layers=2",
-               "model.engram.layers=[1,3]", "model.dspark.target_layers=[2,3,4]"]
-OVERRIDES = ["model=v41_mini", *FIVE_LAYERS, "train.dspark_loss_coef=1.0", f"data.seq_len={harness.SEQ_LEN}",
-             f"data.micro_batch_size={MICRO}", "train.warmup_steps=1"]
+# v41_mini on 5 layers (54 -> 44 CPU s of spawns); the 2-stage cut [4] keeps both Engram tables on the first stage,
+# as [8] of 10 did.
+OVERRIDES = ["model=v41_mini", *harness.V41_FIVE_LAYERS, "train.dspark_loss_coef=1.0",
+             f"data.seq_len={harness.SEQ_LEN}", f"data.micro_batch_size={MICRO}", "train.warmup_steps=1"]
 # Gradients (step 1) measured between E = 1, 2 and 4: at most 2.6e-7 of a tensor's norm (the same sums in another
 # order; 1.8e-7 on the 5 layers). The state after step 2 also goes through Adam's division by the root of the second
 # moment, which magnifies that rounding where an entry's gradient is tiny: at most 5.7e-5 (a draft-head expert's w2;
