@@ -22,7 +22,7 @@ from train.reference_format import WEIGHTS
 EVERY_MOE = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts")
 RANK, ALPHA = 4, 8.0
 LORA = [f"train.lora.rank={RANK}", f"train.lora.alpha={ALPHA}", f"train.lora.targets=[{','.join(EVERY_MOE)}]"]
-MINI = ["model=v41_mini", *harness.V41_FIVE_LAYERS, "train.dspark_loss_coef=1.0"]  # every part, on half the layers
+MINI = ["model=v41_mini", *harness.V41_SIX_LAYERS, "train.dspark_loss_coef=1.0"]  # every part, on 6 layers
 
 
 def _model(overrides, lora: LoRA | None = None) -> Transformer:
