@@ -10,6 +10,12 @@ from parallel.local import spawn
 from parallel.recompute import recomputation
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 64, 2, 4, 2
+# v41_mini's stack cut from 10 layers to 6, one of each layer mode (a window layer, an encoder Full and Reuse, a
+# decoder Full -- the candidate source -- Reuse and Reindex; Engram before layers 1 and 3, the draft head reading the
+# streams entering 3, 4 and 5): every layer holds the same parts, so the tests of how experts and tables are split,
+# exchanged and resumed see as much on 60% of the work.
+V41_SIX_LAYERS = ["layout.window_layers=1", "layout.encoder.layers=2", "layout.decoder.layers=3",
+                  "model.engram.layers=[1,3]", "model.dspark.target_layers=[3,4,5]"]
 
 
 def batches(vocab: int, seed: int = 0):
