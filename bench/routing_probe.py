@@ -12,7 +12,9 @@
 - ``logit_mean_std`` / ``logit_mean_range``: the std / the max - min across the experts of each expert's logit
   averaged over the tokens — the part of the logits that every token shares. When it exceeds
   ``logit_std_tokens``, one expert wins for (nearly) every token whatever the token;
-- ``load_max_over_mean`` and ``idle_experts`` of the top-k selection (with the bias as it is, zero at init).
+- ``load_max_over_mean`` and ``idle_experts`` of the top-k selection (with the bias as it is, zero at init);
+- after each step, ``grads``: per parameter group the clipped gradient's norm, rms per weight and share of weights
+  above AdamW's ``eps`` (where the first update is sign-like: ``gradient_stats``).
 
 Which update collapses the routing: ``--freeze`` takes the parameter groups of the gradient-norm diagnostics
 (``model/groups.py``: gate, experts, ffn, attn_out, hc, ...) that the steps leave untouched (no gradient, no optimizer
@@ -138,7 +140,7 @@ def train_steps(model: Transformer, cfg, ids: torch.Tensor, steps: int, dtype: t
     them: AdamW (fused on a GPU) with its decay groups, betas, eps and warm-up schedule (``train/engine.py``) over
     the parameters that require a gradient, each clipping group (``model.groups.clip_group``: the trunk, the
     indexer) clipped at ``train.grad_clip`` by its own norm, then the balance step of the routing biases. The
-    Engram tables (sparse gradients) stay."""
+    Engram tables (sparse gradients) stay. Yields (step, the LM loss before it, ``gradient_stats`` of its update)."""
     train = cfg.train
     named = [(n, p) for n, p in model.named_parameters()
              if p.requires_grad and not n.endswith("engram.embed.weight")]
@@ -158,10 +160,27 @@ def train_steps(model: Transformer, cfg, ids: torch.Tensor, steps: int, dtype: t
         loss.total.backward()
         for params in clipped.values():
             torch.nn.utils.clip_grad_norm_(params, float(train.grad_clip))
+        stats = gradient_stats(named, float(train.eps))
         optimizer.step()
         model.balance_experts(lambda loads: None)
-        yield step + 1, loss.lm.item()
+        yield step + 1, loss.lm.item(), stats
     model.eval()
+
+
+def gradient_stats(named: list[tuple[str, torch.nn.Parameter]], eps: float) -> dict[str, dict]:
+    """Per parameter group (``model/groups.py``), the clipped gradient AdamW is about to take: its norm, its rms per
+    weight, and the share of weights with ``|g| > eps``. Adam's first update is ``lr * g / (|g| + eps)``, so those
+    weights move by more than half the lr whatever the gradient's size (sign-like), the others by ``lr * |g| / eps``."""
+    grads: dict[str, list[torch.Tensor]] = {}
+    for n, p in named:
+        if p.grad is not None:
+            grads.setdefault(param_group(n), []).append(p.grad.detach().double().flatten())
+    stats = {}
+    for group, parts in sorted(grads.items()):
+        g = torch.cat(parts)
+        stats[group] = {"norm": g.norm().item(), "rms": g.square().mean().sqrt().item(),
+                        "above_eps": (g.abs() > eps).double().mean().item()}
+    return stats
 
 
 def probe(overrides: list[str], tokens: int, kinds: list[str], seed: int = 0, steps: int = 0,
@@ -187,8 +206,8 @@ def probe(overrides: list[str], tokens: int, kinds: list[str], seed: int = 0, st
         ids = input_ids(kind, tokens + 1, args.vocab_size, seed).to(where)
         rows = result["inputs"][kind] = [{"step": 0, "layers": layer_rows(model, ids[:, :-1], dtype)}]
         report(result)
-        for step, loss in train_steps(model, cfg, ids, steps, dtype):
-            rows.append({"step": step, "lm_loss_before": loss, "lr": optimizer_lr(cfg, step - 1),
+        for step, loss, grads in train_steps(model, cfg, ids, steps, dtype):
+            rows.append({"step": step, "lm_loss_before": loss, "lr": optimizer_lr(cfg, step - 1), "grads": grads,
                          "layers": layer_rows(model, ids[:, :-1], dtype)})
             report(result)
         del model

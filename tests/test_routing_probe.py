@@ -60,3 +60,19 @@ def test_frozen_groups_stay_and_the_rest_moves():
     after = dict(model.named_parameters())
     assert all(torch.equal(after[n], before[n]) for n in gates)
     assert all(not torch.equal(after[n], before[n]) for n in trunk if n.endswith("ffn.experts.w2"))
+
+
+def test_gradient_stats_are_the_clipped_gradient_adam_takes():
+    """A step's ``grads`` row for the gate: norm, rms and share above eps of the clipped gradients left in ``.grad``,
+    recomputed by hand. Planted: the stats taken before clipping (at grad_clip 1e-3 the norm differs: fails)."""
+    cfg = resolved(compose(["model=v41_mini", "data.seq_len=32", "train.grad_clip=1e-3", "train.eps=1e-11"]))
+    model = Transformer(cfg.model.args, layout_from_config(cfg.layout), seed=0)
+    ids = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(1))
+    _, _, stats = next(routing_probe.train_steps(model, cfg, ids, 1, torch.float32))
+    g = torch.cat([p.grad.double().flatten() for n, p in model.named_parameters()
+                   if n.startswith("layers.") and n.endswith("ffn.gate.weight")])
+    gate = stats["gate"]
+    assert abs(gate["norm"] - g.norm().item()) < 1e-12 * max(1.0, g.norm().item())
+    assert abs(gate["rms"] - (g.square().sum() / g.numel()).sqrt().item()) < 1e-15
+    assert gate["above_eps"] == sum(abs(v) > 1e-11 for v in g.tolist()) / g.numel()
+    assert 0 < gate["above_eps"] < 1  # the eps chosen so that both sides of it occur
