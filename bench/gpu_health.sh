@@ -10,7 +10,7 @@
 # moe: one run in the foreground, cut at WAIT seconds (default 470; SIGTERM: the trainer stops after its step and
 # writes its plots), of STEPS (default 100) steps warming up over WARMUP (40) to LR (3e-4, as the `small` demo),
 # the held-out loss every EVERY (10) steps, so 4 evaluations inside the warm-up; then bench/health_criteria.py
-# (init gradient norms against the head's, the warm-up's held-out losses, train.health's criteria after it) into
+# (init gradient norms against the head's, the warm-up's held-out losses, train.observe.health's criteria after it) into
 # $OUT/small_moe/criteria.json. Sized from the `small` model's 16K demo (5,580 tokens/s: 2.9 s a step on an H200,
 # bench/results/health/demo_16k): small_moe has 27% fewer FLOPs a step (model/flops.py, 343 vs 474 TFLOP) but
 # the hyper-connections' elementwise passes on 4 fp32 copies; at ~3 s a step, 100 steps take ~300 s after ~90 s of

@@ -4,7 +4,8 @@
 # so a run cut short by the machine's time limit still brings back every finished step.
 #   OUT=<dir> bash bench/gpu_train_run.sh [overrides...]
 # On the lent GPU machine first install the carried wheels (see bench/gpu_train.sh).
-# The loss plot is drawn at the end of a complete run; for a cut run, from metrics.jsonl with train.metrics.plot_losses.
+# The loss plot is drawn at the end of a complete run; for a cut run, from metrics.jsonl with
+# train.observe.metrics.plot_losses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/train_run}

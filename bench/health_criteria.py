@@ -12,7 +12,7 @@ From the run's ``metrics.jsonl``:
   steps, so step 1's loss (the model at init, on a training batch of the same corpus) stands for the held-out loss
   at init. Also the largest training LM loss inside the warm-up against step 1's (reported, not a criterion: one
   batch's loss is noisier than the held-out one).
-- ``after_warmup``: ``train.health.stability`` (issue 11's criteria after the warm-up), when steps ran past it.
+- ``after_warmup``: ``train.observe.health.stability`` (issue 11's criteria after the warm-up), when steps ran past it.
 ``healthy``: ``init`` and ``warmup`` hold (and ``after_warmup`` where it was measured).
 """
 import argparse
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from result_meta import result_meta  # noqa: E402
-from train.health import GRAD_PREFIX, stability  # noqa: E402
-from train.metrics import read_rows  # noqa: E402
+from train.observe.health import GRAD_PREFIX, stability  # noqa: E402
+from train.observe.metrics import read_rows  # noqa: E402
 
 
 def init_criterion(first: dict) -> dict:

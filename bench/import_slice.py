@@ -8,7 +8,7 @@ GPU memory of ``train.init_from=<released dir>`` for one pipeline stage of 4 lay
 One child process per phase, so that each phase's peak host RSS (``VmHWM``) is its own:
 - ``write``: layers 20-23 of ``model=v41_flash layout=v41`` (``--layers``; the slice of ``bench/v41_slice.py``: Full
   layer 20, the candidate source with its compressor and indexer, and Reuse 21-23) with all 384 routed experts a
-  layer, by the repo's writer (``train.released_format.write_released``: FP8 e4m3 in 32 x 32 e8m0 blocks for the
+  layer, by the repo's writer (``train.formats.released_format.write_released``: FP8 e4m3 in 32 x 32 e8m0 blocks for the
   attention and shared-expert matrices, FP4 e2m1 with an e8m0 scale per 32 for the routed experts, bf16 / fp32 for
   the rest, shards of 5 GB and the index) and ``config.json`` (``deepseek_config``: the whole 40-layer model's; the
   shards hold the slice's layers only): 29.6 GB in a new directory under ``--dir`` (default $TMPDIR or /tmp),
@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import train.released_format as released  # noqa: E402
+import train.formats.released_format as released  # noqa: E402
 from model import Transformer, layout_from_config  # noqa: E402
 from model.cli import compose, resolved  # noqa: E402
 from model.config import ModelArgs, apply  # noqa: E402
@@ -58,8 +58,8 @@ from model.seeding import seeded_generator  # noqa: E402
 from model.transformer import init_std  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 from train.export import parse_size  # noqa: E402
-from train.init_from import InitFrom, load_stage, rank_share, released_changes  # noqa: E402
-from train.reference_format import CONFIG, MAX_SHARD_BYTES, write_json  # noqa: E402
+from train.formats.init_from import InitFrom, load_stage, rank_share, released_changes  # noqa: E402
+from train.formats.reference_format import CONFIG, MAX_SHARD_BYTES, write_json  # noqa: E402
 from v41_slice import SMOKE, V41, StandInDispatch, parse_slices  # noqa: E402
 
 GB, GIB = 1e9, 2**30

@@ -5,8 +5,8 @@
 For each variant (a named set of config overrides, ``VARIANTS``) on the same two batches of real text (the
 stdlib corpus, ``data.seq_len`` tokens, one row): the initial LM loss, the gradient norm per parameter group
 (model/groups.py), the RMS of every layer's residual stream, attention and FFN outputs and of the logits
-(train/health.py), and then the **first-step curve**: the held-out LM loss after one AdamW step from init at each
-learning rate (the trainer's AdamW, decay groups and trunk/indexer clipping). Adam's first update is lr * sign(g)
+(train/observe/health.py), and then the **first-step curve**: the held-out LM loss after one AdamW step from init at
+each learning rate (the trainer's AdamW, decay groups and trunk/indexer clipping). Adam's first update is lr * sign(g)
 per weight whatever the gradient's size, so this curve is what a warm-up's first steps see: a loss *above* the
 initial one after one small step means the recipe overshoots. Also, at ``--attribute-lr``, the held-out loss
 change when only one parameter group takes that sign step: which group moves the function most.
@@ -29,14 +29,14 @@ import torch  # noqa: E402
 
 from model.cli import compose, resolved  # noqa: E402
 from result_meta import result_meta  # noqa: E402
+from model import layout_from_config  # noqa: E402
 from model.groups import param_group  # noqa: E402
 from model.transformer import Transformer, init_std  # noqa: E402
-from model import layout_from_config  # noqa: E402
 from parallel.recompute import recompute_leading  # noqa: E402
-from train.data import build_loader  # noqa: E402
-from train.engine import param_groups  # noqa: E402
-from train.health import ActivationStats  # noqa: E402
+from train.data.loader import build_loader  # noqa: E402
 from train.loss import compute_loss  # noqa: E402
+from train.observe.health import ActivationStats  # noqa: E402
+from train.run.engine import param_groups  # noqa: E402
 
 VARIANTS = {  # name -> overrides on top of the defaults
     "before": ["model.init_std=0.02", "model.embed_init_std=0.02", "model.head_init_std=0.02"],  # issue 11's runs

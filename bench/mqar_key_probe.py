@@ -28,9 +28,9 @@ from result_meta import result_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from model import build_model  # noqa: E402
-from train import checkpoint  # noqa: E402
-from train.evaluate import data_tokenizer  # noqa: E402
-from train.synthetic import SyntheticConfig, SyntheticTasks  # noqa: E402
+from train.data.synthetic import SyntheticConfig, SyntheticTasks  # noqa: E402
+from train.evaluation.evaluate import data_tokenizer  # noqa: E402
+from train.formats import checkpoint  # noqa: E402
 
 CONDITIONS = ("clean", "key_removed", "value_moved")
 

@@ -154,7 +154,7 @@ def job(model: list[str], seq_len: int, micro_batch: int, stages: int, microbatc
 def build(run: Run, config):
     """The engine of ``config`` on this run's ranks, split within its GPU's memory (as the job's preflight)."""
     from parallel.job import plan
-    from train.engine import build_engine
+    from train.run.engine import build_engine
 
     capacity = torch.cuda.get_device_properties(run.device).total_memory if run.cuda else None
     return build_engine(plan(config, run.world, run.device, capacity))

@@ -37,7 +37,7 @@ def _worker(rank, world, cuts, microbatches, steps, index_k, out):
 
     from model.cli import compose, resolved
     from parallel.job import plan
-    from train.engine import build_engine
+    from train.run.engine import build_engine
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     config = resolved(compose([f"parallel.pipeline_stages={world}", f"parallel.cuts={cuts or 'null'}",

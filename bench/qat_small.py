@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.cli import compose  # noqa: E402
 from result_meta import result_meta  # noqa: E402
-from train.data import build_loader  # noqa: E402
+from train.data.loader import build_loader  # noqa: E402
 from train.generate import load  # noqa: E402
 from train.loss import IGNORE_INDEX  # noqa: E402
 

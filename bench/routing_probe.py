@@ -48,9 +48,9 @@ from model.transformer import Transformer  # noqa: E402
 from parallel.job import compute_dtype, resolve_device, resolve_precision  # noqa: E402
 from parallel.recompute import recompute_leading  # noqa: E402
 from result_meta import result_meta  # noqa: E402
-from train.data import build_loader  # noqa: E402
-from train.engine import param_groups, warmup_cosine  # noqa: E402
+from train.data.loader import build_loader  # noqa: E402
 from train.loss import compute_loss  # noqa: E402
+from train.run.engine import param_groups, warmup_cosine  # noqa: E402
 
 DEFAULTS = ["model=v41_mini", "layout=v41_scaled"]
 
@@ -137,7 +137,7 @@ def freeze(model: Transformer, groups: list[str]) -> list[str]:
 
 def train_steps(model: Transformer, cfg, ids: torch.Tensor, steps: int, dtype: torch.dtype):
     """Yield after each of ``steps`` optimizer steps on the row ``ids`` (next-token loss), as the trainer takes
-    them: AdamW (fused on a GPU) with its decay groups, betas, eps and warm-up schedule (``train/engine.py``) over
+    them: AdamW (fused on a GPU) with its decay groups, betas, eps and warm-up schedule (``train/run/engine.py``) over
     the parameters that require a gradient, each clipping group (``model.groups.clip_group``: the trunk, the
     indexer) clipped at ``train.grad_clip`` by its own norm, then the balance step of the routing biases. The
     Engram tables (sparse gradients) stay. Yields (step, the LM loss before it, ``gradient_stats`` of its update)."""

@@ -5,7 +5,7 @@ PyTorch reference path of CSA2 (issue 6); the V4.1-shaped ``model=small_moe`` be
                                [--device cuda|cpu] [--kernel-table] [--out FILE.json]
     python bench/train_step.py --all --out-dir DIR [overrides]   # every variant, each in its own process
 
-The engine is ``train/engine.py``'s (DeepSpeed pipeline engine, one stage, bf16 autocast over fp32 masters, AdamW),
+The engine is ``train/run/engine.py``'s (DeepSpeed pipeline engine, one stage, bf16 autocast over fp32 masters, AdamW),
 built from ``model.cli.compose`` with the defaults ``model=small layout=v41 data.seq_len=65536
 data.micro_batch_size=1 train.grad_accum_steps=1 parallel.recompute=layer train.precision=bf16`` (argv overrides win,
 e.g. ``model=small_moe``). Batches are synthetic: random byte tokens, one document per row (the kernels' cost does
@@ -88,8 +88,8 @@ def run_variant(a) -> dict:
     import torch
     from model.cli import compose, resolved
     from parallel.job import plan, resolve_device
-    from train import distributed
-    from train.engine import build_engine, train_step
+    from train.processes import distributed
+    from train.run.engine import build_engine, train_step
 
     from model import layout_from_config
     from model.engram import EngramTable
@@ -286,7 +286,7 @@ def details(a, res, engine, batch, sync, cuda, device, precision, probe, step_s)
     Reuse layer's inputs), that Reuse layer's launches, the device time by kernel (``--kernel-table``: one more step
     under the profiler, whose event processing takes longest)."""
     import torch
-    from train.engine import train_step
+    from train.run.engine import train_step
     model = engine.module.stage.model
     capture = {}  # one Reuse layer's inputs, kept in the probed step (capture_reuse_inputs)
 

@@ -460,7 +460,7 @@ def markdown(result: dict) -> str:
         f"{c['indexer_select_blocks_ms']:.1f} ms with the candidate blocks, m = 1): the part of layers 2, 8, 14 (/ 2) "
         "and 20 that grows with a query's position, whose last chunk's share is (2C - 1) / C^2.",
         f"- `{c['lora_steps'][0]}`, `{c['lora_steps'][1]}`: LoRA's time scale; the memory model against their peaks "
-        "(`tests/test_context_plan.py`): " + ", ".join(
+        "(`tests/parallel/test_context_plan.py`): " + ", ".join(
             f"{m['job']} {m['estimated_gib']:.1f} GiB estimated against {m['measured_gib']:.1f} measured"
             for m in c["memory_check"]) + ".",
         f"- `bench/results/train/train_step_small_65536.json`: small (dense FFN, no hc) at MFU "
@@ -489,7 +489,7 @@ def markdown(result: dict) -> str:
         "steps (small, small_moe full and LoRA) but missed 21-25 GiB per stage on two pipeline stages (the engine's "
         "pipeline buffers are the suspect: docs/PARALLELISM.md), so a configuration estimated above ~115 GiB may not "
         "fit until a multi-GPU run says otherwise. Its context terms are checked against hand numbers "
-        "(`tests/test_context_plan.py`), not against a multi-GPU run.", ""])
+        "(`tests/parallel/test_context_plan.py`), not against a multi-GPU run.", ""])
 
 
 HEADROOM_GIB = 115.0  # the two-stage run's peaks were 21-25 GiB over the memory model's (docs/PARALLELISM.md)

@@ -1,6 +1,6 @@
 """Inputs for checking and benchmarking the kernels: packed-document geometry and random selections.
 
-Shared by tests/test_kernels.py (CPU interpreter) and bench/bench_kernels.py (GPU), so both exercise the same
+Shared by tests/kernels/test_kernels.py (CPU interpreter) and bench/bench_kernels.py (GPU), so both exercise the same
 doc-relative conventions of docs/DESIGN.md ("Packed sequences").
 """
 import torch

@@ -348,7 +348,7 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
-    """The ``train`` group: the training loop (``train/app.py``), AdamW with linear warm-up and cosine decay, the
+    """The ``train`` group: the training loop (``train/run/app.py``), AdamW with linear warm-up and cosine decay, the
     loss weights, evaluation, checkpoints and where the weights start."""
     seed: int = setting("seeds the initial weights (with their names), Python, NumPy and torch", ge=0)
     device: str = setting("auto (the local GPU if any, else the CPU), cpu or cuda", choices=("auto", "cpu", "cuda"))
@@ -410,7 +410,7 @@ def span(value, name: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class SyntheticConfig:
-    """``data.synthetic``: the trainable retrieval tasks (``train/synthetic.py``)."""
+    """``data.synthetic``: the trainable retrieval tasks (``train/data/synthetic.py``)."""
     tasks: dict[str, float] = setting("share of the synthetic rows per task: mqar, passkey, copy",
                                       {"mqar": 1.0, "passkey": 0.0, "copy": 0.0}, ge=0)
     eval_examples: int = setting("held-out examples per task, scored at every evaluation", 256, ge=0)
@@ -454,7 +454,7 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
-    """The ``data`` group: the arguments of ``train.data.build_loader``."""
+    """The ``data`` group: the arguments of ``train.data.loader.build_loader``."""
     source: str = setting("stdlib: this interpreter's *.py files; hf: any datasets source (path)", "stdlib",
                           choices=("stdlib", "hf"))
     path: str | None = setting("stdlib: root of the *.py files (null: the stdlib); hf: a file or directory of "
@@ -465,7 +465,7 @@ class DataConfig:
     sample_by: str = setting("hf text files: one document per file (document), paragraph or line; auto: per file, "
                              "but a single file per paragraph (per line if it has no blank line)", "auto",
                              choices=SAMPLE_BY)
-    format: str = setting("hf fine-tuning data (train/sft.py): text, chat or prompt_response (loss on responses "
+    format: str = setting("hf fine-tuning data (train/data/sft.py): text, chat or prompt_response (loss on responses "
                           "only); auto: text if text_field is a column, else chat if messages_field is, else "
                           "prompt_response", "auto", choices=("auto", "text", "chat", "prompt_response"))
     messages_field: str = setting("hf chat data: the column of [{role, content}, ...]", "messages")
@@ -528,7 +528,7 @@ class ParallelConfig:
 
 @dataclass
 class LoggerConfig:
-    """The ``logger`` group: the job's wandb run (``train/metrics.py``)."""
+    """The ``logger`` group: the job's wandb run (``train/observe/metrics.py``)."""
     mode: str = setting("offline (no account: wandb sync <run dir>/wandb/offline-run-*), online or disabled",
                         choices=("offline", "online", "disabled"))
     project: str = setting("wandb project")

@@ -30,7 +30,7 @@ _NORMALIZE = normalizers.Sequence([
     normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
     normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), _ONE_SPACE),
     normalizers.Strip(), normalizers.Replace(_ONE_SPACE, " ")])
-_PROJECT_TOKENIZER = ("vocab_size", "token_text", "token")  # train/tokenizer.py's Tokenizer
+_PROJECT_TOKENIZER = ("vocab_size", "token_text", "token")  # train/data/tokenizer.py's Tokenizer
 _HF_TOKENIZER = ("get_vocab_size", "decode", "id_to_token")  # tokenizers.Tokenizer
 
 
@@ -55,7 +55,7 @@ def compressed_token_map(tokenizer) -> tuple[list[int], int]:
     order of first appearance. A token whose text holds U+FFFD (a partial UTF-8 byte) is keyed by its raw form, and
     one whose text normalises to nothing by its text, so that neither merges with unrelated tokens.
 
-    ``tokenizer``: this project's tokenizers (``train/tokenizer.py``: ``vocab_size``, ``token_text(id)``,
+    ``tokenizer``: this project's tokenizers (``train/data/tokenizer.py``: ``vocab_size``, ``token_text(id)``,
     ``token(id)``) or a ``tokenizers.Tokenizer``; anything else is a ValueError naming what it lacks."""
     n_ids, text_of, raw_of = _token_forms(tokenizer)
     normalised: dict[str, int] = {}

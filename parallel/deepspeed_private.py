@@ -7,8 +7,8 @@ public, named hook of ours. Each hook defaults to DeepSpeed's behaviour, so a su
 and calls ``super()`` for DeepSpeed's part. Where DeepSpeed has a public method for a part, the hooks call it instead:
 a list of gradients goes to its bucketed data-parallel all-reduce as ``buffered_allreduce_fallback(grads=...)``, and
 a schedule is wrapped where it is run rather than where DeepSpeed builds it.
-``tests/test_deepspeed_private.py`` fails when another module of ``parallel/``, ``train/``, ``model/`` or ``bench/``
-names a private attribute of DeepSpeed's pipeline classes, or when DeepSpeed is not the version checked here.
+``tests/parallel/test_deepspeed_private.py`` fails when another module of ``parallel/``, ``train/``, ``model/`` or
+``bench/`` names a private attribute of DeepSpeed's pipeline classes, or when DeepSpeed is not the version checked here.
 
 Checked against DeepSpeed ``CHECKED_VERSION`` (pinned in ``pyproject.toml``). Besides the names in
 ``PRIVATE_NAMES``, the hooks read and write attributes DeepSpeed keeps without an underscore but does not document:

@@ -1,5 +1,5 @@
 """A job planned once: the model and layout its config describes, the device and precision it runs in, the batch
-and the stage split, every ``parallel`` setting checked (``parallel/checks.py``). ``train/preflight.py`` plans the
+and the stage split, every ``parallel`` setting checked (``parallel/checks.py``). ``train/run/preflight.py`` plans the
 job it runs and ``python -m parallel.plan`` the job it prints (``parallel.plan.check_memory`` judges its memory);
 everything below them reads the ``Job``, not the config.
 """

@@ -2,10 +2,10 @@
 
 ``spawn(fn, n, *args)`` starts ``n`` processes with the environment a launcher would give them (RANK,
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), initialises torch.distributed through DeepSpeed, calls
-``fn(rank, *args)`` in each and then destroys the process group, as a training job does (``train/distributed.py``):
-left to the interpreter's exit, gloo's threads can abort a process that has finished its work ("terminate called
-without an active exception", test_expert_dispatch's only_local case on an Intel Xeon, 2026-12-04). Real jobs use
-``torchrun`` or ``deepspeed`` (see launch/)."""
+``fn(rank, *args)`` in each and then destroys the process group, as a training job does
+(``train/processes/distributed.py``): left to the interpreter's exit, gloo's threads can abort a process that has
+finished its work ("terminate called without an active exception", test_expert_dispatch's only_local case on an Intel
+Xeon, 2026-12-04). Real jobs use ``torchrun`` or ``deepspeed`` (see launch/)."""
 import os
 import socket
 

@@ -6,7 +6,7 @@ weights are stored per transformer layer under the full model's names (``layer_<
 range of experts (``experts_<layer file>_<first expert>.pt``), and the optimizer state per parameter name and row
 range (``parallel/zero.py``, ``parallel/tables.py``). Each rank then reads what it holds under its own split:
 a checkpoint loads under any ``parallel.pipeline_stages``, data-parallel, expert-parallel size and ZeRO stage.
-``train/checkpoint.py`` writes and publishes the files (atomically) and reads them back.
+``train/formats/checkpoint.py`` writes and publishes the files (atomically) and reads them back.
 """
 import glob
 import os

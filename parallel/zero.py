@@ -156,7 +156,7 @@ def rows_of_state(shard: Shard, pieces: list[dict], device: torch.device) -> dic
 
     Tensors with rows (AdamW's moments) are joined along dim 0; a scalar (AdamW's ``step``, equal in every piece)
     is taken as fp32 on the parameter's device too: where the fused AdamW that trains on a GPU reads it
-    (``train/engine.py``), and on the CPU where the plain AdamW keeps it."""
+    (``train/run/engine.py``), and on the CPU where the plain AdamW keeps it."""
     overlaps = sorted(((max(p["rows"][0], shard.start), min(p["rows"][1], shard.stop), p) for p in pieces
                        if max(p["rows"][0], shard.start) < min(p["rows"][1], shard.stop)), key=lambda o: o[0])
     if sum(stop - start for start, stop, _ in overlaps) != shard.stop - shard.start:

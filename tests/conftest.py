@@ -3,7 +3,7 @@ no test file has to remember them (a test added later gets its marks too).
 
 - ``multiprocess``: the test, a fixture it uses or a helper of the test modules they call (the pipeline harness's
   ``run``, say) starts processes through ``parallel.local.spawn``.
-- ``slow``: multi-process, or a whole training job through ``train.app.run``. ``-m "not slow"`` keeps the quick
+- ``slow``: multi-process, or a whole training job through ``train.run.app.run``. ``-m "not slow"`` keeps the quick
   unit and oracle tests.
 - ``gpu``: needs a CUDA device; skipped without one.
 """
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from parallel.local import spawn
-from train.app import run as run_job
+from train.run.app import run as run_job
 
 
 PROJECT = ("parallel", "train", "tests")  # the packages whose attributes a test may reach a process spawner through

@@ -1,4 +1,4 @@
-"""``python -m train [overrides]``: the training job (see ``train/app.py``).
+"""``python -m train [overrides]``: the training job (see ``train/run/app.py``).
 
 Launchers speak argparse, Hydra does not: the ``deepspeed`` launcher appends ``--local_rank=N`` (older torch
 launchers pass ``--local-rank N``), which Hydra would reject as an override. The rank moves into the
@@ -6,7 +6,8 @@ launchers pass ``--local-rank N``), which Hydra would reject as an override. The
 
 The overrides are checked before Hydra starts (``model.cli.job_config``): a key the config does not have,
 ``+key=`` ones included, is refused with the nearest valid names, and a value of another type or out of its
-range with what to give. Errors and interrupts end as one line on stderr with an exit status (``train/errors.py``).
+range with what to give. Errors and interrupts end as one line on stderr with an exit status
+(``train/processes/errors.py``).
 
 Only rank 0 writes the run directory's Hydra files and logs: the other ranks log errors only, to stdout, and the
 job itself writes into rank 0's directory (Hydra's timestamped default may differ by a second across ranks).
@@ -67,8 +68,8 @@ def announce_start() -> None:
 
 if __name__ == "__main__":
     argv = strip_launcher_args(sys.argv[1:])
-    from train.errors import reported
-    from train.quiet import name_the_accelerator
+    from train.observe.quiet import name_the_accelerator
+    from train.processes.errors import reported
 
     with reported():
         from model.cli import job_config
@@ -76,6 +77,6 @@ if __name__ == "__main__":
         name_the_accelerator(job_config(config_overrides(argv)).train.device)
         announce_start()
         sys.argv[1:] = argv + rank_overrides()
-        from train.app import main
+        from train.run.app import main
 
         main()

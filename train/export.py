@@ -1,16 +1,16 @@
 """``python -m train.export <checkpoint> <out dir> [--format ours|deepseek] [--dtype bf16|fp32]
 [--max-shard-size 5GB] [--source <released dir>]``.
 
-Writes a checkpoint's weights in the reference format (``train/reference_format.py``): ``model.safetensors``
+Writes a checkpoint's weights in the reference format (``train/formats/reference_format.py``): ``model.safetensors``
 (sharded above ``--max-shard-size``, with ``model.safetensors.index.json``) under the reference tensor names, and
 ``config.json`` with the reference config's field names. ``<checkpoint>`` is a checkpoint directory (its
 ``latest``) or one tag directory, written under any pipeline split; a LoRA run's is written merged into its base
-(``train/lora.py``). ``train.init_from=<out dir>`` reads it back.
+(``train/formats/lora.py``). ``train.init_from=<out dir>`` reads it back.
 The tokenizer file the run trained with, if any, is copied beside them as ``tokenizer.json``, with a
 ``tokenizer_config.json`` holding its chat template and the run's special tokens.
 
-``--format deepseek`` writes DeepSeek's released format instead (``train/released_format.py``: FP8 / FP4 with e8m0
-block scales, its shards, index and ``config.json``), byte for byte as the release for every tensor not trained,
+``--format deepseek`` writes DeepSeek's released format instead (``train/formats/released_format.py``: FP8 / FP4 with
+e8m0 block scales, its shards, index and ``config.json``), byte for byte as the release for every tensor not trained,
 with ``quantization_report.json`` for the rest; ``--source <released dir>`` (default: the run's
 ``train.init_from``, when it is one) gives the shards, dtypes, scales and the vision tensors to keep.
 """
@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 
 from model import ModelArgs, layout_from_config
-from train import checkpoint
-from train.lora import checkpoint_weights
-from train.reference_format import CONFIG, DTYPES, MAX_SHARD_BYTES, reference_config, write_json, write_weights
-from train.released_format import export_deepseek, quantisation_table
-from train.tokenizer import TOKENIZER_CONFIG
+from train.data.tokenizer import TOKENIZER_CONFIG
+from train.formats import checkpoint
+from train.formats.lora import checkpoint_weights
+from train.formats.reference_format import CONFIG, DTYPES, MAX_SHARD_BYTES, reference_config, write_json, write_weights
+from train.formats.released_format import export_deepseek, quantisation_table
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ The weights are a checkpoint of ours (a checkpoint directory or one step directo
 (``python -m train.export``), read as ``train.init_from`` reads them; the model and layout are the ones saved with
 them and the tokenizer the run's (a checkpoint's ``data.tokenizer``; an export's ``tokenizer.json``, else the
 byte-level one). The prompt starts with BOS, as every training document does; with ``--chat`` it is one user
-message in the run's chat format (``train/sft.py``: its template, or the default ``<|user|>`` / ``<|assistant|>``
+message in the run's chat format (``train/data/sft.py``: its template, or the default ``<|user|>`` / ``<|assistant|>``
 markers) and the answer is generated. Sampling stops at EOS or after ``--max-new-tokens``: greedy at temperature 0
 (the default), else from the softmax at ``--temperature``, cut to the ``--top-k`` most probable tokens, then to the
 smallest set of tokens whose probability reaches ``--top-p`` (nucleus sampling), seeded by ``--seed``. Only the
@@ -25,9 +25,10 @@ import torch
 
 from model import ModelArgs, Transformer, layout_from_config
 from model.engram import compressed_token_map
-from train import checkpoint, init_from, sft
-from train.reference_format import ExportedWeights, is_exported, model_and_layout
-from train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from train.data import sft
+from train.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from train.formats import checkpoint, init_from
+from train.formats.reference_format import ExportedWeights, is_exported, model_and_layout
 
 
 def load(path: str, device: torch.device) -> tuple[Transformer, Tokenizer]:

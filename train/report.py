@@ -13,8 +13,8 @@ Everything comes from the run dirs themselves, so no wandb account is needed:
 
 Noise. A tiny model trained for minutes differs from another by little, and a table of one number per run ranks
 them regardless. So the held-out LM loss carries its standard error over the evaluation batches (``lm_loss_se``,
-``train/evaluate.py``), and a run whose loss lies within ``NOISE_SIGMAS`` standard errors of the difference from the
-best run's is marked "within noise"; an accuracy within ``NOISE_SIGMAS`` binomial standard errors of its chance
+``train/evaluation/evaluate.py``), and a run whose loss lies within ``NOISE_SIGMAS`` standard errors of the difference
+from the best run's is marked "within noise"; an accuracy within ``NOISE_SIGMAS`` binomial standard errors of its chance
 level (probes: ``train.eval.probe_examples`` samples; synthetic tasks: ``data.synthetic.eval_examples``) is marked
 "(chance)": such differences do not tell layouts apart. With several seeds per setting (``train.seed=0,1,2`` in the
 sweep) a second table gives each setting's mean and standard deviation over its seeds, and marks means within
@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from model.accounting import account
 from model.config import ModelArgs
 from model.layout import layout_from_config
-from train.metrics import METRICS_FILE, read_rows
+from train.observe.metrics import METRICS_FILE, read_rows
 
 CONFIG_FILE = "config.yaml"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
@@ -138,8 +138,8 @@ def _number(value) -> float:
 
 def _probe_chance(cfg: DictConfig) -> dict[str, float]:
     """The chance level of each probe kind (``passkey``, ``mqar``) with the run's tokenizer."""
-    from train.evaluate import data_tokenizer
-    from train.probes import chance_levels
+    from train.evaluation.evaluate import data_tokenizer
+    from train.evaluation.probes import chance_levels
 
     try:
         levels = chance_levels(data_tokenizer(cfg.data))
@@ -203,8 +203,8 @@ SYNTHETIC_COLUMNS = (("acc", "acc"), ("acc_beyond_window", "beyond window"), ("c
 
 
 def synthetic_tasks(summaries: list[dict]) -> list[str]:
-    """The synthetic tasks any run evaluated, in ``train.synthetic.TASKS`` order."""
-    from train.synthetic import TASKS
+    """The synthetic tasks any run evaluated, in ``train.data.synthetic.TASKS`` order."""
+    from train.data.synthetic import TASKS
 
     present = {task for s in summaries for task in s["synthetic"]}
     return [task for task in TASKS if task in present] + sorted(present - set(TASKS))

@@ -1,4 +1,4 @@
-"""The routing criteria of issue 54 for any MoE run, from its ``metrics.jsonl`` (train/routing.py's series):
+"""The routing criteria of issue 54 for any MoE run, from its ``metrics.jsonl`` (train/observe/routing.py's series):
 
     python -m train.routing_criteria RUN_DIR [--dense DENSE_RUN_DIR] [--window 100]
 
@@ -18,8 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from train.metrics import METRICS_FILE, read_rows
-from train.routing import PREFIX
+from train.observe.metrics import METRICS_FILE, read_rows
+from train.observe.routing import PREFIX
 
 INIT_MAX = 2.0
 END_MEAN_MAX = 1.3

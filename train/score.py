@@ -2,7 +2,7 @@
 [--logits] [--device auto|cpu|cuda]``: how well trained weights predict given documents.
 
 The weights are read as ``train.generate`` reads them (a checkpoint of ours or an export), or DeepSeek's released
-directory (``train/released_format.py``: its config.json gives the model, its FP8 / FP4 tensors are dequantised;
+directory (``train/formats/released_format.py``: its config.json gives the model, its FP8 / FP4 tensors are dequantised;
 its ``tokenizer.json`` tokenizes and gives Engram its normalised ids; without one the byte-level tokenizer
 tokenizes and Engram hashes the ids unnormalised). ``--text``: every non-empty line is a document (a paragraph over
 several lines is several documents: put each document on one line), tokenized with BOS in front as training does;
@@ -25,10 +25,10 @@ from safetensors.torch import save_file
 
 from model import Transformer
 from model.engram import compressed_token_map
+from train.data.tokenizer import ByteTokenizer, load_tokenizer
+from train.formats.init_from import load_stage
+from train.formats.released_format import ReleasedWeights, is_released, released_model
 from train.generate import load as load_ours
-from train.init_from import load_stage
-from train.released_format import ReleasedWeights, is_released, released_model
-from train.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def load(path: str, device: torch.device):

@@ -1,0 +1,1 @@
+"""The benchmark scripts' logic (bench/) on the CPU."""

@@ -1,0 +1,1 @@
+"""Kernels (kernels/) against their PyTorch references, on the CPU through the Triton interpreter."""

@@ -1,0 +1,286 @@
+"""A LoRA run's frozen base kept in the released FP8/FP4 form (issue 56, ``model/quantized_base.py``,
+``kernels/triton_quant_gemm.py``), on the CPU.
+
+The kernel runs through the Triton interpreter (fp32 and fp16; the interpreter computes bf16 wrongly) against the
+dequantise-then-matmul product written here in fp64 from ``model/quant.py``'s dequantisation, and its decoding of
+every FP8 code against torch's own ``float8_e4m3fn``. The converted model runs against the fp64 oracle of
+``tests/support/oracle.py`` given the dequantised base and the merged adapters ``W + (alpha/r) B A``: logits and the
+adapters' gradients."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere in this process
+os.environ["CSA2_KERNEL_POISON"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels.triton_quant_gemm import quant_matmul  # noqa: E402
+from model import Transformer  # noqa: E402
+from model.lora import LoRA, attach  # noqa: E402
+from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, e2m1_to_float, quantize  # noqa: E402
+from model.quantized_base import QuantizedLinear, QuantizedMatrix, QuantizedTable, quantize_base  # noqa: E402
+from tests.support.oracle import oracle_forward
+from tests.support.v41_oracle import (MIN_GAP, _one_thread, batch, configured, objective,
+                                      random_state)  # noqa: E402, F401
+from train.formats.released_format import quantized_form  # noqa: E402
+
+FORMS = [pytest.param("fp8", BLOCK_FP8, id="fp8"), pytest.param("fp4", BLOCK_ROW, id="fp4")]
+
+
+def _stack(fmt, block, experts, out, fan_in, seed=0):
+    """A quantised stack ``[experts, out, in]`` with some tiny columns (FP8 subnormal codes, FP4 zeros) and its
+    dequantised values in fp64."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(experts, out, fan_in, generator=g) * torch.where(torch.arange(fan_in) % 7 == 3, 1e-3, 1.0)
+    parts = [quantize(m, fmt, block) for m in w]
+    codes, scale = torch.stack([c for c, _ in parts]), torch.stack([s for _, s in parts])
+    values = torch.stack([dequantize(c, s, fmt, block, torch.float64) for c, s in parts])
+    return codes, scale, values
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fmt, block", FORMS)
+def test_grouped_kernel_equals_dequantise_then_matmul(fmt, block, dtype, tol):
+    """Rows sorted by expert (3 experts, one with no rows) times each expert's matrix, forward and backward to the
+    input; 40 x 70 (fp8) / 40 x 66 (fp4) cross the 32-column scale blocks, the interpreter's 16 x 16 x 32 tiles and
+    end inside them. Planted and caught: the FP4 nibbles swapped, the scale's block column read as k // R, the tile
+    table's expert off by one, the backward reducing over the input columns (the forward's transpose)."""
+    out, fan_in = 40, 70 if fmt == "fp8" else 66
+    codes, scale, values = _stack(fmt, block, 3, out, fan_in)
+    counts = torch.tensor([17, 0, 21])
+    x = torch.randn(int(counts.sum()), fan_in, dtype=dtype, requires_grad=True)
+    y = quant_matmul(x, codes, scale, counts, fmt == "fp4", block, (out, fan_in))
+    grad = torch.randn(y.shape, dtype=dtype)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    xs, gs = x.detach().double().split(counts.tolist()), grad.double().split(counts.tolist())
+    want_y = torch.cat([part @ values[e].T for e, part in enumerate(xs)])
+    want_dx = torch.cat([part @ values[e] for e, part in enumerate(gs)])
+    for got, want in ((y, want_y), (dx, want_dx)):
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        assert ((got.double() - want).norm() / want.norm()).item() < tol
+
+
+def test_every_code_decodes_as_torch_and_the_reference_do():
+    """x = I reads the decoded matrix back: every finite one of the 256 FP8 bytes (subnormals, -0, 448) as torch's
+    ``float8_e4m3fn``, every FP4 nibble as ``model/quant.py``'s table, times scales 2^-9 .. 2^6, per 32 x 32 block
+    (fp8) / per 32 of a row (fp4). (The two NaN codes stay out: a NaN anywhere in a row of W spoils the whole GEMM
+    row.) Planted and caught: the e4m3 bias 8, subnormals read as normals, the scale's bias 128."""
+    eye = torch.eye(64)
+    fp8 = torch.arange(256, dtype=torch.uint8).view(8, 32).repeat(8, 2)  # [64, 64]: 2 x 2 blocks
+    fp8[(fp8 & 127) == 127] = 0
+    fp8_scale = torch.tensor([[118, 133], [127, 121]], dtype=torch.uint8)
+    got = quant_matmul(eye, fp8[None], fp8_scale[None], None, False, BLOCK_FP8, (64, 64)).T
+    factor = torch.ldexp(torch.ones(2, 2), fp8_scale.int() - 127)
+    want = fp8.view(torch.float8_e4m3fn).float() * factor.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    fp4 = torch.arange(256, dtype=torch.uint8).view(8, 32).repeat(8, 1)  # [64, 32] bytes: [64, 64] values
+    fp4_scale = torch.arange(64 * 2, dtype=torch.uint8).view(64, 2) % 16 + 118
+    got = quant_matmul(eye, fp4[None], fp4_scale[None], None, True, BLOCK_ROW, (64, 64)).T
+    nibbles = torch.stack([fp4 & 15, fp4 >> 4], -1).flatten(-2)
+    want = e2m1_to_float(nibbles) * torch.ldexp(torch.ones(64, 2), fp4_scale.int() - 127).repeat_interleave(32, 1)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+EVERY_MOE = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts")
+RANK, ALPHA = 4, 8.0
+
+
+def _quantized_state(model, seed: int) -> dict:
+    """``random_state``'s fp64 values with every matrix the release stores quantised in the blocks (``layers.*``)
+    and the draft head's routed experts replaced by its dequantised FP8 / FP4 values (the Engram tables too, which ``quantize_base`` leaves as they
+    are: a lookup, not a GEMM)."""
+    state = {}
+    for name, value in random_state(model, seed).items():
+        form = quantized_form(name) if name.startswith("layers.") or ".ffn.experts." in name else None
+        if form is not None and value.dim() == 2:
+            value = dequantize(*quantize(value.detach(), *form), *form, torch.float64).requires_grad_(False)
+        state[name] = value
+    return state
+
+
+def _oracle_params(state: dict, model, scale: float) -> tuple[dict, dict]:
+    """The oracle's parameters (the dequantised base with every adapted matrix merged, ``W + scale · B A``, built
+    from leaves A and B) and those leaves under the model's parameter names."""
+    leaves = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters() if p.requires_grad}
+    params = {n: v.detach() for n, v in state.items()}
+    for name, a in leaves.items():
+        if not name.endswith(".A"):
+            continue
+        b = leaves[name[:-1] + "B"]
+        if ".experts.lora." in name:  # a stack: ...experts.lora.w1.A [E, r, in]
+            stack, matrix = name.split(".lora.")[0], name.split(".")[-2]
+            for e in range(a.shape[0]):
+                target = f"{stack}.{e}.{matrix}.weight"
+                params[target] = params[target] + scale * b[e] @ a[e]
+        else:
+            target = name.removesuffix(".lora.A") + ".weight"
+            params[target] = params[target] + scale * b @ a
+    return params, leaves
+
+
+def test_quantized_base_model_matches_the_oracle():
+    """``model=v41_mini`` with adapters on every matrix (B random, so that each update shows) and its base converted
+    to the released FP8 / FP4 form (the reference GEMMs, fp64) against the oracle given the dequantised base with
+    the adapters merged: logits to fp64 rounding, and the gradient of every A and B. What the released form changes
+    is shown to matter: the un-rounded base gives other logits. Planted and caught: the stacked operands' outputs
+    (wq_a | wkv, w1 | w3) joined in the other order, wo_a's grouped product reading the tokens' rows without
+    grouping them or its output viewed as [G, rank, N], an adapter left behind on the replaced nn.Linear."""
+    args, layout = configured([])
+    lora = LoRA(RANK, ALPHA, EVERY_MOE)
+    ids, doc = batch(0)
+    for k in range(5):
+        model = Transformer(args, layout, run_dspark=True).double()
+        state = _quantized_state(model, 1000 * k)
+        model.load_state_dict({n: v.detach() for n, v in state.items()})
+        attach(model, lora, seed=3)
+        model.double()  # the adapters too
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".B"):
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+        params, leaves = _oracle_params(state, model, lora.scale)
+        diag = {}
+        logits, indexer, draft = oracle_forward(params, *_dims(args, layout), ids, doc, diag=diag, draft=True)
+        if min(diag[key] for key in ("topk_margin", "block_margin", "route_margin", "argmax_margin")) > MIN_GAP:
+            break
+    quantize_base(model, quantized_form, "torch")
+    left = [n for n in model.state_dict() if n.startswith("layers.") and quantized_form(n)]
+    assert not left and isinstance(model.layers["0"].attn.wq_a, QuantizedLinear)  # every stored matrix converted
+    assert all(isinstance(model.layers[str(i)].engram.embed, QuantizedTable) for i in args.engram.layers)
+    assert isinstance(model.layers["0"].ffn.experts.w1, QuantizedMatrix)
+    out = model(ids, doc)
+    torch.testing.assert_close(out.logits, logits, rtol=1e-10, atol=1e-10)
+    got = torch.autograd.grad(objective(out.logits, out.indexer_losses, out.draft_losses, ids),
+                              [p for p in model.parameters() if p.requires_grad])
+    want = torch.autograd.grad(objective(logits, indexer, draft, ids), list(leaves.values()))
+    for name, g_got, g_want in zip(leaves, got, want):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-9 * g_want.abs().max().item(), msg=name)
+    unrounded = {**params, **{n: v for n, v in random_state(model, 1000 * k).items() if n not in leaves}}
+    assert (oracle_forward(unrounded, *_dims(args, layout), ids, doc, draft=True)[0] - logits).abs().max() > 1e-3
+
+
+def _dims(args, layout):
+    import dataclasses
+
+    return dataclasses.asdict(args), dataclasses.asdict(layout)
+
+
+def test_grouped_triton_experts_equal_the_reference_loop():
+    """The routed experts with adapters, converted to FP4 stacks: the grouped path (one Triton kernel per matrix over
+    the experts, under the interpreter, fp32) against the loop over the experts with the PyTorch reference
+    (dequantise one expert, multiply): outputs, the input's gradient and every adapter's. An expert with no rows;
+    counts handed as offsets, or the loop's per-expert slices of the stack cut at the wrong expert, fail."""
+    from model.moe import RoutedExperts
+
+    args = configured([])[0]
+    runs = []
+    for backend, grouped in (("triton", True), ("torch", False)):
+        torch.manual_seed(0)
+        experts = RoutedExperts(args.dim, args.moe)
+        for w in (experts.w1, experts.w2, experts.w3):
+            torch.nn.init.normal_(w, std=0.05)
+        model = torch.nn.Module()  # attach and quantize_base look for layers: one block whose FFN holds these
+        model.layers, model.args = torch.nn.ModuleDict({"0": torch.nn.Module()}), args
+        model.layers["0"].ffn = torch.nn.Module()
+        model.layers["0"].ffn.experts = experts
+        attach(model, LoRA(8, 16.0, ("experts",)), seed=0)
+        with torch.no_grad():
+            for w in ("w1", "w2", "w3"):
+                experts.lora[w].B.normal_(std=0.1)
+        quantize_base(model, quantized_form, backend)
+        counts = torch.tensor([5, 0, 3, 8, 1, 7, 2, 6])
+        x = torch.randn(int(counts.sum()), args.dim, requires_grad=True)
+        out = experts(x, counts, torch.rand(int(counts.sum())), grouped=grouped)
+        grads = torch.autograd.grad(out.square().sum(), [x, *experts.parameters()])
+        runs.append((out, *grads))
+    for got, want in zip(*runs):
+        assert torch.isfinite(got).all()
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_the_memory_model_counts_the_converted_bytes():
+    """``parallel.memory.lora_counts`` under ``quantized_base`` times ``STORED_BYTES`` against the bytes of the codes
+    and scales of every matrix a converted ``v41_mini`` holds quantised (the draft head's experts too). Planted and
+    caught: FP8 costed at 1.03 bytes a value (a scale per 32, the Engram tables' rows), FP4 at 0.5 (no scales); the
+    tables' FP8 rows at fp32's 4 bytes or without their scales; the draft head's experts left at fp32."""
+    from model.quantized_base import STORED_BYTES
+    from parallel.memory import lora_counts
+
+    args, layout = configured([])
+    lora = LoRA(RANK, ALPHA, EVERY_MOE, quantized_base=True)
+    model = Transformer(args, layout)
+    attach(model, lora, seed=0)
+    quantize_base(model, quantized_form, "torch")
+    held = {"fp8": 0, "fp4": 0}
+    for module in model.modules():  # ...attn.wq_a.weight (a QuantizedLinear's), ...ffn.experts.w1, mtp.0...
+        if isinstance(module, QuantizedMatrix):
+            held[module.fmt] += module.codes.nbytes + module.scale.nbytes
+    assert isinstance(model.mtp[0].ffn.experts.w1, QuantizedMatrix)
+    counts = lora_counts(args, layout, lora)
+    assert held["fp8"] > 0 and held["fp4"] > 0
+    for fmt in ("fp8", "fp4"):
+        assert sum(counts[fmt]) * STORED_BYTES[fmt] == pytest.approx(held[fmt], rel=1e-12)
+    # the Engram tables: estimate()'s frozen state with and without them held as released, against the packed bytes
+    from parallel.memory import estimate, parameter_counts
+
+    tables = sum(m.packed.nbytes for m in model.modules() if isinstance(m, QuantizedTable))
+    table_values = sum(parameter_counts(args, layout)["tables"])
+    assert tables == table_values * (1 + 1 / args.engram.head_dim)  # v41_mini's rows of 16: one scale a row
+    kept = estimate(args, layout, 1, 32, torch.float32, layout.n_layers, 1, 1, False, lora=lora)
+    fp32 = estimate(args, layout, 1, 32, torch.float32, layout.n_layers, 1, 1, False,
+                    lora=LoRA(RANK, ALPHA, EVERY_MOE, quantized_base=False))
+    low = lora_counts(args, layout, lora)
+    fp32_matrices = sum(low["fp8"]) * (4 - STORED_BYTES["fp8"]) + sum(low["fp4"]) * (4 - STORED_BYTES["fp4"])
+    assert sum(fp32.state) - sum(kept.state) == pytest.approx(fp32_matrices + table_values * 4 - tables, rel=1e-12)
+
+
+def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
+    """``bench/quant_gemm.py --smoke``: its three cases come back with both ways timed, the same products (fp32 on the
+    CPU) and the weights smaller quantised."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "quant_gemm.json"
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(root / "bench/quant_gemm.py"), "--smoke", "--out", str(out)], check=True,
+                   capture_output=True, timeout=300)
+    results = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in results] == ["experts w1|w3", "experts w2", "attn wq_b"]
+    for r in results:
+        assert r["max_rel_diff"] < 1e-5 and r["weight_bytes"]["quantised"] < r["weight_bytes"]["bf16"]
+        assert all(r[f"{way}_{step}_ms"] > 0 for way in ("bf16", "quantised") for step in ("forward", "backward"))
+
+
+def _table_lookup(rank, out):
+    """Rank ``rank`` of 2 holds half of a 37-row table of grid values (FP8 rows of 32 with their scales), converted;
+    it looks up ids of both halves through the process group's exchange."""
+    from model.engram import EngramTable
+    from model.quant import dequantize, quantize
+    from model.quantized_base import TABLE_BLOCK, QuantizedTable
+    from parallel.rows import RowExchange
+
+    g = torch.Generator().manual_seed(0)
+    whole = dequantize(*quantize(torch.randn(38, 64, generator=g) * 3, "fp8", TABLE_BLOCK), "fp8", TABLE_BLOCK)
+    table = EngramTable(37, 64, RowExchange(), rank, 2)
+    with torch.no_grad():
+        table.weight.copy_(whole[table.start:table.start + table.part_rows])
+    table.weight.requires_grad_(False)
+    ids = torch.randint(0, 37, (3, 5), generator=torch.Generator().manual_seed(rank))
+    torch.save({"got": QuantizedTable.of(table)(ids), "want": whole[ids]}, f"{out}/rank{rank}.pt")
+
+
+def test_a_table_held_as_released_looks_up_rows_across_ranks(tmp_path):
+    """Two gloo ranks: the rows of a converted table's halves, looked up across the ranks (codes and scales moved as
+    one byte row), are the fp32 table's values exactly. Planted and caught: the scales' bytes left behind (a row's
+    codes only)."""
+    from parallel.local import spawn
+
+    spawn(_table_lookup, 2, str(tmp_path))
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert torch.equal(result["got"], result["want"]), rank

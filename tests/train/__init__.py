@@ -1,0 +1,1 @@
+"""Training jobs (train/): data, checkpoints and formats, the loop, evaluation, reports and errors."""

@@ -1,0 +1,1 @@
+"""The data pipeline: documents, tokenizers, packed rows, SFT conversations, synthetic tasks, bad rows."""

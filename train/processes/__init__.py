@@ -1,0 +1,1 @@
+"""A job's processes: the process group and its collectives, hangs named, signals, how a job ends."""
