@@ -536,6 +536,8 @@ class LoggerConfig:
     name: str | None = setting("run name; null: <model>-<layout>-<run dir name>")
     group: str | None = setting("run group; null: the layout and the job's layout.* overrides")
     tags: list[str] = setting("tags; the layout and model names are always added")
+    plots: bool = setting("draw the run's PNGs from metrics.jsonl when the job ends (loss_curve, health, layers, "
+                          "experts); false: metrics.jsonl and wandb only")
 
 
 @dataclass

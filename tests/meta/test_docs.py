@@ -40,7 +40,7 @@ FENCE = re.compile(r"^```(\w+)[ \t]*(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
 MARKS = ("cpu", "gpu", "long", "launch", "fails")
 # One row a microbatch: a step of the default job's four rows took 1.2 s of CPU, of one row 0.3 s.
 LIMITS = ["data.micro_batch_size=1", "train.eval.batches=1", "train.eval.probe_examples=0", "train.progress=false",
-          "logger.mode=disabled"]
+          "logger.mode=disabled", "logger.plots=false"]
 # and of the synthetic tasks 8 held-out examples (an evaluation scores each, one row at a time: 256 took 12 s).
 SYNTHETIC_LIMITS = ["data.synthetic.eval_examples=8"]
 DEFAULT_CHOICES = {f"{group}={choice}" for entry in OmegaConf.to_container(OmegaConf.load(ROOT / "conf/config.yaml"))

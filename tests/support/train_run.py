@@ -10,7 +10,8 @@ from train.run.app import run
 # Short rows of a small corpus (the stdlib's email package) keep a step well under a second on CPU.
 SMALL = ["data.seq_len=64", "data.micro_batch_size=2", f"data.path={sysconfig.get_paths()['stdlib']}/email",
          "data.heldout_fraction=0.2", "train.progress=false", "logger.mode=disabled", "train.warmup_steps=2",
-         "train.eval.batches=1", "train.eval.probe_examples=0"]
+         "train.eval.batches=1", "train.eval.probe_examples=0",
+         "logger.plots=false"]  # ~2 s of matplotlib a job; the run of tests/train/test_train_run.py draws them
 
 
 def _run(run_dir, *overrides):

@@ -939,6 +939,7 @@ ELSEWHERE = {  # settings whose test needs another job: one that reads them from
     "data.sample_by": "tests/train/test_data.py::test_a_single_text_file_is_split_into_documents",
     "train.global_batch_size": "tests/parallel/test_batch.py::test_global_batch_fixes_the_microbatches_whatever_the_split",
     "train.max_bad_steps": "tests/train/test_train_run.py::test_nan_steps_are_skipped_then_the_run_stops",
+    "logger.plots": "tests/train/test_train_run.py::test_nan_steps_are_skipped_then_the_run_stops",
     "train.resume": "tests/train/test_train_run.py::test_resume_is_bitwise_exact",
     "train.init_from": "tests/train/test_finetune.py::test_export_then_init_from_gives_bitwise_the_same_logits",
     "train.init_strict": "tests/train/test_finetune.py::test_layout_conversion_keeps_and_drops_what_it_lists",

@@ -30,7 +30,7 @@ def trained(tmp_path_factory):
     """20 steps with the wandb logger offline and the probes on: the run the file checks look at."""
     run_dir = tmp_path_factory.mktemp("run")
     final = _run(run_dir, "train.max_steps=20", "train.checkpoint_every=5", "logger.mode=offline",
-                 "train.eval.every=10", "train.eval.probe_examples=2", "train.eval.probe_lens=[192]",
+                 "logger.plots=true", "train.eval.every=10", "train.eval.probe_examples=2", "train.eval.probe_lens=[192]",
                  "train.eval.mqar_pairs=2", "train.eval.mqar_queries=1")
     return run_dir, final
 
@@ -191,6 +191,7 @@ def test_nan_steps_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
     monkeypatch.undo()
     _run(tmp_path, "train.max_steps=3", "train.resume=auto")  # the last good checkpoint resumes
     assert json.loads((tmp_path / "checkpoints" / "step00000003" / "trainer_state.json").read_text())["step"] == 3
+    assert not list(tmp_path.glob("*.png"))  # logger.plots=false (SMALL): metrics.jsonl only
 
 
 @pytest.mark.parametrize("writer", ["false", "true"])

@@ -39,6 +39,7 @@ class MetricsLogger:
         self.plot_path = run_dir / PLOT_FILE
         self.experts_path = run_dir / routing.EXPERTS_FILE
         self.window = job.args.window_size
+        self.plots = job.config.logger.plots
         self.wandb_run = None
         self.once = {}
         if not enabled:
@@ -92,6 +93,14 @@ class MetricsLogger:
     def close(self) -> None:
         if not self.enabled:
             return
+        if self.plots:
+            self._draw()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+    def _draw(self) -> None:
+        """The PNGs of the run (and wandb's copies of the dashboards), from metrics.jsonl and experts.jsonl."""
         rows = read_rows(self.path)
         plot_losses(rows, self.plot_path)
         plot_health(rows, self.path.parent / HEALTH_PLOT_FILE)
@@ -102,9 +111,6 @@ class MetricsLogger:
 
             self.wandb_run.log({"dashboards/experts": wandb.Image(str(experts_plot))},
                                step=max((r["step"] for r in rows), default=0))
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-            self.wandb_run = None
 
 
 def _finite_or_none(value):
