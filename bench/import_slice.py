@@ -19,17 +19,30 @@ One child process per phase, so that each phase's peak host RSS (``VmHWM``) is i
   ``train.init_from``: ``released_changes``, ``InitFrom`` (the headers, matched against the whole model on
   the meta device; ``train.init_strict=false``, as the directory holds only the slice's layers), the stage's
   ``Transformer(layer_ids=..., init=False)`` on the device as rank 0 of an E = 16 expert-parallel group
-  (``--expert-parallel``, ``--expert-rank``: experts 0-23 of the 384), then ``load_stage``, the function
-  ``InitFrom.load_into`` calls: layer by layer, its tensors read by ``safe_open`` slices (the rank's experts only)
-  and dequantised into fp32 on the model's device (the host before issue 56), then copied into the model. Timed:
+  (``--expert-parallel``, ``--expert-rank``: experts 0-23 of the 384), then ``InitFrom.load_into`` (given the
+  stage's model for the engine; a stage of its own has no shadows to sync), which calls ``load_stage``: layer by
+  layer, its tensors read by ``safe_open`` slices (the rank's experts only) and dequantised into fp32 on the model's
+  device (the host before issue 56), then copied into the model. Timed:
   opening, building, loading; within loading the dequantisation per format, the reading (the rest of
   ``ReleasedWeights.load``) and the copy into the model. Checked: every tensor of the stage was loaded, the bytes
   read are the preflight's share (``rank_share``), and the first and last tensor of each stored form (the first
   held expert of layer 20, the last of layer 23, ...) equal the values written, exactly.
+- ``import_quantized``: the same import as a LoRA run over the base held as released does it
+  (``train.lora.quantized_base=true``), from the disk again (the page cache dropped once more), in the same call as
+  ``import_cold`` so that the two compare: ``InitFrom(..., quantized_base=True)``, the stage built by
+  ``model.quantized_build.quantized_transformer`` (the FP8 / FP4 matrices born as empty buffers of codes and scales,
+  never in full precision; the rest drawn as the trainer's stage draws it), then ``InitFrom.load_into``:
+  ``fill_stored`` copies the stored codes and scales in, undecoded (``ReleasedWeights.load_stored``), and
+  ``load_stage`` the plain tensors. The same keys, with nothing dequantised; new keys: ``held_as_stored`` (tensors),
+  ``load_stored_calls_s`` (reading them) and ``fill_copy_s`` (copying them into the buffers; the import's
+  ``read_s`` and ``copy_into_model_s`` include both kinds of tensor). Checked as ``import``, the first and last tensor
+  of each stored form held as stored: its codes and scales the file's bytes (read by ``safe_open``) and decoding to
+  the values written. The adapters are not attached: they are drawn, not imported, and the base is held the same
+  whichever matrices they adapt.
 The slice has no Engram layer (1 and 14 hold the tables): the JSON estimates the import of the released tables
-(196.6 B values, 203 GB stored as FP8 rows of 32) at the measured rates. Where the disk is too small or slow for
-29.6 GB, ``--expert-parallel 1 model.moe.n_routed_experts=24`` writes only the rank's 24 experts (and so measures
-no selective read).
+(196.6 B values, 203 GB stored as FP8 rows of 32) at the measured rates (``held_as_stored_s``: at
+``import_quantized``'s). Where the disk is too small or slow for 29.6 GB, ``--expert-parallel 1
+model.moe.n_routed_experts=24`` writes only the rank's 24 experts (and so measures no selective read).
 """
 import argparse
 import json
@@ -269,8 +282,8 @@ def import_phase(a, device: torch.device, quantized: bool) -> dict:
             "stored_gb_per_s": source.bytes_read / (done - built) / GB,
             "values_loaded": sum(t.numel() for t in plain.values()) + sum(slot_values(s) for s in slots.values()),
             "host_threads": torch.get_num_threads(),
-            "config_changed": [f"{key} -> {value!r}" for key, value in changes.items()], "tensors_matched": len(init.match.loaded),
-            "check": check,
+            "config_changed": [f"{key} -> {value!r}" for key, value in changes.items()],
+            "tensors_matched": len(init.match.loaded), "check": check,
             "host_gib": {"start": host_start["rss"], "after_build": host_built["rss"], **host_memory()},
             "gpu": gpu, "model_gib": sum(t.numel() * t.element_size() for t in state.values()) / GIB}
 

@@ -47,8 +47,9 @@ def test_smoke_imports_the_quantized_base_as_stored(smoke):
     matrices (and layer 20's indexer wq_b), 3 shared-expert and 4 x 3 routed-expert matrices, decodes none, reads the
     same share as the dequantised import, and checks the same first and last tensor of each stored form (the last
     layer's last held expert among them): their bytes the file's, their values the written ones. Planted and caught:
-    ``fill_stored`` skipping the stage's last layer (its buffers keep ``torch.empty``'s bytes), the check reading the
-    scale's bytes from the codes' tensor."""
+    ``fill_stored`` skipping the stage's last layer (its buffers keep ``torch.empty``'s bytes: the bytes read and the
+    last tensors), ``fill_stored`` leaving the scales unfilled (the same bytes read: the exact check alone), the check
+    reading the scale's bytes from the codes' tensor."""
     result, _, _ = smoke
     cold, quantized = result["import_cold"], result["import_quantized"]
     assert quantized["check"]["ok"] and all(quantized["check"]["exact"].values()), quantized["check"]
