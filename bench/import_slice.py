@@ -327,19 +327,19 @@ def stored_form(codes, scale, fmt: str, block: tuple[int, int], *_) -> str:
     return f"{fmt} {block[0]}x{block[1]}"
 
 
-def engram_estimate(args: ModelArgs, cold: dict, quantized: dict | None) -> dict:
+def engram_estimate(args: ModelArgs, cold: dict, quantized: dict) -> dict:
     """The released Engram tables' import at the first import's rates: read at its stored bytes per second, and
     dequantised at its FP8 rate (the tables are FP8 rows of 32; divide by the table ranks D, each reads 1/D); held
-    as stored (``quantized``'s import, when it ran): read and copied at its stored bytes per second, not decoded."""
+    as stored: read and copied at the ``quantized`` import's stored bytes per second, not decoded."""
     values = sum(args.engram.num_embeddings or table_rows(args.engram)) * args.engram.head_dim
     stored = values * (1 + 1 / 32)
     fp8 = [k for k in cold["dequantise_s"] if k.startswith("fp8")]
     fp8_rate = sum(cold["dequantise_stored_bytes"][k] for k in fp8) / sum(cold["dequantise_s"][k] for k in fp8)
     read_rate = cold["bytes_read"] / cold["read_s"]
-    held = {"held_as_stored_s": stored / (quantized["stored_gb_per_s"] * GB)} if quantized else {}
     return {"values": values, "stored_gb": stored / GB, "fp32_gb": values * 4 / GB,
             "read_s": stored / read_rate, "dequantise_s": stored / fp8_rate, "seconds": stored / read_rate +
-            stored / fp8_rate, "at_mean_rate_s": stored / (cold["stored_gb_per_s"] * GB), **held}
+            stored / fp8_rate, "at_mean_rate_s": stored / (cold["stored_gb_per_s"] * GB),
+            "held_as_stored_s": stored / (quantized["stored_gb_per_s"] * GB)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the released files")
     p.add_argument("--warm", action="store_true", help="import a second time, from the page cache")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--phase", choices=("write", "import", "import_quantized"), help=argparse.SUPPRESS)  # a child's
+    p.add_argument("--phase", choices=("write", "import", "import_quantized"), help=argparse.SUPPRESS)  # a child's phase
     p.add_argument("--released", help=argparse.SUPPRESS)  # and the released directory
     p.add_argument("overrides", nargs="*", help="config overrides after the preset's")
     a = p.parse_args(argv)
