@@ -4,9 +4,9 @@
 #   CSA2_CODE=<commit> OUT=<dir> bash bench/gpu_save.sh   # from the repository root; BUDGET seconds (default 580)
 #   SMOKE=1 OUT=<dir> bash bench/gpu_save.sh              # the same stages on the CPU: the tiny model, fp32
 #   ONLY=small_moe OUT=<dir> bash bench/gpu_save.sh
-# Stages (file under $OUT -> bench/results/checkpoints/):
-#   small      save_timing_small.json: `model=small layout=v41` at 4K tokens (the issue's model)
+# Stages (file under $OUT -> bench/results/checkpoints/), the larger first:
 #   small_moe  save_timing_small_moe.json: `model=small_moe layout=v41` at 4K: 3.4 B parameters, ~54 GB a checkpoint
+#   small      save_timing_small.json: `model=small layout=v41` at 4K tokens (the issue's model)
 # The checkpoints go under WORK (default /tmp/save_timing; the machine's disk is 64 GB: one checkpoint at a time,
 # removed after each stage). Stage logs in logs.txt, exit codes and seconds in stages.txt, the GPU in gpu.txt.
 set -uo pipefail
@@ -28,8 +28,8 @@ stages_begin 580
 export CSA2_KERNEL_POISON=0
 
 RUN=(python3 bench/save_timing.py --work-dir "$WORK" "${JOB[@]}")
-stage small 200 "${RUN[@]}" --out "$OUT/save_timing_small.json" "model=${FORCE_MODEL:-small}"
+stage small_moe 400 "${RUN[@]}" --out "$OUT/save_timing_small_moe.json" "model=${FORCE_MODEL:-small_moe}"
 rm -rf "${WORK:?}"  # one checkpoint on the disk at a time
-stage small_moe 360 "${RUN[@]}" --out "$OUT/save_timing_small_moe.json" "model=${FORCE_MODEL:-small_moe}"
+stage small 170 "${RUN[@]}" --out "$OUT/save_timing_small.json" "model=${FORCE_MODEL:-small}"
 rm -rf "${WORK:?}"
 stages_end

@@ -247,9 +247,22 @@ PROJECTION_ASSUMES = ("each GPU writes, verifies and loads an even share of the 
                       "aggregate rate caps it)")
 
 
+def pretraining_plan(gpus: int) -> dict | None:
+    """The fastest pretraining configuration that fits on ``gpus`` GPUs in docs/projection_v41.md's file (P x E x D x
+    C and its step time), or None."""
+    path = ROOT / "bench/results/projection_v41/projection.json"
+    rows = [r for r in json.loads(path.read_text())["best"] if r["job"] == "pretraining" and r["gpus"] == gpus
+            and r["fits"]] if path.is_file() else []
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    split = "{stages} x {expert_parallel} x {data_parallel} x {context_parallel}".format(**best)
+    return {"split": split, "step_s": best["step_s"]}
+
+
 def projection(res: dict) -> dict:
     """V4.1's checkpoint (the measured bytes per parameter x 552 B) and its phases per GPU at the measured rates, for
-    the pretraining plans' GPU counts (``PROJECTION_ASSUMES``)."""
+    the pretraining plans' GPU counts (``PROJECTION_ASSUMES``), beside each plan's projected step time."""
     per_param = res["async"]["bytes_written"] / res["params"]
     total = per_param * V41_PARAMS
     rates = {"stage": res["async"]["gb_per_s"].get("stage"),
@@ -261,6 +274,11 @@ def projection(res: dict) -> dict:
         share_gb = total / gpus / 1e9
         plans[gpus] = {"share_gb_per_gpu": share_gb,
                        **{f"{k}_s": share_gb / r for k, r in rates.items() if r}}
+        plan = pretraining_plan(gpus)
+        if plan and "stage_s" in plans[gpus]:  # the async save's stall and write in the plan's steps
+            plans[gpus].update(plan=plan["split"], step_s=plan["step_s"],
+                               stall_share_of_a_step=plans[gpus]["stage_s"] / plan["step_s"],
+                               write_in_steps=plans[gpus]["write_s"] / plan["step_s"])
     return {"params": V41_PARAMS, "bytes_per_param_measured": per_param, "checkpoint_tb": total / 1e12,
             "checkpoint_tb_at_12_bytes": V41_PARAMS * 12 / 1e12, "gb_per_s_per_gpu": rates, "per_gpu_count": plans,
             "assumes": PROJECTION_ASSUMES}

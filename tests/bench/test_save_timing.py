@@ -72,8 +72,8 @@ def test_phases_fit_inside_their_totals(smoke):
 
 def test_rates_and_projection_arithmetic(smoke):
     """GB/s are the bytes over each phase's seconds; V4.1's checkpoint is the measured bytes per parameter times 552 B
-    parameters, each GPU count's share that over the GPUs, each time the share over its rate. Planted: GiB (2^30)
-    for GB in the rates: fails."""
+    parameters, each GPU count's share that over the GPUs, each time the share over its rate, the stall a share of
+    the plan's step. Planted: GiB (2^30) for GB in the rates: fails."""
     res, _ = smoke
     a, r, p = res["async"], res["resume"], res["projection_v41"]
     assert a["gb_per_s"]["stage"] == pytest.approx(a["bytes_written"] / 1e9 / a["stage_s"])
@@ -84,3 +84,5 @@ def test_rates_and_projection_arithmetic(smoke):
         assert plan["share_gb_per_gpu"] * int(gpus) == pytest.approx(p["checkpoint_tb"] * 1e3)
         write_rate = a["bytes_written"] / 1e9 / a["write_staged_s"]
         assert plan["write_s"] == pytest.approx(plan["share_gb_per_gpu"] / write_rate)
+        assert plan["stall_share_of_a_step"] == pytest.approx(plan["stage_s"] / plan["step_s"])
+        assert plan["stage_s"] == pytest.approx(plan["share_gb_per_gpu"] / a["gb_per_s"]["stage"])
