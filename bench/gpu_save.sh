@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# A checkpoint save and a resume timed on one GPU (issue 53): bench/save_timing.py, synchronous save against
+# asynchronous (the stall the step sees), by phase, with the bytes and a projection to V4.1. One JSON per stage.
+#   CSA2_CODE=<commit> OUT=<dir> bash bench/gpu_save.sh   # from the repository root; BUDGET seconds (default 580)
+#   SMOKE=1 OUT=<dir> bash bench/gpu_save.sh              # the same stages on the CPU: the tiny model, fp32
+#   ONLY=small_moe OUT=<dir> bash bench/gpu_save.sh
+# Stages (file under $OUT -> bench/results/checkpoints/), the larger first:
+#   small_moe  save_timing_small_moe.json: `model=small_moe layout=v41` at 4K: 3.4 B parameters, ~54 GB a checkpoint
+#   small      save_timing_small.json: `model=small layout=v41` at 4K tokens (the issue's model)
+# The checkpoints go under WORK (default /tmp/save_timing; the machine's disk is 64 GB: one checkpoint at a time,
+# removed after each stage). Stage logs in logs.txt, exit codes and seconds in stages.txt, the GPU in gpu.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_stages.sh
+SMOKE=${SMOKE:-0}
+WORK=${WORK:-/tmp/save_timing}
+
+if [ "$SMOKE" = 1 ]; then  # the CPU: the tiny model whatever the stage's model; limits x 2
+  SCALE=2
+  JOB=(--smoke)
+  FORCE_MODEL=tiny
+else
+  SCALE=1
+  JOB=(layout=v41 data.seq_len=4096)
+  FORCE_MODEL=
+fi
+stages_begin 580
+export CSA2_KERNEL_POISON=0
+
+RUN=(python3 bench/save_timing.py --work-dir "$WORK" "${JOB[@]}")
+stage small_moe 400 "${RUN[@]}" --out "$OUT/save_timing_small_moe.json" "model=${FORCE_MODEL:-small_moe}"
+rm -rf "${WORK:?}"  # one checkpoint on the disk at a time
+stage small 170 "${RUN[@]}" --out "$OUT/save_timing_small.json" "model=${FORCE_MODEL:-small}"
+rm -rf "${WORK:?}"
+stages_end
