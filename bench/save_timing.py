@@ -66,10 +66,10 @@ class Phases:
     """Seconds and calls per phase, accumulated by wrappers set on module attributes for the span of ``wrapped``."""
 
     def __init__(self):
-        self.seconds, self.calls, self.bytes, self._lock = {}, {}, 0, threading.Lock()
+        self.seconds, self.calls, self.bytes, self.guard = {}, {}, 0, threading.Lock()
 
     def add(self, name: str, seconds: float) -> None:
-        with self._lock:
+        with self.guard:
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
             self.calls[name] = self.calls.get(name, 0) + 1
 
@@ -107,7 +107,7 @@ class Phases:
 
         def counted_write(*args, **kwargs):
             entry = self.timed("file", write)(*args, **kwargs)
-            with self._lock:
+            with self.guard:
                 self.bytes += entry["bytes"]
             return entry
 
