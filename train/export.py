@@ -23,10 +23,11 @@ import sys
 from pathlib import Path
 
 from model import ModelArgs, layout_from_config
+from model.deepseek_config import CONFIG, reference_config
 from train.data.tokenizer import TOKENIZER_CONFIG
 from train.formats import checkpoint
 from train.formats.lora import checkpoint_weights
-from train.formats.reference_format import CONFIG, DTYPES, MAX_SHARD_BYTES, reference_config, write_json, write_weights
+from train.formats.reference_format import DTYPES, MAX_SHARD_BYTES, write_json, write_weights
 from train.formats.released_format import export_deepseek, quantisation_table
 
 log = logging.getLogger(__name__)

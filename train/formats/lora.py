@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from model.config import LoRA, TrainConfig
+from model.deepseek_config import is_released
 from model.lora import merge
 from train.formats import checkpoint
-from train.formats.released_format import is_released
 
 
 def check_run(train: TrainConfig, lora: LoRA | None) -> None:
