@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model.deepseek_config import CONFIG, INDEX, WEIGHTS, deepseek_config, is_released, reference_fields
+from model.deepseek_config import CONFIG, INDEX, WEIGHTS, reference_fields
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, quantize, scale_shape
 from model.quantized_base import quantized_form
 from train.formats.reference_format import SHARD, _file_mode, write_json
@@ -330,35 +329,3 @@ def quantisation_table(report: dict, limit: int = 20) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ export
-
-REPORT = "quantization_report.json"
-BESIDE = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # a source's files copied along
-
-
-def export_deepseek(checkpoint_path: str, out_dir: Path, source: str | None = None,
-                    max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], dict]:
-    """``python -m train.export <checkpoint> <dir> --format deepseek``: the checkpoint's weights in the released
-    format, DeepSeek's ``config.json`` and ``quantization_report.json`` (per quantised tensor: exact, or its
-    error). ``source``: the released directory to take shards, dtypes, scales, vision tensors and the config's
-    other fields from (default: the run's ``train.init_from`` when it is one); without one the layout is
-    ``storage``'s and the shards are by size. Returns (files written, the report)."""
-    from train.export import checkpoint_model  # which imports this module
-    from train.formats.lora import checkpoint_weights
-
-    ref, config, args, layout = checkpoint_model(checkpoint_path)
-    source = source or (config.get("train") or {}).get("init_from")
-    released = None
-    if source and is_released(Path(source).expanduser().resolve()):
-        released = ReleasedWeights(Path(source).expanduser().resolve())
-    elif source and source != (config.get("train") or {}).get("init_from"):
-        raise ValueError(f"--source {source} is not a released directory (config.json and safetensors of DeepSeek's "
-                         "format)")
-    files, report = write_released(checkpoint_weights(ref), out_dir, released, max_shard_bytes)
-    write_json(out_dir / CONFIG, deepseek_config(args, layout, released.source_config if released else None))
-    write_json(out_dir / REPORT, report)
-    files += [CONFIG, REPORT]
-    for name in BESIDE if released is not None else ():
-        if (released.directory / name).is_file():
-            shutil.copyfile(released.directory / name, out_dir / name)
-            files.append(name)
-    return files, report
