@@ -68,6 +68,7 @@ import train.formats.released_format as released  # noqa: E402
 from model import Transformer, layout_from_config  # noqa: E402
 from model.cli import compose, resolved  # noqa: E402
 from model.config import ModelArgs, apply  # noqa: E402
+from model.deepseek_config import CONFIG, deepseek_config, released_changes  # noqa: E402
 from model.engram_layout import table_rows  # noqa: E402
 from model.quant import dequantize, quantize, scale_shape  # noqa: E402
 from model.quantized_base import QuantizedMatrix, QuantizedTable, Slot, quantized_form, stored_slots  # noqa: E402
@@ -76,8 +77,8 @@ from model.seeding import seeded_generator  # noqa: E402
 from model.transformer import init_std  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 from train.export import parse_size  # noqa: E402
-from train.formats.init_from import InitFrom, rank_share, released_changes  # noqa: E402
-from train.formats.reference_format import CONFIG, MAX_SHARD_BYTES, write_json  # noqa: E402
+from train.formats.init_from import InitFrom, rank_share  # noqa: E402
+from train.formats.reference_format import MAX_SHARD_BYTES, write_json  # noqa: E402
 from v41_slice import SMOKE, V41, StandInDispatch, parse_slices  # noqa: E402
 
 GB, GIB = 1e9, 2**30
@@ -207,7 +208,7 @@ def write_phase(a, args: ModelArgs, layout, device: torch.device) -> dict:
     start = time.perf_counter()
     state = WrittenState(shapes, args, layout.n_layers, a.seed, device)
     files, report = released.write_released(state, directory, max_shard_bytes=a.max_shard_size)
-    write_json(directory / CONFIG, released.deepseek_config(args, layout))
+    write_json(directory / CONFIG, deepseek_config(args, layout))
     written = time.perf_counter()
     drop_page_cache(directory)
     return {"slice": slice_, "write_s": written - start, "flush_s": time.perf_counter() - written,

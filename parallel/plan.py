@@ -387,7 +387,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> None:
     from model.cli import job_config, run_cli
-    from train.formats.init_from import adopt_released_config
+    from model.deepseek_config import adopt_released_config
 
     options = parser().parse_intermixed_args(argv)
     world = options.world_size or (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)

@@ -23,11 +23,12 @@ import sys
 from pathlib import Path
 
 from model import ModelArgs, layout_from_config
+from model.deepseek_config import CONFIG, deepseek_config, is_released, reference_config
 from train.data.tokenizer import TOKENIZER_CONFIG
 from train.formats import checkpoint
-from train.formats.lora import checkpoint_weights
-from train.formats.reference_format import CONFIG, DTYPES, MAX_SHARD_BYTES, reference_config, write_json, write_weights
-from train.formats.released_format import export_deepseek, quantisation_table
+from train.formats.sources import checkpoint_weights
+from train.formats.reference_format import DTYPES, MAX_SHARD_BYTES, write_json, write_weights
+from train.formats.released_format import ReleasedWeights, quantisation_table, write_released
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,36 @@ def export(checkpoint_path: str, out_dir: Path, dtype: str = "bf16",
     if data.get("tokenizer"):
         files += _copy_tokenizer(data, out_dir)
     return files
+
+
+REPORT = "quantization_report.json"
+BESIDE = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # a source's files copied along
+
+
+def export_deepseek(checkpoint_path: str, out_dir: Path, source: str | None = None,
+                    max_shard_bytes: int = MAX_SHARD_BYTES) -> tuple[list[str], dict]:
+    """``python -m train.export <checkpoint> <dir> --format deepseek``: the checkpoint's weights in the released
+    format, DeepSeek's ``config.json`` and ``quantization_report.json`` (per quantised tensor: exact, or its
+    error). ``source``: the released directory to take shards, dtypes, scales, vision tensors and the config's
+    other fields from (default: the run's ``train.init_from`` when it is one); without one the layout is
+    ``storage``'s and the shards are by size. Returns (files written, the report)."""
+    ref, config, args, layout = checkpoint_model(checkpoint_path)
+    source = source or (config.get("train") or {}).get("init_from")
+    released = None
+    if source and is_released(Path(source).expanduser().resolve()):
+        released = ReleasedWeights(Path(source).expanduser().resolve())
+    elif source and source != (config.get("train") or {}).get("init_from"):
+        raise ValueError(f"--source {source} is not a released directory (config.json and safetensors of DeepSeek's "
+                         "format)")
+    files, report = write_released(checkpoint_weights(ref), out_dir, released, max_shard_bytes)
+    write_json(out_dir / CONFIG, deepseek_config(args, layout, released.source_config if released else None))
+    write_json(out_dir / REPORT, report)
+    files += [CONFIG, REPORT]
+    for name in BESIDE if released is not None else ():
+        if (released.directory / name).is_file():
+            shutil.copyfile(released.directory / name, out_dir / name)
+            files.append(name)
+    return files, report
 
 
 def _copy_tokenizer(data: dict, out_dir: Path) -> list[str]:

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from model import ModelArgs, Transformer, layout_from_config
+from model.deepseek_config import model_and_layout
 from model.engram import compressed_token_map
 from train.data import sft
 from train.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from train.formats import checkpoint, init_from
-from train.formats.reference_format import ExportedWeights, is_exported, model_and_layout
+from train.formats import checkpoint, sources
+from train.formats.reference_format import ExportedWeights, is_exported
 
 
 def load(path: str, device: torch.device) -> tuple[Transformer, Tokenizer]:
@@ -43,7 +44,7 @@ def load(path: str, device: torch.device) -> tuple[Transformer, Tokenizer]:
             raise ValueError(f"{path}: no weights there ({location} is neither an exported directory with config.json "
                              "and model.safetensors, nor a checkpoint directory or one step directory) — give "
                              "<run dir>/checkpoints, one of its step directories, or an export") from None
-        source = init_from.CheckpointWeights(ref)
+        source = sources.CheckpointWeights(ref)
     if isinstance(source, ExportedWeights):
         args, layout = model_and_layout(source.config)
         beside = source.directory / "tokenizer.json"

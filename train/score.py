@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from model import Transformer
+from model.deepseek_config import is_released, released_model
 from model.engram import compressed_token_map
 from train.data.tokenizer import ByteTokenizer, load_tokenizer
 from train.formats.init_from import load_stage
-from train.formats.released_format import ReleasedWeights, is_released, released_model
+from train.formats.released_format import ReleasedWeights
 from train.generate import load as load_ours
 
 

@@ -9,8 +9,9 @@ from safetensors.torch import save_file
 
 from model import layout_from_config
 from model.config import apply
+from model.deepseek_config import adopt_released_config
 from model.quant import BLOCK_FP8, BLOCK_ROW
-from train.formats.init_from import InitFrom, adopt_released_config
+from train.formats.init_from import InitFrom
 
 
 OVERRIDES = ["model.engram.num_embeddings=[]"]

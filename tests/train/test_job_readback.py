@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from model import ModelArgs, layout_from_config
 from model.cli import compose, resolved
 from model.config import DSparkArgs, EngramArgs, MoEArgs
+from model.deepseek_config import NOT_EXPORTED, model_and_layout, reference_config
 from model.engram_layout import table_rows
 from model.layout import Layout, Mode
 from model.transformer import Transformer
@@ -40,7 +41,6 @@ from train.data.synthetic import SyntheticConfig
 from train.export import export
 from train.formats import checkpoint, manifest
 from train.formats.checkpoint import CheckpointError
-from train.formats.reference_format import NOT_EXPORTED, model_and_layout, reference_config
 from train.observe.metrics import MetricsLogger, read_rows
 from train.observe.routing import EXPERTS_FILE
 from train.processes import distributed

@@ -21,11 +21,12 @@ from safetensors.torch import save_file
 
 from model import Transformer
 from model.config import apply, plain
+from model.deepseek_config import reference_config, reference_fields, released_model
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, quantize
+from train.export import export_deepseek
 from train.formats import checkpoint, manifest
 from train.formats.init_from import load_stage, rank_share
-from train.formats.reference_format import reference_config
-from train.formats.released_format import ReleasedWeights, export_deepseek, reference_fields, released_model
+from train.formats.released_format import ReleasedWeights
 
 from tests.support.oracle import oracle_forward
 from tests.support.released_format import (Dispatch, OVERRIDES, Rows, VISION, hf_config, opened, run_config,

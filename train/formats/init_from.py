@@ -3,9 +3,10 @@
 The source is a checkpoint of ours (a checkpoint directory or one tag directory, written under any stage count,
 data-parallel size or ZeRO stage: the weights are stored per layer under the full model's names), a directory
 in the reference format (``python -m train.export``), or DeepSeek's released directory
-(``train/formats/released_format.py``: its ``config.json`` then sets the model, ``adopt_released_config``, and its FP8 /
-FP4 tensors are dequantised on load). Weights only: the optimizer, the schedule and the data
-position start fresh. ``train.resume`` wins: a run that finds a checkpoint to resume never reads ``init_from``.
+(``train/formats/released_format.py``: its ``config.json`` then sets the model,
+``model.deepseek_config.adopt_released_config``, and its FP8 / FP4 tensors are dequantised on load). Weights only:
+the optimizer, the schedule and the data position start fresh. ``train.resume`` wins: a run that finds a
+checkpoint to resume never reads ``init_from``.
 
 The match is by tensor name against the whole model of this run (built on the meta device), before the engine is
 built, so a bad source fails in seconds. Strict (the default) refuses any tensor missing from the source, any
@@ -18,7 +19,6 @@ it means other dimensions, not another layout. What was loaded, newly initialise
 written to ``<run dir>/init_from.json``. Settings that change what the weights compute without changing a shape
 (``norm_eps``, the RoPE and YaRN fields, window and top-k sizes) are listed as a warning when they differ.
 """
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -26,64 +26,18 @@ from pathlib import Path
 
 import torch
 
-from model import ModelArgs, Transformer, layout_from_config
-from model.config import JobConfig, apply
+from model import ModelArgs, Transformer
+from model.deepseek_config import json_value, model_settings, reference_config
 from model.layout import Layout
 from model.quantized_base import stored_slots
 from parallel.job import Job
-from train.formats import checkpoint
-from train.formats.lora import checkpoint_weights
-from train.formats.reference_format import ExportedWeights, is_exported, model_settings, reference_config, write_json
-from train.formats.released_format import ReleasedWeights, is_released, released_settings
+from train.formats.reference_format import write_json
+from train.formats.released_format import ReleasedWeights
+from train.formats.sources import InitError, open_weights
 
 log = logging.getLogger(__name__)
 
 REPORT = "init_from.json"
-
-
-class InitError(ValueError):
-    """Weights that cannot initialise this model; the message names the tensors and what to do."""
-
-
-class CheckpointWeights:
-    """The weights of one of our checkpoints, memory-mapped, with the config it was trained with."""
-
-    def __init__(self, ref: checkpoint.CheckpointRef):
-        self.description = f"checkpoint {ref.path}"
-        self._tensors = checkpoint_weights(ref)  # a LoRA run's: merged into its base
-        saved = checkpoint.read_trainer_state(ref).get("config", {})
-        try:
-            self.config = reference_config(ModelArgs.from_config(saved["model"]), layout_from_config(saved["layout"]),
-                                           "fp32")
-        except (KeyError, ValueError) as error:
-            log.warning("%s: its model/layout config cannot be read (%s); settings are not compared",
-                        self.description, error)
-            self.config = None
-
-    def shapes(self) -> dict[str, torch.Size]:
-        return {name: tensor.shape for name, tensor in self._tensors.items()}
-
-    def load(self, names, rows: dict[str, tuple[int, int]] | None = None,
-             device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        rows = rows or {}
-        return {name: self._tensors[name][slice(*rows[name]) if name in rows else slice(None)].to(device)
-                for name in names}
-
-
-def open_weights(path: str) -> CheckpointWeights | ExportedWeights | ReleasedWeights:
-    """The weights at ``path``: DeepSeek's released directory, an exported one, else a checkpoint (directory with
-    ``latest``, or a tag)."""
-    location = Path(path).expanduser().resolve()
-    if is_released(location):
-        return ReleasedWeights(location)
-    if is_exported(location):
-        return ExportedWeights(location)
-    try:
-        return CheckpointWeights(checkpoint.locate(path, "train.init_from"))
-    except checkpoint.NoCheckpoint:
-        raise InitError(f"train.init_from={path}: no weights there ({location} is neither an exported directory "
-                        "with config.json and model.safetensors, nor a checkpoint directory or one step directory)"
-                        ) from None
 
 
 @dataclass
@@ -224,12 +178,7 @@ def settings_differences(source: dict | None, this: dict) -> list[str]:
         return [str(error)]
     ours = model_settings(this)
     return [f"{key}: source {theirs.get(key, '<missing>')!r}, this run {ours.get(key, '<missing>')!r}"
-            for key in sorted(set(theirs) | set(ours)) if _plain(theirs.get(key)) != _plain(ours.get(key))]
-
-
-def _plain(value):
-    """Lists and tuples compare alike (JSON has no tuples)."""
-    return list(value) if isinstance(value, (list, tuple)) else value
+            for key in sorted(set(theirs) | set(ours)) if json_value(theirs.get(key)) != json_value(ours.get(key))]
 
 
 def load_stage(model, source, loaded: set[str]) -> None:
@@ -316,34 +265,6 @@ def rank_share(shapes: dict[str, torch.Size], args: ModelArgs, layers: range, ha
 
 def _numel(shape: torch.Size, rows: tuple[int, int] | None) -> int:
     return (rows[1] - rows[0]) * shape[1:].numel() if rows else shape.numel()
-
-
-def released_changes(config: JobConfig) -> dict[str, object]:
-    """With ``train.init_from`` a released directory, the settings its ``config.json`` sets that differ from
-    ``config``'s: every ``model.*`` / ``layout.*`` setting it describes (the training-only ones, such as the balance
-    rate or frozen tables, stay the run's). Empty for any other source."""
-    path = config.train.init_from
-    if not path or not is_released(Path(path).expanduser().resolve()):
-        return {}
-    settings = released_settings(json.loads((Path(path).expanduser().resolve() / "config.json").read_text()))
-    return {key: value for key, value in settings.items() if _plain(_setting(config, key)) != _plain(value)}
-
-
-def adopt_released_config(config: JobConfig) -> JobConfig:
-    """``config`` with the model of a released ``train.init_from`` (``released_changes``), what changed logged as
-    ``key: run's -> released``."""
-    changes = released_changes(config)
-    if changes:
-        log.info("train.init_from=%s is DeepSeek's released model: its config.json sets\n  %s",
-                 config.train.init_from,
-                 "\n  ".join(f"{key}: {_setting(config, key)!r} -> {value!r}" for key, value in changes.items()))
-    return apply(config, changes)
-
-
-def _setting(config, key: str):
-    for part in key.split("."):
-        config = getattr(config, part)
-    return config
 
 
 def from_job(job: Job) -> InitFrom | None:

@@ -3,20 +3,17 @@
 A LoRA run's checkpoint holds its adapters (per layer and expert range, as any checkpoint's weights), their
 optimizer state and the trainer state, whose config names the frozen base: ``train.init_from``. The base is read
 from there at the start of every run of it, a resumed one included, and a checkpoint's full weights are the base's
-with every adapted matrix merged, ``W + (alpha / rank) B A`` (``checkpoint_weights``: what ``python -m train.export``
-writes and ``train.init_from=<a LoRA checkpoint>`` starts from).
+with every adapted matrix merged, ``W + (alpha / rank) B A`` (``train/formats/sources.py``'s ``checkpoint_weights``:
+what ``python -m train.export`` writes and ``train.init_from=<a LoRA checkpoint>`` starts from).
 
 LoRA without ``train.init_from`` is an error, not a warning: adapters on a seeded random base train nothing worth
 keeping, and a checkpoint of one could not name its base.
 """
 from pathlib import Path
 
-import torch
-
 from model.config import LoRA, TrainConfig
-from model.lora import merge
+from model.deepseek_config import is_released
 from train.formats import checkpoint
-from train.formats.released_format import is_released
 
 
 def check_run(train: TrainConfig, lora: LoRA | None) -> None:
@@ -51,17 +48,3 @@ def _describe(lora: LoRA | None) -> str:
 
 def _where(path) -> Path | None:
     return Path(path).expanduser().resolve() if path else None
-
-
-def checkpoint_weights(ref: checkpoint.CheckpointRef) -> dict[str, torch.Tensor]:
-    """Every weight of the checkpoint at ``ref`` under the full model's names: its own, or for a LoRA run's, its
-    base's (``train.init_from``, read whole) with the adapters merged in (fp32 at least)."""
-    weights = checkpoint.read_weights(ref)
-    train = checkpoint.read_trainer_state(ref).get("config", {}).get("train", {})
-    lora = LoRA.from_config(train.get("lora"))
-    if lora is None:
-        return weights
-    from train.formats.init_from import open_weights  # which reads checkpoints through this function
-
-    base = open_weights(train["init_from"])
-    return merge(base.load(list(base.shapes())), weights, lora.scale)

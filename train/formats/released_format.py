@@ -13,15 +13,12 @@ they are listed as ignored, and an export with the released directory as its sou
 
 ``config.json`` is Hugging Face's (``text_config`` with its names: ``hidden_size``, ``num_experts_per_tok``,
 ``rope_scaling``, ...; ``quantization_config``; ``vision_config``), or the inference code's flat ``config.json``
-(``dim``, ``n_activated_experts``, ``dtype: fp8``, ...). Either becomes our reference config
-(``train/formats/reference_format.py``) and from there ``ModelArgs`` and ``Layout``; a field or value this framework
-does not build is a one-line error naming it.
+(``dim``, ``n_activated_experts``, ``dtype: fp8``, ...), read and written by ``model/deepseek_config.py``.
 """
 import json
 import logging
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,151 +27,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model.config import ModelArgs
-from model.layout import Layout
+from model.deepseek_config import CONFIG, INDEX, WEIGHTS, reference_fields
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, quantize, scale_shape
 from model.quantized_base import quantized_form
-from train.formats.reference_format import (CONFIG, INDEX, SHARD, WEIGHTS, _file_mode, model_and_layout,
-                                            model_settings, reference_config, write_json)
+from train.formats.reference_format import SHARD, _file_mode, write_json
 
 log = logging.getLogger(__name__)
 
-# Our reference config's names -> Hugging Face text_config's, where they differ (the same name elsewhere).
-HF_NAMES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
-            "moe_inter_dim": "moe_intermediate_size", "n_activated_experts": "num_experts_per_tok",
-            "score_func": "scoring_func", "route_scale": "routed_scaling_factor", "rope_head_dim": "qk_rope_head_dim",
-            "norm_eps": "rms_norm_eps", "window_size": "sliding_window", "n_mtp_layers": "num_nextn_predict_layers",
-            "engram_pad_id": "engram_pad_token_id", "dspark_n_activated_experts": "dspark_num_experts_per_tok",
-            "n_dense_layers": "first_k_dense_replace"}
-# DeepSeek's names -> ours: HF's, and the inference code's flat config.json (its lists without the _id(s)).
-RENAMED = {**{theirs: ours for ours, theirs in HF_NAMES.items()}, "kv_source_layers": "kv_source_layer_ids",
-           "index_source_layers": "index_source_layer_ids", "candidate_source_layer": "candidate_source_layer_id"}
-ROPE_SCALING = {"factor": "rope_factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow",
-                "original_max_position_embeddings": "original_seq_len"}
-# Fields that describe the files, the serving runtime or the multimodal model, not the text model's weights; the
-# ones with a value are checked: another value would be another model.
-REQUIRED = {"num_key_value_heads": 1, "hidden_act": "silu", "topk_method": "noaux_tc", "attention_bias": False,
-            "tie_word_embeddings": False, "expert_dtype": "fp4", "scale_fmt": "ue8m0"}
-IGNORED = ("architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "bos_token_id",
-           "eos_token_id", "pad_token_id", "image_token_id", "vision_config", "max_position_embeddings",
-           "max_batch_size", "max_seq_len", "temperature", "auto_map", "use_cache", "initializer_range",
-           "attention_dropout", "quantization_config", "rope_scaling")
+# The multimodal model's tensors: listed as ignored, copied back unchanged by an export over the release.
 VISION = re.compile(r"(vision\.|aligner\.|image_)|.*\.bias_vl$")
-QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
-QUANT_IGNORED = ("activation_scheme", "fmt")
-
-
-def is_released(directory: Path) -> bool:
-    """A directory of DeepSeek's format: a ``config.json`` with ``text_config`` or a quantisation (an HF config),
-    or the inference code's ``dtype: fp8``, beside safetensors weights."""
-    path = directory / CONFIG
-    if not path.is_file() or not ((directory / INDEX).is_file() or (directory / WEIGHTS).is_file()):
-        return False
-    config = json.loads(path.read_text())
-    return "text_config" in config or "quantization_config" in config or config.get("dtype") == "fp8"
-
-
-def reference_fields(config: dict) -> tuple[dict, list[str]]:
-    """DeepSeek's ``config.json`` -> (our reference config, the fields ignored). Raises a one-line ValueError for a
-    field this framework does not know or a value it does not build."""
-    text = dict(config.get("text_config", config))
-    quant = config.get("quantization_config") or text.pop("quantization_config", None)
-    ignored = sorted(k for k in config if k != "text_config" and k in IGNORED or k.startswith("vision_"))
-    if quant:
-        _check_quantization(quant)
-    flat, unknown = {}, []
-    for key, value in text.items():
-        if key in REQUIRED:
-            if value not in (REQUIRED[key], None):
-                raise ValueError(f"config.json: {key}={value!r} is not a model this framework builds (it builds "
-                                 f"{key}={REQUIRED[key]!r})")
-        elif key == "rope_scaling":
-            flat.update(_rope_scaling(value))
-        elif key.startswith("vision_") or key in IGNORED:
-            ignored.append(key)
-        else:
-            flat[RENAMED.get(key, key)] = value
-    n_layers, n_mtp = flat.get("n_layers"), flat.get("n_mtp_layers", 0)
-    ratios = flat.get("compress_ratios")
-    if n_layers is not None and ratios is not None and len(ratios) == n_layers + n_mtp:
-        if any(ratios[n_layers:]):
-            raise ValueError(f"config.json: compress_ratios gives the draft layers ratios {ratios[n_layers:]}: this "
-                             "framework's draft head attends to a window only (ratio 0)")
-        flat["compress_ratios"] = ratios[:n_layers]
-    if not flat.get("dspark_block_size"):  # the reference builds no draft head without a block size
-        flat = {k: v for k, v in flat.items() if not k.startswith("dspark_")} | {"n_mtp_layers": 0}
-    if "n_dense_layers" in flat and flat["n_dense_layers"] not in (0, n_layers):
-        raise ValueError(f"config.json: first_k_dense_replace={flat['n_dense_layers']}: a stack that mixes dense and "
-                         "MoE layers is not one this framework builds")
-    flat.setdefault("n_dense_layers", 0 if "n_routed_experts" in flat else n_layers)
-    if flat.get("candidate_source_layer_id") is None:
-        flat["candidate_source_layer_id"] = -1
-    try:
-        model_settings(flat)
-    except ValueError as error:
-        unknown = str(error)
-    if unknown:
-        raise ValueError(unknown.replace("config.json has fields", "DeepSeek's config.json has fields") +
-                         " — a released model with parts this framework does not build")
-    return flat, sorted(set(ignored))
-
-
-def _check_quantization(quant: dict) -> None:
-    for key, value in quant.items():
-        if key in QUANT_IGNORED:
-            continue
-        if key not in QUANTIZATION:
-            raise ValueError(f"config.json: quantization_config.{key}={value!r} is not a format this framework reads")
-        if value != QUANTIZATION[key] and not (key == "expert_dtype" and value is None):
-            raise ValueError(f"config.json: quantization_config.{key}={value!r}; this framework reads "
-                             f"{key}={QUANTIZATION[key]!r} (SPEC §6)")
-
-
-def _rope_scaling(value: dict | None) -> dict:
-    if not value:
-        return {"original_seq_len": 0}
-    kind = value.get("rope_type", value.get("type"))
-    if kind != "yarn":
-        raise ValueError(f"config.json: rope_scaling type {kind!r}: this framework builds YaRN only")
-    return {ours: value[theirs] for theirs, ours in ROPE_SCALING.items() if theirs in value}
-
-
-def released_model(config: dict) -> tuple[ModelArgs, Layout]:
-    return model_and_layout(reference_fields(config)[0])
-
-
-def released_settings(config: dict) -> dict[str, object]:
-    """The ``model.*`` / ``layout.*`` settings DeepSeek's ``config.json`` stands for (override keys)."""
-    return model_settings(reference_fields(config)[0])
-
-
-def deepseek_config(args: ModelArgs, layout: Layout, source: dict | None = None) -> dict:
-    """DeepSeek's ``config.json`` for a model, in HF's layout (``text_config`` with its names, ``rope_scaling``,
-    ``quantization_config``). Over ``source`` (the released config) when given: its fields stay as written (the
-    vision model's, the token ids, ``16`` not ``16.0``) unless this model's value differs, and a field the source
-    leaves to the reference's default is added only when this model's value is not that default."""
-    ours = reference_config(args, layout, "bf16")
-    rope = {theirs: ours.pop(mine) for theirs, mine in ROPE_SCALING.items()}
-    ours.pop("dtype")
-    text = {HF_NAMES.get(k, k): v for k, v in ours.items()}
-    text["rope_scaling"] = {"rope_type": "yarn", **rope} if rope["original_max_position_embeddings"] else None
-    if args.dspark.blocks:  # the release lists the draft layers' ratios (0: window only) after the backbone's
-        text["compress_ratios"] = [*text["compress_ratios"], *[0] * args.dspark.blocks]
-    if source is None or "text_config" not in source:  # none, or the inference code's flat one: HF's afresh
-        return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
-                "quantization_config": dict(QUANTIZATION), "text_config": text}
-    theirs = dict(source.get("text_config", source))
-    implied = deepseek_config(*released_model(source))["text_config"]  # what the source means, defaults included
-    for key, value in text.items():
-        if key in theirs and _plain(theirs[key]) != _plain(value) or key not in theirs and value != implied[key]:
-            theirs[key] = value
-    return {**source, "text_config": theirs}
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -468,35 +329,3 @@ def quantisation_table(report: dict, limit: int = 20) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ export
-
-REPORT = "quantization_report.json"
-BESIDE = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")  # a source's files copied along
-
-
-def export_deepseek(checkpoint_path: str, out_dir: Path, source: str | None = None,
-                    max_shard_bytes: int = 5 * 10**9) -> tuple[list[str], dict]:
-    """``python -m train.export <checkpoint> <dir> --format deepseek``: the checkpoint's weights in the released
-    format, DeepSeek's ``config.json`` and ``quantization_report.json`` (per quantised tensor: exact, or its
-    error). ``source``: the released directory to take shards, dtypes, scales, vision tensors and the config's
-    other fields from (default: the run's ``train.init_from`` when it is one); without one the layout is
-    ``storage``'s and the shards are by size. Returns (files written, the report)."""
-    from train.export import checkpoint_model  # which imports this module
-    from train.formats.lora import checkpoint_weights
-
-    ref, config, args, layout = checkpoint_model(checkpoint_path)
-    source = source or (config.get("train") or {}).get("init_from")
-    released = None
-    if source and is_released(Path(source).expanduser().resolve()):
-        released = ReleasedWeights(Path(source).expanduser().resolve())
-    elif source and source != (config.get("train") or {}).get("init_from"):
-        raise ValueError(f"--source {source} is not a released directory (config.json and safetensors of DeepSeek's "
-                         "format)")
-    files, report = write_released(checkpoint_weights(ref), out_dir, released, max_shard_bytes)
-    write_json(out_dir / CONFIG, deepseek_config(args, layout, released.source_config if released else None))
-    write_json(out_dir / REPORT, report)
-    files += [CONFIG, REPORT]
-    for name in BESIDE if released is not None else ():
-        if (released.directory / name).is_file():
-            shutil.copyfile(released.directory / name, out_dir / name)
-            files.append(name)
-    return files, report

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from model import LayoutError
 from model.cli import resolved
 from model.config import JobConfig, TrainConfig
+from model.deepseek_config import adopt_released_config
 from model.layout import CandidateCapacityError, layout_from_config
 from parallel.job import Job, plan, resolve_device
 from parallel.plan import check_memory, device_memory, split_capacity
@@ -129,7 +130,7 @@ def planned(cfg: DictConfig, world_size: int) -> tuple[Job, str]:
     """The job of the composed ``cfg`` on ``world_size`` processes, resolved once (``model.cli.resolved``: every
     value in its range; ``parallel.job.plan``: the model, layout, batch and split) and checked as a whole, and its
     memory verdict line: every check of the settings, before any data, weights or process group."""
-    config = init_from.adopt_released_config(resolved(cfg))  # a released train.init_from sets the model first
+    config = adopt_released_config(resolved(cfg))  # a released train.init_from sets the model first
     device = resolve_device(config.train.device)
     memory = device_memory(device.type == "cuda", local_processes(world_size))
     try:
