@@ -6,12 +6,9 @@ from tests.support.oracle import oracle_forward, random_params
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention (10x slower on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """conftest's ``one_thread`` for every test of the modules that import this fixture."""
     yield
-    torch.set_num_threads(n)
 
 
 DIMS = dict(vocab_size=50, dim=64, n_heads=4, head_dim=32, rope_head_dim=8, q_lora_rank=32, o_groups=2,

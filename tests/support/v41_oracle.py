@@ -25,12 +25,9 @@ BASE = ["model.kernel_backend=torch", "model.index_n_heads=8"]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """conftest's ``one_thread`` for every test of the modules that import this fixture."""
     yield
-    torch.set_num_threads(n)
 
 
 def configured(overrides):
