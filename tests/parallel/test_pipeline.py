@@ -38,13 +38,6 @@ def pipelined(request, tmp_path_factory):
                                              overrides=overrides)
 
 
-def _merged(ranks, key):
-    merged = {}
-    for r in ranks:
-        merged.update(r[key])
-    return merged
-
-
 def test_losses_equal_single_stage(reference, pipelined):
     """Step 1 bitwise; step 2 bitwise with index K as payload. With shadow indexers step 2's indexer losses (and
     the total that adds them) see the indexer parameters' rounding difference (``test_parameters_equal_single_stage``):
@@ -70,7 +63,7 @@ def test_gradients_equal_single_stage(reference, pipelined):
     stage recomputes (shadow indexers): its gradient is the sum of per-stage products instead of one product of
     summed key gradients, a different reduction order."""
     (stages, cuts, index_k, _, _), ranks = pipelined
-    grads = _merged(ranks, "first_grads")
+    grads = harness.merged(ranks, "first_grads")
     assert grads.keys() == reference["first_grads"].keys()
     for name, want in reference["first_grads"].items():
         if index_k == "shadow" and _shadowed_keys(name, stages, cuts):
@@ -88,7 +81,7 @@ def test_parameters_equal_single_stage(reference, pipelined):
     versions of the model's arithmetic: stacking wq_a and wkv into one GEMM moved one tensor from 7e-7 to 1.0e-6);
     with the shadows' gradients left unsummed the same tensors move by ~1e-1. The bound sits 10x above the noise."""
     (stages, cuts, index_k, _, _), ranks = pipelined
-    params = _merged(ranks, "params")
+    params = harness.merged(ranks, "params")
     assert params.keys() == reference["params"].keys()
     for name, want in reference["params"].items():
         got = params[name]
@@ -100,8 +93,8 @@ def test_parameters_equal_single_stage(reference, pipelined):
 
 def test_replicas_equal_owners(pipelined):
     _, ranks = pipelined
-    params = _merged(ranks, "params")
-    replicas = _merged(ranks, "shadows")
+    params = harness.merged(ranks, "params")
+    replicas = harness.merged(ranks, "shadows")
     assert bool(replicas) == (pipelined[0][2] == "shadow")  # parallel.index_k: payload sends the keys, no replicas
     for name, value in replicas.items():
         source, tensor = name.split(".", 1)
@@ -171,7 +164,7 @@ def test_bf16_pipeline_equals_single_stage(bf16_runs, reference):
     assert single["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-2)
     assert ranks[-1]["losses"] == single["losses"]
     for key in ("first_grads", "params"):
-        got = _merged(ranks, key)
+        got = harness.merged(ranks, key)
         assert got.keys() == single[key].keys()
         for name, want in single[key].items():
             assert torch.equal(got[name], want), (key, name)

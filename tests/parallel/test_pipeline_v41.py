@@ -27,13 +27,6 @@ def pipelined(request, tmp_path_factory):
     return harness.run(str(tmp_path_factory.mktemp("v41_pp")), stages, cuts, recompute=recompute, overrides=V41)
 
 
-def _merged(ranks, key):
-    merged = {}
-    for r in ranks:
-        merged.update(r[key])
-    return merged
-
-
 def test_losses_equal_single_stage(reference, pipelined):
     """Both steps' losses and every part of step 2 (LM, the draft head's three) bitwise, but the indexer KLs, which
     see the shadow replica's rounding of layer 6's index keys from step 2 on (``tests/parallel/test_pipeline.py``:
@@ -53,7 +46,7 @@ def test_gradients_and_state_equal_single_stage(reference, pipelined):
     projections of Full layer 6, whose keys the last stage recomputes with a shadow replica, are summed over two
     stages: a different reduction order (``tests/parallel/test_pipeline.py``)."""
     for key in ("first_grads", "state"):
-        got = _merged(pipelined, key)
+        got = harness.merged(pipelined, key)
         assert got.keys() == reference[key].keys()
         for name, want in reference[key].items():
             if name.startswith(("layers.6.attn.indexer.wk", "layers.6.attn.indexer.k_norm")) or (

@@ -103,6 +103,14 @@ def _worker(rank, world, out, cuts, index_k, recompute, precision, p2p, override
                f"{out}/rank{rank}.pt")
 
 
+def merged(ranks: list[dict], key: str) -> dict:
+    """One dict of what the ranks of a run each reported under ``key`` (a stage's parameters, say)."""
+    out = {}
+    for r in ranks:
+        out.update(r[key])
+    return out
+
+
 def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none", p2p: str = "overlap",
         precision: str = "fp32", overrides: tuple[str, ...] = ()):
     """Run the job in ``stages`` processes (``precision``: fp32, or bf16 autocast; ``overrides``: more config, e.g.
