@@ -15,7 +15,8 @@ from model.quantized_base import TABLE_BLOCK, QuantizedMatrix, QuantizedTable, q
 from model.quantized_build import quantized_transformer
 from tests.support.released_format import OVERRIDES, Dispatch, Rows, hf_config, opened, run_config, write_release
 from tests.support.v41_oracle import _one_thread, configured, random_state  # noqa: F401 (_one_thread: autouse)
-from train.formats.init_from import InitError, fill_stored, load_stage
+from train.formats.init_from import fill_stored, load_stage
+from train.formats.sources import InitError
 
 LORA = LoRA(4, 8.0, ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts"), quantized_base=True)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 from model import ModelArgs, Transformer, layout_from_config
 from model.cli import compose, resolved
 from model.config import plain
+from model.deepseek_config import INDEX, WEIGHTS
 from parallel.local import spawn
 from tests.support import pipeline_harness as harness
 from tests.support.train_run import SMALL, _run, _train_rows
 from train.export import export, parse_size
-from train.formats.init_from import InitError, InitFrom, from_job
-from train.formats.reference_format import INDEX, WEIGHTS
+from train.formats.init_from import InitFrom, from_job
+from train.formats.sources import InitError
 
 FROZEN = ["train.lr=0", "train.max_steps=1"]  # one step that leaves the loaded weights as they are
 SKIP = ("optimizer_", "resume_state")

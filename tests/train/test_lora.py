@@ -12,12 +12,12 @@ from safetensors.torch import load_file
 
 from model import ModelArgs, Transformer, layout_from_config
 from model.cli import compose
+from model.deepseek_config import WEIGHTS
 from model.lora import LoRA, attach
 from parallel.local import spawn
 from tests.support import pipeline_harness as harness
 from tests.support.train_run import _exact_rows, _run
 from train.export import export
-from train.formats.reference_format import WEIGHTS
 
 EVERY_MOE = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts")
 RANK, ALPHA = 4, 8.0
