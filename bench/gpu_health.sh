@@ -9,6 +9,8 @@
 #   SMOKE=1 bash bench/gpu_health.sh moe             # the same on the CPU: v41_mini at 256 tokens, 8 steps
 # moe: one run in the foreground, cut at WAIT seconds (default 470; SIGTERM: the trainer stops after its step and
 # writes its plots), of STEPS (default 100) steps warming up over WARMUP (40) to LR (3e-4, as the `small` demo),
+# with the overrides in EXTRA (e.g. EXTRA=train.optimizer=muon); python -m train.routing_criteria's verdict in
+# small_moe/routing_criteria.txt,
 # the held-out loss every EVERY (10) steps, so 4 evaluations inside the warm-up; then bench/health_criteria.py
 # (init gradient norms against the head's, the warm-up's held-out losses, train.observe.health's criteria after it) into
 # $OUT/small_moe/criteria.json. Sized from the `small` model's 16K demo (5,580 tokens/s: 2.9 s a step on an H200,
@@ -20,12 +22,12 @@ set -uo pipefail
 mode=${1:?probe, demo, collect or moe}
 : "${OUT:?set OUT}"
 SMOKE=${SMOKE:-0}
-if ls .whl/*.whl > /dev/null 2>&1; then
+if [ "$SMOKE" = 1 ]; then  # this machine's own packages
+  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+elif ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-elif [ "$SMOKE" = 1 ]; then
-  export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 else
   echo "error: no wheels in .whl (../shared/gpu/fetch-wheels.sh .whl, and carry .whl)" >&2
   exit 1
@@ -103,12 +105,13 @@ case $mode in
     rm -rf /tmp/small_moe /tmp/small_moe.done
     CUDA_VISIBLE_DEVICES=0 timeout --kill-after=60 "${WAIT:-470}" python3 -m train "${COMMON[@]}" "${RUN[@]}" \
       train.max_steps="$STEPS" train.warmup_steps="$WARMUP" train.lr="${LR:-3e-4}" train.eval.every="$EVERY" \
-      hydra.run.dir=/tmp/small_moe > /tmp/small_moe.log 2>&1
+      ${EXTRA:-} hydra.run.dir=/tmp/small_moe > /tmp/small_moe.log 2>&1
     echo $? > /tmp/small_moe.done
     copy_results small_moe
     cp /tmp/small_moe/experts.{jsonl,png} "$OUT/small_moe/" 2>/dev/null
     python3 bench/health_criteria.py /tmp/small_moe --warmup "$WARMUP" --out "$OUT/small_moe/criteria.json" 2>&1 \
       | grep -v -i warn
+    python3 -m train.routing_criteria /tmp/small_moe 2>&1 | grep -v -i warn | tee "$OUT/small_moe/routing_criteria.txt"
     ;;
 esac
 for f in "$OUT"/*/tail.log; do echo "== $f"; tail -n 4 "$f"; done

@@ -50,7 +50,7 @@ from parallel.recompute import recompute_leading  # noqa: E402
 from result_meta import result_meta  # noqa: E402
 from train.data.loader import build_loader  # noqa: E402
 from train.loss import compute_loss  # noqa: E402
-from train.run.engine import param_groups, warmup_cosine  # noqa: E402
+from train.run.engine import plain_optimizer, warmup_cosine  # noqa: E402
 
 DEFAULTS = ["model=v41_mini", "layout=v41_scaled"]
 
@@ -137,15 +137,14 @@ def freeze(model: Transformer, groups: list[str]) -> list[str]:
 
 def train_steps(model: Transformer, cfg, ids: torch.Tensor, steps: int, dtype: torch.dtype):
     """Yield after each of ``steps`` optimizer steps on the row ``ids`` (next-token loss), as the trainer takes
-    them: AdamW (fused on a GPU) with its decay groups, betas, eps and warm-up schedule (``train/run/engine.py``) over
-    the parameters that require a gradient, each clipping group (``model.groups.clip_group``: the trunk, the
-    indexer) clipped at ``train.grad_clip`` by its own norm, then the balance step of the routing biases. The
-    Engram tables (sparse gradients) stay. Yields (step, the LM loss before it, ``gradient_stats`` of its update)."""
+    them: AdamW (fused on a GPU), or Muon with AdamW (``train.optimizer``), with its decay groups, betas, eps and
+    warm-up schedule (``train/run/engine.py``) over the parameters that require a gradient, each clipping group
+    (``model.groups.clip_group``: the trunk, the indexer) clipped at ``train.grad_clip`` by its own norm, then the
+    balance step of the routing biases. The Engram tables (sparse gradients) stay. Yields (step, the LM loss before it, ``gradient_stats`` of its update)."""
     train = cfg.train
     named = [(n, p) for n, p in model.named_parameters()
              if p.requires_grad and not n.endswith("engram.embed.weight")]
-    optimizer = torch.optim.AdamW(param_groups(named, float(train.weight_decay)), lr=float(train.lr),
-                                  betas=tuple(train.betas), eps=float(train.eps), fused=ids.device.type == "cuda")
+    optimizer = plain_optimizer(named, train, cfg.model.args, fused=ids.device.type == "cuda")
     clipped: dict[str, list[torch.nn.Parameter]] = {}
     for n, p in named:
         clipped.setdefault(clip_group(param_group(n)), []).append(p)

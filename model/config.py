@@ -285,6 +285,15 @@ class LayoutConfig:
 # ---------------------------------------------------------------------------------------------------- train
 
 @dataclass(frozen=True)
+class Muon:
+    """``train.muon`` (``parallel/muon.py``): the matrices' optimizer under ``train.optimizer=muon``."""
+    momentum: float = setting("decay of the momentum average (Nesterov's look-ahead uses it too)", 0.95, ge=0, lt=1)
+    update_rms: float = setting("RMS of a matrix's orthogonalised update per unit of lr, matched to AdamW's so that "
+                                "its lr and weight decay carry over: 0.18 in DeepSeek-V4, 0.2 in Moonlight", 0.18,
+                                gt=0)
+
+
+@dataclass(frozen=True)
 class LoRA:
     """``train.lora`` (``model/lora.py``): ``rank`` 0 is off; ``alpha`` scales the update by ``alpha / rank``."""
     rank: int = setting("rank of every adapter; 0: off (full fine-tuning). > 0 freezes the whole base (train."
@@ -348,8 +357,8 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
-    """The ``train`` group: the training loop (``train/run/app.py``), AdamW with linear warm-up and cosine decay, the
-    loss weights, evaluation, checkpoints and where the weights start."""
+    """The ``train`` group: the training loop (``train/run/app.py``), AdamW (or Muon) with linear warm-up and cosine
+    decay, the loss weights, evaluation, checkpoints and where the weights start."""
     seed: int = setting("seeds the initial weights (with their names), Python, NumPy and torch", ge=0)
     device: str = setting("auto (the local GPU if any, else the CPU), cpu or cuda", choices=("auto", "cpu", "cuda"))
     precision: str = setting("auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32",
@@ -365,7 +374,9 @@ class TrainConfig:
     lr: float = setting("peak learning rate, reached after warmup_steps (0: the weights stay)", ge=0)
     min_lr_ratio: float = setting("the cosine decays to min_lr_ratio x lr at max_steps (1: constant)", ge=0, le=1)
     warmup_steps: int = setting("steps of the linear warm-up from lr / warmup_steps", ge=0)
-    weight_decay: float = setting("AdamW's decoupled weight decay, on matrices only", ge=0)
+    optimizer: str = setting("adamw, or muon: Muon for the matrices, AdamW for the embedding, head, norms and "
+                             "biases (parallel/muon.py, DeepSeek-V4's split)", choices=("adamw", "muon"))
+    weight_decay: float = setting("decoupled weight decay, on matrices only (AdamW's and Muon's)", ge=0)
     betas: list[float] = setting("AdamW's two moment decays [beta1, beta2]", ge=0, lt=1)
     eps: float = setting("AdamW's epsilon", gt=0)
     grad_clip: float = setting("clip the global gradient norm to this (per clipping group); 0: no clipping", ge=0)
@@ -396,6 +407,7 @@ class TrainConfig:
                                           "stuck rank then ends the job with a line naming the step and the rank "
                                           "that waited", gt=0)
     lora: LoRA = setting("LoRA fine-tuning (model/lora.py)", LoRA())
+    muon: Muon = setting("Muon's settings (train.optimizer=muon)", Muon())
 
 
 # ----------------------------------------------------------------------------------------------------- data

@@ -28,6 +28,7 @@ from deepspeed.runtime.sparse_tensor import SparseTensor
 
 from model.config import P2P, ModelArgs
 from model.layout import Layout
+from model.matrices import rows_per_matrix
 from parallel.bias_balance import BiasBalance
 from parallel.clipping import GradientClipper
 from parallel.context import context_shard
@@ -351,11 +352,14 @@ class CSA2PipelineEngine(PipelineAdapter):
 
 
 def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
-                 model_parameters: list[dict] | None = None, p2p: str = "overlap") -> CSA2PipelineEngine:
+                 model_parameters: list[dict] | None = None, p2p: str = "overlap",
+                 optimizer=None) -> CSA2PipelineEngine:
     """What ``deepspeed.initialize`` does for a PipelineModule, with our engine class, only owned parameters
     handed to the optimizer (``model_parameters``: param groups of them; default one group of all owned),
     ``gradient_clipping`` and ``zero_optimization.stage`` (0 or 1) done by the engine, not by DeepSpeed, and the
-    boundary transfers of ``p2p`` (``P2P``)."""
+    boundary transfers of ``p2p`` (``P2P``). ``optimizer``: a function of the param groups that builds the optimizer
+    (``parallel/muon.py``'s), in place of the one ``config`` names. A group with a ``matrix`` (Muon's ``(rows,
+    columns)``) keeps its matrices whole under ZeRO-1: its parameters are cut only between matrices."""
     config = dict(config)
     max_grad_norm = config.get("gradient_clipping", 0.0)
     config["gradient_clipping"] = 0.0  # DeepSpeed's own clipping is off (its default is not 0)
@@ -363,20 +367,26 @@ def build_engine(module: CSA2PipelineModule, config: dict, lr_scheduler=None,
     if zero_stage not in (0, 1):
         raise ValueError(f"zero_optimization.stage={zero_stage} (parallel.zero_stage): use 0 or 1; DeepSpeed's "
                          "pipeline engine refuses stages 2 and 3, which partition gradients or weights")
-    grid = module.mpu()
-    shards = [OptimizerShards(module.dense_named_parameters(), grid.get_data_parallel_group(),
-                              grid.get_data_parallel_group_ranks(), grid.get_data_parallel_rank(), zero_stage == 1)]
-    if module.expert_groups is not None:  # partitioned over the replicas that hold the same experts
-        experts = module.expert_groups
-        shards.append(OptimizerShards(module.expert_named_parameters(), experts.data, experts.data_ranks,
-                                      module.expert_data_rank(), zero_stage == 1,
-                                      {n: first for n, (first, _) in module.expert_shards.items()}))
     wanted = model_parameters or [{"params": module.owned_parameters()}]
+    units = {id(p): rows_per_matrix(tuple(p.shape), group["matrix"])
+             for group in wanted if group.get("matrix") for p in group["params"]}
+
+    def rows(named: dict[str, torch.nn.Parameter]) -> dict[str, int]:
+        return {n: units.get(id(p), 1) for n, p in named.items()}
+    grid = module.mpu()
+    dense = module.dense_named_parameters()
+    shards = [OptimizerShards(dense, grid.get_data_parallel_group(), grid.get_data_parallel_group_ranks(),
+                              grid.get_data_parallel_rank(), zero_stage == 1, units=rows(dense))]
+    if module.expert_groups is not None:  # partitioned over the replicas that hold the same experts
+        experts, named = module.expert_groups, module.expert_named_parameters()
+        shards.append(OptimizerShards(named, experts.data, experts.data_ranks, module.expert_data_rank(),
+                                      zero_stage == 1, {n: first for n, (first, _) in module.expert_shards.items()},
+                                      units=rows(named)))
     groups = [{**group, "params": [p for part in parts for p in part["params"]]}
               for group, *parts in zip(wanted, *(s.param_groups(wanted) for s in shards))]
     config_class = DeepSpeedConfig(config, module.mpu())
-    return CSA2PipelineEngine(args=None, model=module, optimizer=None, model_parameters=groups, training_data=None,
-                              lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=False, collate_fn=None,
-                              config=config, config_class=config_class, shards=shards, max_grad_norm=max_grad_norm,
-                              p2p=p2p, table_optimizer=table_optimizer(module.table_parameters(), module.row_shards,
-                                                                        config))
+    return CSA2PipelineEngine(args=None, model=module, optimizer=optimizer, model_parameters=groups,
+                              training_data=None, lr_scheduler=lr_scheduler, mpu=module.mpu(), dist_init_required=False,
+                              collate_fn=None, config=config, config_class=config_class, shards=shards,
+                              max_grad_norm=max_grad_norm, p2p=p2p,
+                              table_optimizer=table_optimizer(module.table_parameters(), module.row_shards, config))

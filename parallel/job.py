@@ -106,6 +106,9 @@ def plan(config: JobConfig, world_size: int, device: torch.device, capacity: flo
     lora = config.train.lora if config.train.lora.rank else None
     if lora is not None:
         lora.check(args)
+        if config.train.optimizer == "muon":
+            raise ValueError("train.optimizer=muon trains whole matrices, and train.lora.rank > 0 trains only low-rank "
+                             "adapters: use train.optimizer=adamw for LoRA")
     parallel, data = config.parallel, config.data
     check_parallel(parallel)
     batch = batch_plan(config, world_size)

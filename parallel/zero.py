@@ -5,6 +5,7 @@ into one contiguous run per data-parallel rank, of nearly equal element counts (
 the AdamW state of its run only, steps it and broadcasts it to the stage's other replicas. Gradients are still
 all-reduced in full by DeepSpeed and clipped by our engine before the step, so an update is bitwise the one without
 ZeRO: AdamW is elementwise, and rows of a parameter stepped with the same rows of its gradient give the same numbers.
+Muon (``parallel/muon.py``) works on whole matrices, so its parameters are cut only between matrices (``units``).
 A parameter inside a run is handed to the optimizer as itself; one cut by a run boundary as a view of its rows.
 Communication per step is that of DeepSpeed's own stage 1 under its default (``use_multi_rank_bucket_allreduce``):
 all-reduce the gradients, then send the updated weights once (here a broadcast per owner, not an all-gather).
@@ -35,11 +36,14 @@ class Shard:
     owner: int
 
 
-def plan_shards(shapes: list[tuple[str, torch.Size]], parts: int) -> list[Shard]:
+def plan_shards(shapes: list[tuple[str, torch.Size]], parts: int, units: dict[str, int] | None = None) -> list[Shard]:
     """Cut the parameters (in this order) into ``parts`` contiguous runs of nearly equal element counts.
 
     Run ``k`` starts at the row boundary nearest to element ``k * total / parts``, so runs differ by at most about
-    one row of the tensor a boundary falls in; that keeps every shard a plain row slice of one parameter."""
+    one row of the tensor a boundary falls in; that keeps every shard a plain row slice of one parameter. ``units``:
+    a parameter's rows are cut only at multiples of its unit (Muon's matrices stay whole: ``parallel/muon.py``), so
+    there the runs differ by up to a unit."""
+    units = units or {}
     total = sum(math.prod(shape) for _, shape in shapes)
     bounds = [k * total // parts for k in range(1, parts)]  # first element of run k+1
     shards, owner, offset = [], 0, 0
@@ -47,7 +51,9 @@ def plan_shards(shapes: list[tuple[str, torch.Size]], parts: int) -> list[Shard]
         rows, numel = shape[0], math.prod(shape)
         start = 0
         while owner < parts - 1 and bounds[owner] < offset + numel:
-            cut = max(start, ((bounds[owner] - offset) * rows + numel // 2) // numel)  # the nearest row boundary
+            unit = units.get(name, 1)
+            nearest = ((bounds[owner] - offset) * rows + numel // 2) // numel  # the nearest row boundary
+            cut = max(start, (nearest + unit // 2) // unit * unit)
             if cut > start:
                 shards.append(Shard(name, start, cut, owner))
             start, owner = cut, owner + 1
@@ -68,16 +74,18 @@ class OptimizerShards:
     the routed experts under expert parallelism, the ranks holding the same experts). ``row_offsets``: a parameter
     that holds rows of a larger one (an expert-parallel rank's experts) names its rows in the larger one's terms in
     the saved state, so that it re-shards under another split. With ``partitioned`` False (ZeRO off) every rank
-    owns every parameter whole: the optimizer sees the module's own parameters and nothing is broadcast."""
+    owns every parameter whole: the optimizer sees the module's own parameters and nothing is broadcast. ``units``:
+    rows per indivisible piece of a parameter (``plan_shards``)."""
 
     def __init__(self, named: dict[str, torch.nn.Parameter], group, ranks: list[int], rank: int, partitioned: bool,
-                 row_offsets: dict[str, int] | None = None):
+                 row_offsets: dict[str, int] | None = None, units: dict[str, int] | None = None):
         self.group, self.ranks, self.row_offsets = group, list(ranks), row_offsets or {}
         # With one data-parallel rank there is nothing to partition, nor to broadcast (which would copy the stage)
         self.named, self.partitioned = named, partitioned and len(self.ranks) > 1
         self.dp_rank = rank
         self.me = self.dp_rank if self.partitioned else 0  # my run of rows
-        self.shards = plan_shards([(n, p.shape) for n, p in named.items()], len(self.ranks) if self.partitioned else 1)
+        self.shards = plan_shards([(n, p.shape) for n, p in named.items()], len(self.ranks) if self.partitioned else 1,
+                                  units)
         self.tensors = {s: self._rows(s) if self._partial(s) else named[s.name]
                         for s in self.shards if s.owner == self.me}  # what the optimizer steps
 

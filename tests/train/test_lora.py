@@ -331,6 +331,8 @@ def _lora_parameters():
     (["train.lora.rank=4", "train.lora.targets=[dense_ffn]", "model=v41_mini"], r"has no dense_ffn — leave it out"),
     (["train.lora.rank=4", "train.lora.targets=[experts]"], r"model.ffn=dense.* has no experts"),
     (["train.lora.rank=4"], r"train.lora.rank=4 trains adapters on a frozen base: set train.init_from="),
+    (["train.lora.rank=4", "train.optimizer=muon"], r"train.optimizer=muon trains whole matrices.*use "
+                                                    r"train.optimizer=adamw for LoRA"),
     (["train.lora.rank=4", "train.lora.quantized_base=true", "train.init_from=/nowhere"],
      r"train.lora.quantized_base=true keeps the base as DeepSeek's release stores it: set train.init_from to a "
      r"released directory \(it is /nowhere\)"),

@@ -14,9 +14,11 @@ import torch
 
 from model.config import DataConfig, ModelArgs, TrainConfig
 from model.dspark import DRAFT_PARTS
+from model.matrices import matrix_shape
 from model.transformer import ModelOutput
 from parallel.engine import CSA2PipelineEngine, CSA2PipelineModule, build_engine as build_pipeline_engine
 from parallel.job import Job
+from parallel.muon import MuonWithAdamW
 from parallel.plan import describe
 from train.loss import chunked_lm_loss, compute_loss
 from train.observe.quiet import prints_to_debug
@@ -35,7 +37,8 @@ def deepspeed_config(train: TrainConfig, micro_batch: int, microbatches: int, ze
     lr 0). Precision is not in here either: bf16 runs under autocast over fp32 master weights (``parallel/stage.py``),
     so gradients and optimizer state stay fp32 and the engine's clipping sees them. ``gradient_clipping`` and
     ``zero_optimization.stage`` (``parallel.zero_stage``) are carried out by our engine, not DeepSpeed's
-    (``parallel/engine.py``, ``parallel/zero.py``).
+    (``parallel/engine.py``, ``parallel/zero.py``). Under ``train.optimizer=muon`` the engine is handed
+    ``muon_optimizer`` instead; the AdamW settings here still hold for its AdamW part and the Engram tables.
     """
     return {
         "train_micro_batch_size_per_gpu": micro_batch,
@@ -62,11 +65,49 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
     return ratio
 
 
-def param_groups(parameters: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only; norms' gains and attention sinks keep their scale."""
-    decay = [p for _, p in parameters if p.dim() >= 2]
+def param_groups(parameters: list[tuple[str, torch.nn.Parameter]], weight_decay: float,
+                 matrices: dict[str, tuple[int, int]] | None = None) -> list[dict]:
+    """Weight decay on matrices only; norms' gains and attention sinks keep their scale. ``matrices``: the
+    parameters Muon trains, by name, with the ``(rows, columns)`` of their matrices (``muon_matrices``); one group per
+    such shape, after AdamW's two."""
+    matrices = matrices or {}
+    decay = [p for n, p in parameters if p.dim() >= 2 and n not in matrices]
     keep = [p for _, p in parameters if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0}]
+    by_shape: dict[tuple[int, int], list[torch.nn.Parameter]] = {}
+    for name, p in parameters:
+        if name in matrices:
+            by_shape.setdefault(matrices[name], []).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": keep, "weight_decay": 0.0},
+            *({"params": ps, "weight_decay": weight_decay, "matrix": shape} for shape, ps in by_shape.items())]
+
+
+def muon_matrices(parameters: list[tuple[str, torch.nn.Parameter]], train: TrainConfig,
+                  args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """What ``train.optimizer=muon`` trains with Muon (``model/matrices.py``), by name; nothing under AdamW."""
+    if train.optimizer != "muon":
+        return {}
+    return {n: shape for n, p in parameters if (shape := matrix_shape(n, tuple(p.shape), args)) is not None}
+
+
+def muon_optimizer(train: TrainConfig, fused: bool):
+    """The engine's optimizer under ``train.optimizer=muon``, as a function of its param groups (None: DeepSpeed
+    builds the config's AdamW). AdamW's part takes the config's lr, betas and epsilon."""
+    if train.optimizer != "muon":
+        return None
+    return lambda groups: MuonWithAdamW(groups, lr=train.lr, betas=train.betas, eps=train.eps,
+                                        weight_decay=train.weight_decay, momentum=train.muon.momentum,
+                                        update_rms=train.muon.update_rms, fused=fused or None)
+
+
+def plain_optimizer(parameters: list[tuple[str, torch.nn.Parameter]], train: TrainConfig, args: ModelArgs,
+                    fused: bool = False) -> torch.optim.Optimizer:
+    """The engine's optimizer over ``parameters`` without the engine (the probes of ``bench/``): the same groups, AdamW
+    or Muon with AdamW as ``train.optimizer`` says; ``fused``: torch's fused AdamW (a GPU's)."""
+    groups = param_groups(parameters, train.weight_decay, muon_matrices(parameters, train, args))
+    build = muon_optimizer(train, fused)
+    if build:
+        return build(groups)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=train.eps, fused=fused or None)
 
 
 class PipelineLoss:
@@ -154,12 +195,13 @@ def build_engine(job: Job, memory_line: str | None = None) -> CSA2PipelineEngine
                                     parallel.expert_overlap, parallel.context_parallel, job.lora,
                                     parallel.recompute_offload, head_chunk)
     schedule = warmup_cosine(train.warmup_steps, train.max_steps, train.min_lr_ratio)
-    groups = param_groups(list(module.optimized_named_parameters().items()), train.weight_decay)
+    named = list(module.optimized_named_parameters().items())
+    groups = param_groups(named, train.weight_decay, muon_matrices(named, train, args))
     ds_config = deepspeed_config(train, data.micro_batch_size, batch.microbatches, parallel.zero_stage,
                                  fused_adam=job.on_gpu)
     return build_pipeline_engine(module, ds_config, model_parameters=groups,
                                  lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-                                 p2p=parallel.p2p)
+                                 p2p=parallel.p2p, optimizer=muon_optimizer(train, job.on_gpu))
 
 
 @dataclass
