@@ -127,9 +127,9 @@ class Split:
 
 def split_stages(args: ModelArgs, layout: Layout, parallel: ParallelConfig, seq_len: int, micro_batch: int,
                  dtype: torch.dtype, microbatches: int, data_parallel: int, capacity: float | None = None,
-                 cuda: bool = False, lora: LoRA | None = None) -> Split:
-    """The split of a job (its model, layout, ``parallel`` settings, row geometry and LoRA) running
-    ``microbatches`` per step on ``data_parallel`` replicas of ``parallel.context_parallel`` ranks each
+                 cuda: bool = False, lora: LoRA | None = None, muon: bool = False) -> Split:
+    """The split of a job (its model, layout, ``parallel`` settings, row geometry, LoRA and optimizer: ``muon``)
+    running ``microbatches`` per step on ``data_parallel`` replicas of ``parallel.context_parallel`` ranks each
     (``parallel/batch.py``), under ``capacity`` bytes."""
     par, stages = parallel, parallel.pipeline_stages
     times = None
@@ -140,7 +140,7 @@ def split_stages(args: ModelArgs, layout: Layout, parallel: ParallelConfig, seq_
     memory = estimate(args, layout, micro_batch, seq_len, dtype, recomputed_layers(par, layout.n_layers),
                       data_parallel, par.zero_stage, cuda, par.index_k, measured=times,
                       expert_parallel=par.expert_parallel, context_parallel=par.context_parallel, lora=lora,
-                      offload_inputs=par.recompute_offload, head_chunk=par.head_chunk)
+                      offload_inputs=par.recompute_offload, head_chunk=par.head_chunk, muon=muon)
 
     keep = kept_per_stage(par.keep_attention_layers, stages)
 

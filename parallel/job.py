@@ -116,5 +116,6 @@ def plan(config: JobConfig, world_size: int, device: torch.device, capacity: flo
     check_experts(parallel.expert_parallel, args, batch.data_parallel * batch.context)
     precision = resolve_precision(config.train.precision, device)
     split = split_stages(args, layout, parallel, data.seq_len, data.micro_batch_size, compute_dtype(precision),
-                         batch.microbatches, batch.data_parallel, capacity, cuda=device.type == "cuda", lora=lora)
+                         batch.microbatches, batch.data_parallel, capacity, cuda=device.type == "cuda", lora=lora,
+                         muon=config.train.optimizer == "muon")
     return Job(config, args, layout, lora, device, precision, world_size, batch, split)

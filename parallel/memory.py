@@ -2,7 +2,8 @@
 
 A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
 - state, per parameter: fp32 weight and gradient (8 B) and AdamW's two fp32 moments (8 B, divided by the
-  data-parallel size under ZeRO-1); under expert parallelism a rank holds 1/E of the routed experts, whose
+  data-parallel size under ZeRO-1), or Muon's one momentum (4 B) for the matrices it trains under
+  ``train.optimizer=muon`` (``model/matrices.py``: the routed experts and every layer matrix); under expert parallelism a rank holds 1/E of the routed experts, whose
   moments ZeRO-1 divides by the ranks holding the same experts; an Engram table's rows are sharded over the
   data-parallel ranks, with no dense gradient (it is sparse) and sparse Adam's two moments when it trains. Under
   LoRA (``model/lora.py``) the base is frozen: its weights only (no gradient, no moments), in bf16 for the matrices
@@ -46,6 +47,7 @@ from torch import nn
 from model.config import ModelArgs, ParallelConfig
 from model.hyper import mix_width
 from model.layout import Layout, Mode
+from model.matrices import matrix_shape
 from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
 from model.quantized_base import STORED_BYTES, base_targets, quantized_form, table_bytes
 from model.transformer import Transformer
@@ -73,11 +75,14 @@ def _meta_model(args: ModelArgs, layout: Layout) -> Transformer:
 def parameter_counts(args: ModelArgs, layout: Layout) -> dict[str, tuple[int, ...]]:
     """Parameters of each layer by kind: ``tables`` (Engram tables), ``experts`` (routed experts, the stacked
     ``ffn.experts.w*`` of the layer's MoE and, in the last layer, of the draft head's), ``dense`` (the rest); the
-    embedding counted in layer 0, the final norm, head and draft head in the last. Built once per model (meta)."""
-    counts = {kind: [0] * layout.n_layers for kind in ("dense", "tables", "experts")}
+    embedding counted in layer 0, the final norm, head and draft head in the last. ``dense_matrices``: those of
+    ``dense`` that Muon trains under ``train.optimizer=muon``. Built once per model (meta)."""
+    counts = {kind: [0] * layout.n_layers for kind in ("dense", "tables", "experts", "dense_matrices")}
     for name, p in _meta_model(args, layout).named_parameters():
         kind = "tables" if ".engram.embed." in name else "experts" if ".ffn.experts." in name else "dense"
         counts[kind][_layer_of(name)] += p.numel()
+        if kind == "dense" and matrix_shape(name, tuple(p.shape), args) is not None:
+            counts["dense_matrices"][_layer_of(name)] += p.numel()
     return {kind: tuple(c) for kind, c in counts.items()}
 
 
@@ -244,7 +249,7 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
              recompute_layers: int, data_parallel: int = 1, zero_stage: int = 1, cuda: bool = True,
              index_k: str = "shadow", measured=None, expert_parallel: int = 1, routed_rows: float = 1.0,
              context_parallel: int = 1, lora: LoRA | None = None, offload_inputs: bool = False,
-             head_chunk: int = 0) -> MemoryModel:
+             head_chunk: int = 0, muon: bool = False) -> MemoryModel:
     """The analytic model of a job's layers. ``recompute_layers`` counts from each stage's first layer; since the
     split is not known yet, layers are treated as recomputed when every layer is (``recompute=layer``) and as not
     recomputed otherwise (an upper bound for ``block``). ``measured``: a ``LayerTimes`` whose per-mode bytes
@@ -261,7 +266,7 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     recomputed layer's input waits on the host, so it is not retained; the backward holds two (the layer's, back,
     and the previous one's, on its way) in its transient. ``head_chunk``: tokens per chunk of the LM head and loss
     (0: all of them), whose logits work (``HEAD_BYTES`` per token and vocabulary entry) is the last layer's
-    transient when it is larger."""
+    transient when it is larger. ``muon`` (``train.optimizer=muon``): the matrices keep one moment, not two."""
     counts = parameter_counts(args, layout)
     tables = counts["tables"]  # row-sharded over the stage's ranks
     ranks, E = data_parallel * context_parallel, expert_parallel
@@ -270,13 +275,19 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
                          f"({data_parallel} data-parallel replica(s) x {context_parallel} context-parallel)")
     dense_shards, expert_shards = (ranks, ranks // E) if zero_stage == 1 else (1, 1)
 
-    def trained(dense: float, experts: float) -> float:  # fp32 weight and gradient, AdamW's moments partitioned
-        return dense * (8 + 8 / dense_shards) + experts / E * (8 + 8 / expert_shards)
+    def trained(dense: float, experts: float, matrices: float = 0.0) -> float:
+        """fp32 weight and gradient, and the moments partitioned: Muon's one for ``matrices`` of ``dense`` and the
+        experts under ``muon``, AdamW's two otherwise."""
+        expert_moments = 4 if muon else 8
+        return (dense * (8 + 8 / dense_shards) - matrices * 4 / dense_shards
+                + experts / E * (8 + expert_moments / expert_shards))
 
     cast = 2 if dtype == torch.bfloat16 else 0  # bytes of the bf16 copy autocast makes of an fp32 weight
     if lora is None:
         per_row = 4 + (8 if args.engram.train else 0)  # fp32 weight, sparse Adam's moments (no dense gradient)
-        state = [trained(n, e) + t * per_row / ranks for n, e, t in zip(counts["dense"], counts["experts"], tables)]
+        matrices = counts["dense_matrices"] if muon else [0] * layout.n_layers
+        state = [trained(n, e, m) + t * per_row / ranks
+                 for n, e, m, t in zip(counts["dense"], counts["experts"], matrices, tables)]
         casts = [(n + e / E) * cast for n, e in zip(counts["dense"], counts["experts"])]
     else:  # frozen base: weights only, bf16 where attach keeps them so; tables fp32 (as released: FP8 rows), frozen
         low = lora_counts(args, layout, lora)
