@@ -384,7 +384,7 @@ class TrainConfig:
                                        ge=0)
     dspark_loss_coef: float = setting("weight of the draft head's loss (it reaches the draft head only); 0: the head "
                                       "is built, loaded and exported but never run", ge=0)
-    log_every: int = setting("steps between rows of metrics.jsonl", ge=1)
+    log_every: int = setting("steps between rows of metrics.jsonl (step 1 always has one)", ge=1)
     peak_tflops: float = setting("one GPU's bf16 dense matmul peak, MFU's denominator (989: H100 / H200 SXM spec)",
                                  gt=0)
     progress: bool = setting("a tqdm bar on rank 0")

@@ -493,15 +493,16 @@ def test_initial_weights_follow_the_seed_and_the_init_scales(job):
 # ---------------------------------------------------------------------------------------- the loop and data
 
 def test_loop_settings_from_what_the_run_wrote(job):
-    """Rows every ``log_every`` steps up to ``stop_at`` (the schedule still spans ``max_steps``), one evaluation at
-    ``eval.every`` reading ``eval.batches`` batches, a checkpoint after every step (``checkpoint_every``) of which
-    ``keep_checkpoints`` stay, in ``checkpoint_dir``; the expert loads of the logged steps only."""
-    assert sorted(job["rows"]) == [2]
+    """Rows every ``log_every`` steps up to ``stop_at`` (the schedule still spans ``max_steps``) and at step 1, one
+    evaluation at ``eval.every`` reading ``eval.batches`` batches, a checkpoint after every step
+    (``checkpoint_every``) of which ``keep_checkpoints`` stay, in ``checkpoint_dir``; the expert loads of the logged
+    steps only."""
+    assert sorted(job["rows"]) == [1, 2]
     assert [r["step"] for r in job["evals"]] == [2] and job["eval_batches"] == EVAL["batches"]
     ck = job["run_dir"] / "ck"
     assert sorted(p.name for p in ck.glob("step*")) == ["step00000001", "step00000002", "step00000003"]
     experts = [json.loads(line) for line in (job["run_dir"] / EXPERTS_FILE).read_text().splitlines()]
-    assert [r["step"] for r in experts] == [2]
+    assert [r["step"] for r in experts] == [1, 2]
     assert set(experts[0]["loads"]) == {f"layer{i}" for i in range(10)} | {"mtp0", "mtp1"}
 
 

@@ -218,7 +218,7 @@ class Trainer:
         try:
             for step in range(self.state["step"] + 1, stop + 1):
                 row = self.step(step)
-                if step % train.log_every == 0 or row["skipped"]:
+                if self.logs(step) or row["skipped"]:
                     logger.log(row)
                     if self.expert_loads:
                         logger.log_experts(step, self.expert_loads)
@@ -241,9 +241,14 @@ class Trainer:
             finally:
                 self.heartbeat.close()  # after the save's collectives: this rank beats as long as it has peers
 
+    def logs(self, step: int) -> bool:
+        """Whether ``step`` gets a row of metrics (and its diagnostics): every ``train.log_every``-th, and step 1, the
+        start every plot and ``python -m train.routing_criteria`` read."""
+        return step % self.train_config.log_every == 0 or step == 1
+
     def step(self, step: int) -> dict:
         """One optimizer step; returns its ``metrics.jsonl`` row."""
-        logged = step % self.train_config.log_every == 0
+        logged = self.logs(step)
         self.writer.check()  # a checkpoint write that failed in the background fails the job here
         start = time.perf_counter()
         self.clock.start()
