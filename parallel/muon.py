@@ -33,6 +33,7 @@ import torch
 
 HYBRID_SCHEDULE = (((3.4445, -4.7750, 2.0315), 8), ((2.0, -1.5, 0.5), 2))  # ((a, b, c), iterations) in turn
 EPS = 1e-7  # the Frobenius norm's floor: a zero gradient gives a zero update
+BATCH_VALUES = 2 ** 28  # values orthogonalised in one call (1 GiB in fp32): bounds the step's extra memory
 
 
 def orthogonalize(matrices: torch.Tensor, schedule=HYBRID_SCHEDULE, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -80,27 +81,39 @@ class MuonWithAdamW(torch.optim.AdamW):
         return loss
 
     def _muon_step(self, group: dict) -> None:
-        """Every matrix of the group (one shape) orthogonalised in one batched call: a few large GEMMs instead of
-        ten small ones per parameter and iteration."""
+        """The group's matrices (all of one shape) orthogonalised a batch at a time: a few large GEMMs instead of
+        ten small ones per parameter and iteration, with at most ``BATCH_VALUES`` of them in flight."""
         rows, columns = group["matrix"]
-        lr, mu = group["lr"], self.momentum
-        params = [p for p in group["params"] if p.grad is not None]
-        look_ahead = []
-        for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                if state:
-                    raise ValueError(f"a matrix of shape {tuple(p.shape)} has AdamW's saved state ({sorted(state)}), "
-                                     "not Muon's: resume with the checkpoint's train.optimizer, or start from its "
-                                     "weights with train.init_from (a fresh optimizer)")
-                state["momentum_buffer"] = torch.zeros_like(p)
-            momentum = state["momentum_buffer"]
-            momentum.lerp_(p.grad, 1 - mu)
-            look_ahead.append(p.grad.lerp(momentum, mu).reshape(-1, rows, columns))
-        if not params:
-            return
-        updates = orthogonalize(torch.cat(look_ahead), dtype=self.ns_dtype).split([u.shape[0] for u in look_ahead])
+        batch: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            batch.append((p, self._look_ahead(p).reshape(-1, rows, columns)))
+            if sum(m.numel() for _, m in batch) >= BATCH_VALUES:
+                self._apply(group, batch)
+                batch = []
+        if batch:
+            self._apply(group, batch)
+
+    def _look_ahead(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The momentum updated with ``p``'s gradient, and Nesterov's look-ahead from it."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            if state:
+                raise ValueError(f"a matrix of shape {tuple(p.shape)} has AdamW's saved state ({sorted(state)}), "
+                                 "not Muon's: resume with the checkpoint's train.optimizer, or start from its "
+                                 "weights with train.init_from (a fresh optimizer)")
+            state["momentum_buffer"] = torch.zeros_like(p)
+        momentum = state["momentum_buffer"]
+        momentum.lerp_(p.grad, 1 - self.momentum)
+        return p.grad.lerp(momentum, self.momentum)
+
+    def _apply(self, group: dict, batch: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+        rows, columns = group["matrix"]
+        lr = group["lr"]
+        matrices = [m for _, m in batch]
+        updates = orthogonalize(torch.cat(matrices), dtype=self.ns_dtype).split([m.shape[0] for m in matrices])
         scale = lr * self.update_rms * math.sqrt(max(rows, columns))
-        for p, update in zip(params, updates):
+        for (p, _), update in zip(batch, updates):
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update.reshape(p.shape), alpha=-scale)

@@ -88,7 +88,10 @@ def engine_run() -> list[dict]:
     return steps
 
 
-def test_muon_steps_match_a_plain_reference():
+def test_muon_steps_match_a_plain_reference(monkeypatch):
+    """(The module docstring.) ``BATCH_VALUES`` is set small, so that the engine orthogonalises each group in
+    several batches, flushed both when full and at the group's end."""
+    monkeypatch.setattr("parallel.muon.BATCH_VALUES", 20_000)
     cfg = compose(CONFIG)
     train, rank = cfg.train, cfg.model.o_lora_rank
     steps = engine_run()
