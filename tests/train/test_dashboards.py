@@ -85,3 +85,19 @@ def test_wandb_gets_the_pictures_the_layout_table_and_the_distance_charts(tmp_pa
               for p in (media / "table" / "synthetic").glob("*.table.json")}
     assert set(charts) == {"mqar", "copy"}
     assert charts["mqar"]["data"][:2] == [["0-31", 1.0], ["32-63", 0.9]]
+
+
+def test_routing_series_and_picture_from_the_moe_scalars(tmp_path):
+    """``routing.png``'s series are the rows' ``moe/layer<N>/*`` numbers (here the bias range, max - min; the draft
+    head's ``mtp<K>`` layers and evaluation rows are not drawn), and the picture exists only for a MoE run."""
+    from train.observe.routing import plot_routing, routing_series
+
+    rows = [{"step": s, "loss": 1.0, **{f"moe/layer{layer}/{stat}": value for layer in (0, 3) for stat, value in (
+        ("load_max_over_mean", 1.0 + layer * s), ("idle_experts", float(layer)), ("bias_min", -0.1 * s),
+        ("bias_max", 0.2 * s), ("load_entropy", 2.0))}, "moe/mtp0/load_max_over_mean": 9.0} for s in (1, 2, 3)]
+    rows.append({"step": 3, "split": "eval", "lm_loss": 1.0})
+    steps, layers, values = routing_series(rows[:3], lambda r, layer: r[f"moe/layer{layer}/bias_max"]
+                                           - r[f"moe/layer{layer}/bias_min"])
+    assert steps == [1, 2, 3] and layers == [0, 3] and values[1] == pytest.approx([0.3, 0.6, 0.9])
+    assert plot_routing(rows, tmp_path / "routing.png") and (tmp_path / "routing.png").stat().st_size > 5000
+    assert not plot_routing(rows_of_a_run(), tmp_path / "none.png") and not (tmp_path / "none.png").exists()

@@ -62,10 +62,21 @@ def plot_layers(rows: list[dict], path: Path) -> bool:
               if series[1]]
     if not panels:
         return False
+    heatmaps(panels, path)
+    return True
+
+
+def heatmaps(panels: list[tuple[str, list[int], list[int], list[list[float]]]], path: Path, columns: int = 2) -> None:
+    """One layer-by-step heatmap per ``(title, steps, layers, values[layer][step])`` panel, ``columns`` a row,
+    written to ``path``."""
+    columns = min(columns, len(panels))
+    rows = math.ceil(len(panels) / columns)
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 0.35 * max(len(p[2]) for p in panels) + 2.5),
-                             squeeze=False)
-    for ax, (title, steps, layers, values) in zip(axes[0], panels):
+    fig, axes = plt.subplots(rows, columns, squeeze=False,
+                             figsize=(6 * columns, rows * (0.35 * max(len(p[2]) for p in panels) + 2.5)))
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, steps, layers, values) in zip(axes.flat, panels):
         steps, values = _binned(steps, values)
         image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis")
         ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
@@ -76,7 +87,6 @@ def plot_layers(rows: list[dict], path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return True
 
 
 def distance_accuracy(row: dict) -> dict[str, list[tuple[str, float]]]:
@@ -152,9 +162,13 @@ def log_synthetic_charts(wandb_run, row: dict) -> None:
 
 
 def draw_and_log(rows: list[dict], run_dir: Path, window: int, wandb_run=None) -> list[Path]:
-    """Draw ``layers.png`` and ``synthetic.png`` into ``run_dir`` from ``rows``; log them to wandb as images."""
+    """Draw ``layers.png``, ``synthetic.png`` and a MoE model's ``routing.png`` into ``run_dir`` from ``rows``; log
+    them to wandb as images."""
+    from train.observe.routing import ROUTING_PLOT, plot_routing
+
     drawn = [path for path, draw in ((run_dir / LAYERS_FILE, plot_layers),
-                                     (run_dir / SYNTHETIC_FILE, lambda r, p: plot_synthetic(r, p, window)))
+                                     (run_dir / SYNTHETIC_FILE, lambda r, p: plot_synthetic(r, p, window)),
+                                     (run_dir / ROUTING_PLOT, plot_routing))
              if draw(rows, path)]
     if wandb_run is not None and drawn:
         import wandb

@@ -10,11 +10,14 @@ rank of a pipeline gathers its stage's loads and routing biases to the others (`
   expert-parallel group received, over the group's mean (1 under uniform routing, E when every token goes to one
   rank's experts), and ``moe/<layer>/received_max``, those rows (``received_rows``);
 - into ``experts.jsonl``, the loads themselves (each layer's normalised to a mean of 1), from which
-  ``experts.png`` draws one heatmap per layer: experts by steps, a hot row is an overloaded expert.
+  ``experts.png`` draws one heatmap per layer: experts by steps, a hot row is an overloaded expert;
+- ``routing.png``: the scalars above as layer-by-step heatmaps (max/mean load, idle experts, the bias's range
+  ``bias_max - bias_min``, the load's entropy): a collapse shows as a bright band from some depth on.
 Layers are named ``layer<N>`` (``layers.N.ffn``) and ``mtp<K>`` (the draft head's ``mtp.K.ffn``).
 """
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -24,7 +27,9 @@ from model.moe import routing_stats
 
 EXPERTS_FILE = "experts.jsonl"
 EXPERTS_PLOT = "experts.png"
+ROUTING_PLOT = "routing.png"
 PREFIX = "moe/"
+_ROUTED_LAYER = re.compile(r"moe/layer(\d+)/load_max_over_mean")
 
 
 def layer_key(module_name: str) -> str:
@@ -119,6 +124,39 @@ def plot_experts(path: Path, out: Path) -> bool:
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
+    return True
+
+
+def routing_series(rows: list[dict], value) -> tuple[list[int], list[int], list[list[float]]]:
+    """(steps, layers, values[layer][step]) over the rows with routing scalars; ``value(row, layer)`` reads one
+    (NaN where the row lacks it). The draft head's MoE (``mtp<K>``) is left out: it trains on its own loss."""
+    rows = [r for r in rows if any(_ROUTED_LAYER.fullmatch(k) for k in r)]
+    layers = sorted({int(m.group(1)) for r in rows for k in r if (m := _ROUTED_LAYER.fullmatch(k))})
+    return [r["step"] for r in rows], layers, [[value(r, layer) for r in rows] for layer in layers]
+
+
+def _stat(stat: str):
+    return lambda row, layer: float(row.get(f"{PREFIX}layer{layer}/{stat}", math.nan))
+
+
+def _bias_range(row: dict, layer: int) -> float:
+    low, high = (row.get(f"{PREFIX}layer{layer}/bias_{end}") for end in ("min", "max"))
+    return math.nan if low is None or high is None else high - low
+
+
+def plot_routing(rows: list[dict], path: Path) -> bool:
+    """``routing.png`` from the training rows of ``metrics.jsonl``. False (and no file) without MoE layers."""
+    from train.observe.dashboards import heatmaps
+
+    train = [r for r in rows if r.get("split") != "eval"]
+    panels = [(title, *routing_series(train, value)) for title, value in (
+        ("max / mean expert load (1: balanced)", _stat("load_max_over_mean")),
+        ("idle experts", _stat("idle_experts")),
+        ("routing bias range (max - min)", _bias_range),
+        ("load entropy (nats)", _stat("load_entropy")))]
+    if not panels[0][2]:
+        return False
+    heatmaps(panels, path, columns=4)
     return True
 
 
