@@ -17,7 +17,8 @@
 # bench/results/health/demo_16k): small_moe has 27% fewer FLOPs a step (model/flops.py, 343 vs 474 TFLOP) but
 # the hyper-connections' elementwise passes on 4 fp32 copies; at ~3 s a step, 100 steps take ~300 s after ~90 s of
 # start (wheels, build, first Triton compile) plus ~10 evaluations of 2 batches. Files: gpu.txt and small_moe/
-# {metrics.jsonl, experts.jsonl, health.png, loss_curve.png, experts.png, tail.log, criteria.json}: 8.
+# {metrics.jsonl, experts.jsonl, health.png, loss_curve.png, experts.png, routing.png, tail.log, criteria.json,
+# routing_criteria.txt}.
 set -uo pipefail
 mode=${1:?probe, demo, collect or moe}
 : "${OUT:?set OUT}"
@@ -108,7 +109,7 @@ case $mode in
       ${EXTRA:-} hydra.run.dir=/tmp/small_moe > /tmp/small_moe.log 2>&1
     echo $? > /tmp/small_moe.done
     copy_results small_moe
-    cp /tmp/small_moe/experts.{jsonl,png} "$OUT/small_moe/" 2>/dev/null
+    cp /tmp/small_moe/{experts.jsonl,experts.png,routing.png} "$OUT/small_moe/" 2>/dev/null
     python3 bench/health_criteria.py /tmp/small_moe --warmup "$WARMUP" --out "$OUT/small_moe/criteria.json" 2>&1 \
       | grep -v -i warn
     python3 -m train.routing_criteria /tmp/small_moe 2>&1 | grep -v -i warn | tee "$OUT/small_moe/routing_criteria.txt"
