@@ -370,6 +370,13 @@ def _engine_state(engine) -> dict:
             "counters": {k: getattr(engine, k) for k in ("global_steps", "global_samples", "skipped_steps")}}
 
 
+def schedule_for(saved: dict, groups: int) -> dict:
+    """The saved LR schedule's state for an optimizer of ``groups`` param groups. Every group of every rank follows
+    the one schedule, but the rank that saved it may have held another number of groups: Muon's are one per matrix
+    shape (``train/run/engine.py``), so they differ between pipeline stages and ZeRO-1 ranks."""
+    return {key: value[:1] * groups if isinstance(value, list) else value for key, value in saved.items()}
+
+
 def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
     """Load weights, optimizer and schedule into ``engine``; return the RNG and loader state.
 
@@ -390,7 +397,7 @@ def load(engine, ref: CheckpointRef, saved_stages: int) -> dict:
                               "or was written by an older version — resume from another one, or start fresh")
     engine.sync_shadows()  # replicas are not in checkpoints: their owners' values are
     engine.checkpoint.load_optimizer_state_by_name(pieces)
-    engine.lr_scheduler.load_state_dict(resume["schedule"])
+    engine.lr_scheduler.load_state_dict(schedule_for(resume["schedule"], len(engine.optimizer.param_groups)))
     for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
         group["lr"] = lr
     for key, value in resume["counters"].items():
