@@ -50,10 +50,15 @@ def random_topk(vis_lo, vis_hi, K):
 # fewer entries than K, row 0 packs three documents (starting at odd tokens: inside compression groups), and windows
 # reach across document starts.
 ATTN_CASES = [([[5, 10, 10], [25]], 2, 4, 32, 8, 12), ([[12, 13], [3, 22]], 1, 16, 16, 16, 16)]
+# The three switches (geometry, selected entries, RoPE) pairwise, in four runs instead of eight: every two of them
+# meet in each of their combinations (the selected path at m = 2 and m = 1, with and without RoPE; RoPE at both
+# geometries, with and without a selection), and test_sparse_attention_kernel_variants adds m = 2 with both. The
+# selected entries alone depend on m; RoPE turns q, dO, dq and the output per token, whatever the selection or m.
+PLAIN_CASES = [(*ATTN_CASES[0], True), (*ATTN_CASES[1], False)]
+ROPE_CASES = [(*ATTN_CASES[1], True), (*ATTN_CASES[0], False)]
 
 
-@pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
-@pytest.mark.parametrize("with_selected", [True, False])
+@pytest.mark.parametrize("doc_lens, m, H, D, W, K, with_selected", PLAIN_CASES)
 def test_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected):
     check_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected)
 
@@ -70,8 +75,7 @@ def test_sparse_attention_kernel_variants(seed, monkeypatch):
     check_sparse_attention(seed, monkeypatch, [[5, 10, 10], [25]], 2, 4, 16, 8, 24, True, rope_dim=4)
 
 
-@pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
-@pytest.mark.parametrize("with_selected", [True, False])
+@pytest.mark.parametrize("doc_lens, m, H, D, W, K, with_selected", ROPE_CASES)
 def test_sparse_attention_rope(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected):
     """RoPE inside the kernels (q's tail rotated on load, the output's rotated back on store, the backward's q,
     dO and dq turned to match) against the reference's explicit rope -> attention -> inverse rope. Catches a
