@@ -4,6 +4,7 @@ and Hydra) that this process has already paid; the group of one it joins is the 
 test_trainer_reference make here, made once and kept."""
 import torch
 
+from parallel.local import spawn
 from train.processes import distributed
 
 
@@ -19,3 +20,11 @@ def run_here(fn, *args) -> None:
             fn(0, *args)
     finally:
         torch.set_num_threads(threads)
+
+
+def run_processes(fn, nprocs: int, *args) -> None:
+    """``spawn(fn, nprocs, *args)``, the world of one here (``run_here``)."""
+    if nprocs == 1:
+        run_here(fn, *args)
+    else:
+        spawn(fn, nprocs, *args)

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from parallel.local import spawn
 from parallel.recompute import recomputation
+from tests.support.in_process import run_processes
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 64, 2, 4, 2
 # v41_mini's stack cut from 10 layers to 6, one of each layer mode (a window layer, an encoder Full and Reuse, a
@@ -113,8 +113,8 @@ def merged(ranks: list[dict], key: str) -> dict:
 
 def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none", p2p: str = "overlap",
         precision: str = "fp32", overrides: tuple[str, ...] = ()):
-    """Run the job in ``stages`` processes (``precision``: fp32, or bf16 autocast; ``overrides``: more config, e.g.
-    another model); returns the per-rank results."""
+    """Run the job in ``stages`` processes, or here for one stage (``precision``: fp32, or bf16 autocast;
+    ``overrides``: more config, e.g. another model); returns the per-rank results."""
     os.makedirs(out, exist_ok=True)
-    spawn(_worker, stages, stages, out, cuts, index_k, recompute, precision, p2p, tuple(overrides))
+    run_processes(_worker, stages, stages, out, cuts, index_k, recompute, precision, p2p, tuple(overrides))
     return [torch.load(f"{out}/rank{r}.pt", weights_only=True) for r in range(stages)]
