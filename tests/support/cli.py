@@ -26,8 +26,7 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-            # the module was imported here already (a fresh interpreter would not have it): runpy's warning says so
-            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+            _fresh_interpreter_warnings()
             try:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
             except SystemExit as stop:
@@ -42,3 +41,16 @@ def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
         os.environ.update(saved_env)
         GlobalHydra.instance().clear()
     return subprocess.CompletedProcess([sys.executable, "-m", module, *args], code, out.getvalue(), err.getvalue())
+
+
+def _fresh_interpreter_warnings() -> None:
+    """Warnings as a fresh interpreter shows them, on stderr (pytest records them instead), so that a command's
+    stderr holds what a shell would see: the interpreter's default filters, and not runpy's warning that the module
+    was imported already (by this process, not by the command)."""
+    warnings.resetwarnings()
+    warnings.simplefilter("default")
+    for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.filterwarnings("ignore", category=category)
+    warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+        warnings.formatwarning(message, category, filename, lineno, line))
