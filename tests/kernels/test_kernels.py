@@ -202,12 +202,12 @@ def test_recomputation_skips_the_selected_mass(seed, monkeypatch, keep_attention
     assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
 
 
-@pytest.mark.parametrize("keep_attention", [False, True])
-def test_selective_checkpoint_saves_the_selection(seed, monkeypatch, keep_attention):
-    """A recomputed layer's checkpoint (``kernels.checkpoint_policy``) saves the indexer's selection: the selection
-    runs once (a plain checkpoint runs it again in the backward), the candidate blocks come back as ``None`` or
-    as picked, and the gradients through the picks (index logits, attention) are bitwise those without
-    checkpointing. Catches a policy that leaves the selection op out, or an op wrapper that loses an output."""
+def test_selective_checkpoint_saves_the_selection(seed, monkeypatch):
+    """A recomputed layer's checkpoint (``kernels.checkpoint_policy``, attention recomputed or kept) saves the
+    indexer's selection: the selection runs once (a plain checkpoint runs it again in the backward), the candidate
+    blocks come back as ``None`` or as picked, and the gradients through the picks (index logits, attention) are
+    bitwise those without checkpointing. Catches a policy that leaves the selection op out (either way), or an op
+    wrapper that loses an output. (The two policies share the uncheckpointed and the plain-checkpoint runs.)"""
     win_lo, vis_lo, vis_hi = packed_geometry([[7, 4]], 1, 4)
     B, T = vis_lo.shape
     NH, DI, H, D, W, K = 2, 16, 4, 16, 4, 6
@@ -235,16 +235,16 @@ def test_selective_checkpoint_saves_the_selection(seed, monkeypatch, keep_attent
     monkeypatch.setattr(triton_indexer, "indexer_select", counted)
     want = torch.autograd.grad(layer(*leaves), leaves)
     runs = {}
-    for name, context in (("save", partial(create_selective_checkpoint_contexts,
-                                            kernels.checkpoint_policy(keep_attention))),
-                          ("recompute", noop_context_fn)):
+    for name, context in [*((f"save, keep_attention={keep}", partial(create_selective_checkpoint_contexts,
+                                                                        kernels.checkpoint_policy(keep)))
+                            for keep in (False, True)), ("recompute", noop_context_fn)]:
         calls["n"], selections[:] = 0, []
         grads = torch.autograd.grad(checkpoint(layer, *leaves, use_reentrant=False, context_fn=context), leaves)
         runs[name] = calls["n"], grads
-        assert all(torch.equal(s, selections[0]) for s in selections), seed
-    assert runs["save"][0] == 2 and runs["recompute"][0] == 4, seed  # two selections per layer call
-    for _, grads in runs.values():
-        assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
+        assert all(torch.equal(s, selections[0]) for s in selections), (name, seed)
+    for name, (calls_made, grads) in runs.items():  # two selections per layer call
+        assert calls_made == (4 if name == "recompute" else 2), (name, seed)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want)), (name, seed)
 
 
 def masked_scores(q, w, k, vis_lo, vis_hi, block_size, cand=None):
