@@ -7,6 +7,7 @@
 # intact checkpoint. Run the script again with the same RUN_DIR to continue a stopped run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-default_nproc=$(python -c "import torch; print(torch.cuda.device_count() or 2)")
-exec python -m train.torchrun --standalone --nproc-per-node "${NPROC:-$default_nproc}" --max-restarts "${MAX_RESTARTS:-3}" \
+# NPROC unset: one per GPU, counted by torch (a second of imports, so only then)
+nproc=${NPROC:-$(python -c "import torch; print(torch.cuda.device_count() or 2)")}
+exec python -m train.torchrun --standalone --nproc-per-node "$nproc" --max-restarts "${MAX_RESTARTS:-3}" \
   -m train hydra.run.dir="${RUN_DIR:-outputs/torchrun-$(date +%Y-%m-%d_%H-%M-%S)}" train.resume=auto "$@"

@@ -19,11 +19,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def skip_shm_comm_build() -> None:
+    """Keep DeepSpeed's CPU communication backend from JIT-compiling its shared-memory op with g++.
+
+    On the CPU accelerator DeepSpeed's comm backend builds ``deepspeed_shm_comm`` on first use: minutes of silent
+    compilation on a small machine (issue 57), rebuilt whenever the compile flags differ (a one-process run and a
+    torchrun run alternated between two). The op serves only ``inference_all_reduce`` (AutoTP inference); training
+    reduces through torch.distributed's gloo group either way. DeepSpeed builds it only where its table of
+    compatible ops (``deepspeed.ops.__compatible_ops__``, probed once and kept, so that an edit holds) says it can,
+    so the op is marked incompatible there. Called before ``init_distributed`` by CPU jobs and by every process
+    ``spawn`` starts."""
+    import deepspeed
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
 def _entry(rank: int, fn, world: int, port: int, args: tuple) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     import deepspeed
 
+    skip_shm_comm_build()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     fn(rank, *args)
     dist.barrier()

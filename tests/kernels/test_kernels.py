@@ -50,10 +50,15 @@ def random_topk(vis_lo, vis_hi, K):
 # fewer entries than K, row 0 packs three documents (starting at odd tokens: inside compression groups), and windows
 # reach across document starts.
 ATTN_CASES = [([[5, 10, 10], [25]], 2, 4, 32, 8, 12), ([[12, 13], [3, 22]], 1, 16, 16, 16, 16)]
+# The three switches (geometry, selected entries, RoPE) pairwise, in four runs instead of eight: every two of them
+# meet in each of their combinations (the selected path at m = 2 and m = 1, with and without RoPE; RoPE at both
+# geometries, with and without a selection), and test_sparse_attention_kernel_variants adds m = 2 with both. The
+# selected entries alone depend on m; RoPE turns q, dO, dq and the output per token, whatever the selection or m.
+PLAIN_CASES = [(*ATTN_CASES[0], True), (*ATTN_CASES[1], False)]
+ROPE_CASES = [(*ATTN_CASES[1], True), (*ATTN_CASES[0], False)]
 
 
-@pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
-@pytest.mark.parametrize("with_selected", [True, False])
+@pytest.mark.parametrize("doc_lens, m, H, D, W, K, with_selected", PLAIN_CASES)
 def test_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected):
     check_sparse_attention(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected)
 
@@ -70,8 +75,7 @@ def test_sparse_attention_kernel_variants(seed, monkeypatch):
     check_sparse_attention(seed, monkeypatch, [[5, 10, 10], [25]], 2, 4, 16, 8, 24, True, rope_dim=4)
 
 
-@pytest.mark.parametrize("doc_lens, m, H, D, W, K", ATTN_CASES)
-@pytest.mark.parametrize("with_selected", [True, False])
+@pytest.mark.parametrize("doc_lens, m, H, D, W, K, with_selected", ROPE_CASES)
 def test_sparse_attention_rope(seed, monkeypatch, doc_lens, m, H, D, W, K, with_selected):
     """RoPE inside the kernels (q's tail rotated on load, the output's rotated back on store, the backward's q,
     dO and dq turned to match) against the reference's explicit rope -> attention -> inverse rope. Catches a
@@ -198,12 +202,12 @@ def test_recomputation_skips_the_selected_mass(seed, monkeypatch, keep_attention
     assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
 
 
-@pytest.mark.parametrize("keep_attention", [False, True])
-def test_selective_checkpoint_saves_the_selection(seed, monkeypatch, keep_attention):
-    """A recomputed layer's checkpoint (``kernels.checkpoint_policy``) saves the indexer's selection: the selection
-    runs once (a plain checkpoint runs it again in the backward), the candidate blocks come back as ``None`` or
-    as picked, and the gradients through the picks (index logits, attention) are bitwise those without
-    checkpointing. Catches a policy that leaves the selection op out, or an op wrapper that loses an output."""
+def test_selective_checkpoint_saves_the_selection(seed, monkeypatch):
+    """A recomputed layer's checkpoint (``kernels.checkpoint_policy``, attention recomputed or kept) saves the
+    indexer's selection: the selection runs once (a plain checkpoint runs it again in the backward), the candidate
+    blocks come back as ``None`` or as picked, and the gradients through the picks (index logits, attention) are
+    bitwise those without checkpointing. Catches a policy that leaves the selection op out (either way), or an op
+    wrapper that loses an output. (The two policies share the uncheckpointed and the plain-checkpoint runs.)"""
     win_lo, vis_lo, vis_hi = packed_geometry([[7, 4]], 1, 4)
     B, T = vis_lo.shape
     NH, DI, H, D, W, K = 2, 16, 4, 16, 4, 6
@@ -231,16 +235,16 @@ def test_selective_checkpoint_saves_the_selection(seed, monkeypatch, keep_attent
     monkeypatch.setattr(triton_indexer, "indexer_select", counted)
     want = torch.autograd.grad(layer(*leaves), leaves)
     runs = {}
-    for name, context in (("save", partial(create_selective_checkpoint_contexts,
-                                            kernels.checkpoint_policy(keep_attention))),
-                          ("recompute", noop_context_fn)):
+    for name, context in [*((f"save, keep_attention={keep}", partial(create_selective_checkpoint_contexts,
+                                                                        kernels.checkpoint_policy(keep)))
+                            for keep in (False, True)), ("recompute", noop_context_fn)]:
         calls["n"], selections[:] = 0, []
         grads = torch.autograd.grad(checkpoint(layer, *leaves, use_reentrant=False, context_fn=context), leaves)
         runs[name] = calls["n"], grads
-        assert all(torch.equal(s, selections[0]) for s in selections), seed
-    assert runs["save"][0] == 2 and runs["recompute"][0] == 4, seed  # two selections per layer call
-    for _, grads in runs.values():
-        assert all(torch.equal(g, w) for g, w in zip(grads, want)), seed
+        assert all(torch.equal(s, selections[0]) for s in selections), (name, seed)
+    for name, (calls_made, grads) in runs.items():  # two selections per layer call
+        assert calls_made == (4 if name == "recompute" else 2), (name, seed)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want)), (name, seed)
 
 
 def masked_scores(q, w, k, vis_lo, vis_hi, block_size, cand=None):
@@ -646,10 +650,11 @@ def test_dispatch_forces_triton():
 
 
 def test_tiny_model_triton_equals_reference(seed, monkeypatch):
-    """The whole tiny model (the V4.1 layout cut to 7 layers, each mode once or more: a window layer, an m = 2
-    encoder group, the m = 1 decoder's Full candidate source, Reuse and Reindex layers; packed documents; rows
-    longer than the window and than the candidates) with its ops dispatched to Triton equals the PyTorch reference
-    path: logits, indexer losses and every parameter gradient.
+    """The whole tiny model (the V4.1 layout cut to 6 layers, each mode once: a window layer, an m = 2 encoder group,
+    the m = 1 decoder's Full candidate source, Reuse and Reindex layers; packed documents; rows longer than the
+    window and than the candidates) with its ops dispatched to Triton equals the PyTorch reference path: logits,
+    indexer losses and every parameter gradient. The dense FFN is 64 wide (two of the interpreter's SwiGLU column
+    steps; test_swiglu checks the kernel itself): at the preset's 384 it cost a tenth of the test.
     This is the wiring the GPU runs (RoPE, attention and index logits through ``kernels.ops``). The selection
     is the reference's in both runs: with 4 index heads many scores nearly tie, and the kernels' fp32 summation
     order differs from the reference's in the last bits, which can flip a pick at the top-k boundary (measured
@@ -663,7 +668,8 @@ def test_tiny_model_triton_equals_reference(seed, monkeypatch):
     from train.loss import compute_loss
 
     cfg = compose(["model=tiny", "layout=v41_scaled", "layout.window_layers=1", "layout.encoder.layers=2",
-                   "model.window_size=16", "layout.candidate_topk_blocks=5"])  # 20 candidate entries of 24
+                   "layout.decoder.layers=3", "model.inter_dim=64", "model.window_size=16",
+                   "layout.candidate_topk_blocks=5"])  # 20 candidate entries of 24
     layout = layout_from_config(cfg.layout)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 24))  # the interpreter's cost: a program per token and layer
     doc_ids = torch.zeros_like(ids)

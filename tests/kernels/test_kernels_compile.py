@@ -12,20 +12,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SM90_SHARED_BYTES = 227 * 1024  # the most one CTA may use on an H100/H200 SM
 
-# A Gluon kernel (module, kernel name) at the small model's shapes, compiled: its shared memory, then its spill
-# instructions.
+# The Gluon kernels (module, kernel name) at the small model's shapes, compiled in one process (one start-up of
+# Triton and torch for the four): each one's shared memory and spill instructions, as JSON by module.
+GLUON_KERNELS = {"gluon_attention": "_fwd_kernel", "gluon_dkv": "_bwd_dkv_kernel", "gluon_dq": "_bwd_dq_kernel",
+                 "gluon_index_score": "_score_kernel"}
 GLUON_RESOURCES = """
-import json
+import importlib, json, sys
 from bench.kernels_compile_report import spill_counts
 from kernels import hopper_compile
-import kernels.{module} as module
-spec = next(s for s in hopper_compile.specs() if s.kernel is module.{kernel})
-kernel = hopper_compile.compile_for_hopper(spec, spec.kernel.configs[0])
-print(kernel.metadata.shared)
-print(json.dumps(spill_counts(kernel.asm["cubin"])))
+resources = {}
+for module, name in json.loads(sys.argv[1]).items():
+    kernel = getattr(importlib.import_module(f"kernels.{module}"), name)
+    spec = next(s for s in hopper_compile.specs() if s.kernel is kernel)
+    compiled = hopper_compile.compile_for_hopper(spec, spec.kernel.configs[0])
+    resources[module] = {"shared": compiled.metadata.shared, "spills": spill_counts(compiled.asm["cubin"])}
+print(json.dumps(resources))
 """
 
 def run_compiler(*args: str) -> str:
@@ -37,42 +43,46 @@ def run_compiler(*args: str) -> str:
     return done.stdout
 
 
+@pytest.fixture(scope="module")
+def gluon_resources() -> dict:
+    return json.loads(run_compiler("-c", GLUON_RESOURCES, json.dumps(GLUON_KERNELS)))
+
+
 def test_every_kernel_compiles_for_sm90():
     assert "kernel launches compile for sm_90a" in run_compiler("-m", "kernels.hopper_compile")
 
 
-def test_gluon_forward_fits_one_sm_without_spills():
+def test_gluon_forward_fits_one_sm_without_spills(gluon_resources):
     """q and two KV buffers must fit one SM's shared memory, and a consumer's O half (128 registers a thread) leaves
     little room: a spill among its wgmma would slow every block silently. (ptxas reports ~200 bytes, none among the
     wgmma: values the worker warps keep across their register reallocation, some per token in the consumers' token
     loop, and the producer's; with the descriptors hoisted out of the pair loop, i.e. without ``opaque_zero``, 73
     spill instructions fall among the wgmma.)"""
-    assert_fits_without_mma_spills("gluon_attention", "_fwd_kernel")
+    assert_fits_without_mma_spills(gluon_resources["gluon_attention"])
 
 
-def test_gluon_dkv_fits_one_sm_without_spills():
+def test_gluon_dkv_fits_one_sm_without_spills(gluon_resources):
     """q, dO, one 64-row buffer, dS and the staging tiles (consumer 0's also carry P^T over to consumer 1) must fit
     one SM (225 KiB of the 227 KiB an SM grants a block), and no spill may fall among a consumer's wgmma. (With each
     q / dO tile's descriptor made once instead of at its use, i.e. ``_tile`` without its opaque zero, 147 spill
     instructions, 27 of them among the consumers' wgmma.)"""
-    assert_fits_without_mma_spills("gluon_dkv", "_bwd_dkv_kernel")
+    assert_fits_without_mma_spills(gluon_resources["gluon_dkv"])
 
 
-def test_gluon_dq_fits_one_sm_without_spills():
+def test_gluon_dq_fits_one_sm_without_spills(gluon_resources):
     """Three ring stages of a 64-row block and its dS tile (216 KiB at D = 512) must fit one SM, and a consumer's dq
     half (128 registers a thread) leaves little room: a spill among its wgmma would slow every block (ptxas reports
     none)."""
-    assert_fits_without_mma_spills("gluon_dq", "_bwd_dq_kernel")
+    assert_fits_without_mma_spills(gluon_resources["gluon_dq"])
 
 
-def test_gluon_index_score_fits_one_sm_without_spills():
+def test_gluon_index_score_fits_one_sm_without_spills(gluon_resources):
     """q (64 KiB) and six 16 KiB key buffers must fit one SM, and each of the four consumers holds S [64, 128] fp32
     (64 registers a thread) of 112: a spill among its wgmma would slow every tile (ptxas reports 4 spill
     instructions, none among the wgmma)."""
-    assert_fits_without_mma_spills("gluon_index_score", "_score_kernel")
+    assert_fits_without_mma_spills(gluon_resources["gluon_index_score"])
 
 
-def assert_fits_without_mma_spills(module: str, kernel: str):
-    shared, spills = run_compiler("-c", GLUON_RESOURCES.format(module=module, kernel=kernel)).strip().split("\n", 1)
-    assert int(shared) <= SM90_SHARED_BYTES, shared
-    assert json.loads(spills)["in_mma_spans"] == 0, spills
+def assert_fits_without_mma_spills(resources: dict):
+    assert resources["shared"] <= SM90_SHARED_BYTES, resources
+    assert resources["spills"]["in_mma_spans"] == 0, resources

@@ -1,8 +1,6 @@
 """The accounting CLI reproduces SPEC §1.6 at V4.1-Flash dims, from the real modules; indexer FLOPs by hand."""
 import functools
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -10,17 +8,18 @@ from model.accounting import account, main, mean_scored_entries
 from model.cli import compose
 from model.config import ModelArgs
 from model.layout import layout_from_config
+from tests.support.cli import run_module
 
 
 def accounting(*overrides):
-    out = subprocess.run([sys.executable, "-m", "model.accounting", *overrides, "format=json"],
-                         capture_output=True, text=True, check=True)
+    out = run_module("model.accounting", *overrides, "format=json")
+    assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
 @pytest.fixture(scope="module")
 def v41_flash():
-    """The CLI's figures of V4.1-Flash (one process for the tests that read them)."""
+    """The CLI's figures of V4.1-Flash (one run for the tests that read them)."""
     return accounting("model=v41_flash", "layout=v41")
 
 
@@ -57,8 +56,7 @@ def test_all_full_shows_what_sharing_saves():
 
 
 def test_bad_override_is_one_line_error():
-    out = subprocess.run([sys.executable, "-m", "model.accounting", "layout.kv_source_layer_ids=[3]"],
-                         capture_output=True, text=True)
+    out = run_module("model.accounting", "layout.kv_source_layer_ids=[3]")
     assert out.returncode != 0 and out.stderr.strip().startswith("error:") and "Traceback" not in out.stderr
 
 

@@ -1,13 +1,9 @@
 """The batch of an optimizer step: global batch, microbatches per pipeline, data-parallel replicas, 1F1B bubble;
 and that ``python -m parallel.plan`` fails on a batch the job would refuse, as the job does."""
-import subprocess
-import sys
-
 import pytest
 
 from parallel.batch import BatchConfigError, plan_batch
-
-REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+from tests.support.cli import run_module
 
 
 def test_global_batch_fixes_the_microbatches_whatever_the_split():
@@ -42,14 +38,10 @@ def test_batches_that_cannot_run_name_the_fix(kwargs, message):
 
 
 def test_plan_cli_prints_the_bubble_and_refuses_what_the_job_would():
-    def plan(*args):
-        return subprocess.run([sys.executable, "-m", "parallel.plan", *args], capture_output=True, text=True,
-                              cwd=REPO, timeout=120)
-
-    ok = plan("parallel.pipeline_stages=2", "train.global_batch_size=16")
+    ok = run_module("parallel.plan", "parallel.pipeline_stages=2", "train.global_batch_size=16")
     assert ok.returncode == 0, ok.stderr
     assert "16 rows per step = 4 rows x 4 microbatch(es) x 1 data-parallel replica(s)" in ok.stdout
     assert "1F1B bubble 20%" in ok.stdout
-    bad = plan("--world-size", "2", "parallel.pipeline_stages=2", "train.grad_accum_steps=1")
+    bad = run_module("parallel.plan", "--world-size", "2", "parallel.pipeline_stages=2", "train.grad_accum_steps=1")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("error: 1 microbatch(es) per step") and " — set train.global_batch_size" in bad.stderr

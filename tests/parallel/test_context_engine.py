@@ -30,7 +30,7 @@ import os
 import pytest
 import torch
 
-from parallel.local import spawn
+from tests.support.in_process import run_processes
 from tests.support.pipeline_harness import V41_SIX_LAYERS
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 128, 2, 2, 2
@@ -95,14 +95,14 @@ def _job(rank, out, overrides):
 
 def run(out, processes, jobs: dict) -> dict:
     """The jobs (name -> overrides) one after the other in one spawn of ``processes``; each job's per-rank results."""
-    spawn(_worker, processes, out, tuple((name, tuple(overrides)) for name, overrides in jobs.items()))
+    run_processes(_worker, processes, out, tuple((name, tuple(overrides)) for name, overrides in jobs.items()))
     return {name: [torch.load(os.path.join(out, name, f"rank{r}.pt"), weights_only=True) for r in range(processes)]
             for name in jobs}
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Each model's one-process run, in one spawn."""
+    """Each model's one-process run, one after the other in this process."""
     models = sorted({model for model, _, _ in CASES.values()})
     runs = run(str(tmp_path_factory.mktemp("ref")), 1, {model: MODELS[model] for model in models})
     return {model: ranks[0] for model, ranks in runs.items()}

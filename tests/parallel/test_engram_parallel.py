@@ -17,6 +17,7 @@ import torch
 
 from parallel.local import spawn
 from tests.support import pipeline_harness as harness
+from tests.support.in_process import run_here
 
 STEPS, SAVE_AT, REPLICAS = 3, 2, 2
 OVERRIDES = ["model=v41_mini", "model.dspark.blocks=0", f"data.seq_len={harness.SEQ_LEN}",
@@ -76,7 +77,7 @@ def _whole(rank, out):
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("engram_dp")
     spawn(_sharded, REPLICAS, str(out))
-    spawn(_whole, 1, str(out))
+    run_here(_whole, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(REPLICAS)], \
         torch.load(out / "whole.pt", weights_only=True)
 

@@ -18,6 +18,7 @@ from parallel.local import spawn
 
 ARGS = MoEArgs(n_routed_experts=4, n_activated_experts=2, inter_dim=8, swiglu_limit=10.0)
 DIM, WORLD = 8, 2
+CASES = ("random", "one_expert", "only_local")
 
 
 def _slots(rank: int, case: str):
@@ -49,28 +50,36 @@ def _run(experts, dispatch, ids, rows, weights):
     return out.detach(), rows.grad, weights.grad, grads
 
 
-def _worker(rank, out, case):
+def _worker(rank, out):
+    """Every case, with and without overlap, each through a dispatch of its own (one spawn for all: a spawn's
+    start-up cost more than its exchanges)."""
     import torch.distributed as dist
 
     from parallel.experts import ExpertAllToAll
 
-    group, results = dist.new_group([0, 1]), {}
-    for overlap in (True, False):
-        dispatch = ExpertAllToAll(group, [0, 1], overlap)
-        full = _full()
-        mine = RoutedExperts(DIM, ARGS, dispatch.experts_of(ARGS.n_routed_experts)).double()
-        with torch.no_grad():
-            for name in ("w1", "w2", "w3"):
-                getattr(mine, name).copy_(getattr(full, name)[mine.expert_ids.start:mine.expert_ids.stop])
-        results[overlap] = _run(mine, dispatch, *_slots(rank, case))
+    group, results = dist.new_group([0, 1]), {case: {} for case in CASES}
+    for case in CASES:
+        for overlap in (True, False):
+            dispatch = ExpertAllToAll(group, [0, 1], overlap)
+            full = _full()
+            mine = RoutedExperts(DIM, ARGS, dispatch.experts_of(ARGS.n_routed_experts)).double()
+            with torch.no_grad():
+                for name in ("w1", "w2", "w3"):
+                    getattr(mine, name).copy_(getattr(full, name)[mine.expert_ids.start:mine.expert_ids.stop])
+            results[case][overlap] = _run(mine, dispatch, *_slots(rank, case))
     torch.save(results, f"{out}/rank{rank}.pt")
 
 
-@pytest.fixture(scope="module", params=["random", "one_expert", "only_local"])
-def exchanged(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dispatch")
-    spawn(_worker, WORLD, str(out), request.param)
-    return request.param, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    spawn(_worker, WORLD, str(out))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.fixture(params=CASES)
+def exchanged(request, runs):
+    return request.param, [ranks[request.param] for ranks in runs]
 
 
 def test_the_all_to_all_equals_every_expert_in_one_process(exchanged):

@@ -2,12 +2,12 @@
 routed experts a layer, 4 in the draft head's MoE).
 
 In one spawn of 4 processes: one stage x 4 data-parallel replicas with ``parallel.expert_parallel`` 1 and 2 (each
-replica its own microbatch stream), two steps each; the E = 2 run saves after step 1 and an E = 4 engine resumes it
-for step 2 (the shared expert after the exchange, ``parallel.expert_overlap=false``; the others overlap it); then 2
-stages x 2 replicas with E = 2. In a second spawn of one process: the 2 x 2 run's microbatches accumulated in one
-step, and the E = 2 checkpoint resumed with the 4 replicas' step-2 microbatches. Everything equal to fp32 reduction
-order (``NEAR_*``): the losses, every reduced gradient of step 1 (an expert's under its global id, from whichever
-rank holds it) and the whole state after step 2, routing biases included; the biases bitwise equal across replicas.
+replica its own microbatch stream), two steps each; the E = 2 run saves after step 1 and an E = 4 engine resumes it for
+step 2 (the shared expert after the exchange, ``parallel.expert_overlap=false``; the others overlap it); then 2 stages x
+2 replicas with E = 2. In the test's own process (a world of one): the 2 x 2 run's microbatches accumulated in one step,
+and the E = 2 checkpoint resumed with the 4 replicas' step-2 microbatches. Everything equal to fp32 reduction order
+(``NEAR_*``): the losses, every reduced gradient of step 1 (an expert's under its global id, from whichever rank holds
+it) and the whole state after step 2, routing biases included; the biases bitwise equal across replicas.
 """
 from pathlib import Path
 
@@ -16,6 +16,7 @@ import torch
 
 from parallel.local import spawn
 from tests.support import pipeline_harness as harness
+from tests.support.in_process import run_here
 from train.observe import routing
 
 WORLD, MICRO = 4, 2
@@ -138,7 +139,7 @@ def _missing_expert_error(engine, saved: Path) -> str:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("experts")
     spawn(_spread, WORLD, str(out))
-    spawn(_whole, 1, str(out))
+    run_here(_whole, str(out))
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     return ranks, torch.load(out / "whole.pt", weights_only=True)
 

@@ -14,6 +14,7 @@ from model import LayoutError, ModelArgs, Transformer, layout_from_config
 from model.cli import compose, resolved
 from parallel.job import plan
 from parallel.plan import DoesNotFit, Memory, check_memory, fitting_settings, verdict
+from tests.support.cli import run_module
 from train.run.preflight import planned
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,12 +118,12 @@ def test_a_job_that_cannot_fit_is_refused_in_seconds(tmp_path):
 
 
 def test_plan_cli_help_and_the_jobs_precision():
-    helped = _run("parallel.plan", "--help")
+    helped = run_module("parallel.plan", "--help")
     assert helped.returncode == 0 and "--world-size N" in helped.stdout and "--memory SIZE" in helped.stdout
-    gpu = _run("parallel.plan", "train.device=cuda", "--memory", "141GiB", *GPU_JOB, "parallel.recompute=layer")
+    gpu = run_module("parallel.plan", "train.device=cuda", "--memory", "141GiB", *GPU_JOB, "parallel.recompute=layer")
     assert gpu.returncode == 0, gpu.stderr
     assert "compute bfloat16 autocast over float32 weights" in gpu.stdout
     assert "memory: fits (bf16 on GPU, train.precision=auto) — stage 0 needs an estimated" in gpu.stdout
-    refused = _run("parallel.plan", "train.device=cuda", "--memory", "141GiB", *GPU_JOB)
+    refused = run_module("parallel.plan", "train.device=cuda", "--memory", "141GiB", *GPU_JOB)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "pipeline: 1 stage(s)" in refused.stdout
     assert refused.stderr.startswith("error: the job does not fit in memory (bf16 on GPU")

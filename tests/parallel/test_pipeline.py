@@ -30,12 +30,24 @@ def reference(tmp_path_factory):
     return harness.run(str(tmp_path_factory.mktemp("p1")), 1)[0]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def pipelined(request, tmp_path_factory):
-    keep = KEPT.get(request.param)
-    overrides = [f"parallel.keep_attention_layers=[{','.join(map(str, keep))}]"] if keep else []
-    return CASES[request.param], harness.run(str(tmp_path_factory.mktemp("pp")), *CASES[request.param],
-                                             overrides=overrides)
+@pytest.fixture(scope="module")
+def pipelined_runs(tmp_path_factory):
+    """Every case's per-rank results, the cases of a stage count on one start of their processes."""
+    out, runs = tmp_path_factory.mktemp("pp"), {}
+    for stages in sorted({case[0] for case in CASES.values()}):
+        jobs = {}
+        for name, (_, cuts, index_k, recompute, p2p) in CASES.items():
+            keep = KEPT.get(name)
+            overrides = [f"parallel.keep_attention_layers=[{','.join(map(str, keep))}]"] if keep else []
+            if CASES[name][0] == stages:
+                jobs[name] = dict(cuts=cuts, index_k=index_k, recompute=recompute, p2p=p2p, overrides=overrides)
+        runs |= harness.run_all(str(out / f"p{stages}"), stages, jobs)
+    return runs
+
+
+@pytest.fixture(params=list(CASES))
+def pipelined(request, pipelined_runs):
+    return CASES[request.param], pipelined_runs[request.param]
 
 
 def test_losses_equal_single_stage(reference, pipelined):

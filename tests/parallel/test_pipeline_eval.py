@@ -3,7 +3,7 @@ accuracies of the two agree, and each sample counts once (on the last stage of i
 import torch
 import torch.nn.functional as F
 
-from parallel.local import spawn
+from tests.support.in_process import run_processes
 from tests.support.train_run import SMALL
 
 PROBES = ["data.seq_len=192", "train.eval.probe_examples=3", "train.eval.probe_lens=[160,192,384]",
@@ -34,7 +34,7 @@ def _worker(rank: int, stages: int, out: str):
 def _run(tmp_path, stages: int) -> list[dict]:
     out = tmp_path / f"p{stages}"
     out.mkdir()
-    spawn(_worker, stages, stages, str(out))
+    run_processes(_worker, stages, stages, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(stages)]
 
 

@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from parallel.local import spawn
 from parallel.recompute import recomputation
+from tests.support.in_process import run_processes
 
 SEQ_LEN, MICRO_BATCH, MICROBATCHES, STEPS = 64, 2, 4, 2
 # v41_mini's stack cut from 10 layers to 6, one of each layer mode (a window layer, an encoder Full and Reuse, a
@@ -113,8 +113,26 @@ def merged(ranks: list[dict], key: str) -> dict:
 
 def run(out: str, stages: int, cuts=None, index_k: str = "shadow", recompute: str = "none", p2p: str = "overlap",
         precision: str = "fp32", overrides: tuple[str, ...] = ()):
-    """Run the job in ``stages`` processes (``precision``: fp32, or bf16 autocast; ``overrides``: more config, e.g.
-    another model); returns the per-rank results."""
-    os.makedirs(out, exist_ok=True)
-    spawn(_worker, stages, stages, out, cuts, index_k, recompute, precision, p2p, tuple(overrides))
-    return [torch.load(f"{out}/rank{r}.pt", weights_only=True) for r in range(stages)]
+    """Run the job in ``stages`` processes, or here for one stage (``precision``: fp32, or bf16 autocast;
+    ``overrides``: more config, e.g. another model); returns the per-rank results."""
+    return run_all(out, stages, {"job": dict(cuts=cuts, index_k=index_k, recompute=recompute, p2p=p2p,
+                                             precision=precision, overrides=overrides)})["job"]
+
+
+def run_all(out: str, stages: int, jobs: dict[str, dict]) -> dict[str, list]:
+    """Several jobs (name -> ``run``'s keyword arguments) on the same ``stages`` processes, one after the other, each
+    with its own engine: one start of the processes for all. Each job's per-rank results."""
+    arguments = []
+    for i, options in enumerate(jobs.values()):
+        os.makedirs(f"{out}/job{i}", exist_ok=True)
+        arguments.append((f"{out}/job{i}", options.get("cuts"), options.get("index_k", "shadow"),
+                          options.get("recompute", "none"), options.get("precision", "fp32"),
+                          options.get("p2p", "overlap"), tuple(options.get("overrides", ()))))
+    run_processes(_jobs, stages, stages, tuple(arguments))
+    return {name: [torch.load(f"{out}/job{i}/rank{r}.pt", weights_only=True) for r in range(stages)]
+            for i, name in enumerate(jobs)}
+
+
+def _jobs(rank, world, arguments):
+    for args in arguments:
+        _worker(rank, world, *args)

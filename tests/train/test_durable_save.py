@@ -2,7 +2,8 @@
 
 - ``kill -9`` of a one-process job in the middle of its second save, at two points (half-way through a weight file;
   after the new tag directory is published but before ``latest`` names it): the first checkpoint stays intact,
-  ``train.resume=auto`` takes it, and the resumed job logs every number as the job that was never killed.
+  ``train.resume=auto`` takes it, and the resumed job logs every number of the steps it recomputes as the killed
+  job logged them.
   Planted bugs it catches: ``latest`` replaced before the tag directory is complete (the resume takes a torn
   checkpoint or none), writing into the tag directory in place instead of ``.partial``.
 - ``kill -9`` of rank 1 of 2 (torchrun, one restart) in the middle of its file of the second save: the group
@@ -21,7 +22,6 @@ import sys
 import threading
 import time
 
-import pytest
 
 from tests.support.interrupt import REPO, _env
 from tests.support.train_run import SMALL, _exact_rows, _run
@@ -66,26 +66,21 @@ def _train(run_dir, *extra, killer_point=None):
                           env={**_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("straight")
-    done = _train(run_dir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return _exact_rows(run_dir)
-
-
-def test_kill_9_before_latest_keeps_the_previous_checkpoint_and_resume_takes_it(tmp_path, straight):
+def test_kill_9_before_latest_keeps_the_previous_checkpoint_and_resume_takes_it(tmp_path):
     """Killed after every file of step 4's save is written, just before ``latest`` names it (the kill mid-file is
-    the two-process test below)."""
+    the two-process test below); the resumed job recomputes steps 3 and 4 as the killed one computed them."""
     killed = _train(tmp_path, killer_point="before latest")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    before_kill = _exact_rows(tmp_path)
+    assert [row["step"] for row in before_kill] == [1, 2, 3, 4]  # killed in the save after step 4
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / "latest").read_text() == "step00000002"
     assert checkpoint.find("auto", ckpt) == checkpoint.CheckpointRef(ckpt, "step00000002")
     resumed = _train(tmp_path, "train.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ckpt / 'step00000002'} at step 2" in resumed.stdout + resumed.stderr
-    assert _exact_rows(tmp_path) == straight
+    rows = _exact_rows(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6] and rows[:4] == before_kill
     assert (ckpt / "latest").read_text() == "step00000006"
 
 

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from model import ModelArgs, Transformer, layout_from_config
+from tests.support.cli import run_module
 from train.data.sft import ChatEncoder
 from train.data.tokenizer import ByteTokenizer
 from train.export import export
@@ -83,9 +85,12 @@ def _generate(*args):
 
 
 def test_greedy_is_deterministic_and_equals_the_reference_loop(trained):
+    """Twice: in a fresh process and in this one (another process's state: its random generators drawn from,
+    other modules loaded)."""
     ckpt, _ = trained
-    runs = [_generate(str(ckpt), "--prompt", "the owl sat", "--max-new-tokens", "12") for _ in range(2)]
-    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    runs = [run(str(ckpt), "--prompt", "the owl sat", "--max-new-tokens", "12")
+            for run in (_generate, partial(run_module, "train.generate"))]
+    assert all(r.returncode == 0 for r in runs), (runs[0].stderr[-2000:], runs[1].stderr[-2000:])
     assert runs[0].stdout == runs[1].stdout == greedy_reference(ckpt, "the owl sat", 12) + "\n"
 
 
@@ -120,5 +125,5 @@ def test_chat_prompt_is_what_training_put_before_a_response():
 
 
 def test_bad_weights_path_is_one_line(tmp_path):
-    done = _generate(str(tmp_path / "none"), "--prompt", "x")
+    done = run_module("train.generate", str(tmp_path / "none"), "--prompt", "x")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")

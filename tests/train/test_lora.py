@@ -16,6 +16,7 @@ from model.deepseek_config import WEIGHTS
 from model.lora import LoRA, attach
 from parallel.local import spawn
 from tests.support import pipeline_harness as harness
+from tests.support.in_process import run_here
 from tests.support.train_run import _exact_rows, _run
 from train.export import export
 
@@ -146,7 +147,7 @@ def _one_process(rank, out):
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_one")
-    spawn(_one_process, 1, str(out))
+    run_here(_one_process, str(out))
     return torch.load(out / "one.pt", weights_only=True)
 
 
@@ -226,7 +227,7 @@ def _whole(rank, out):
 def parallel_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_parallel")
     spawn(_spread, 2, str(out))
-    spawn(_whole, 1, str(out))
+    run_here(_whole, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)], torch.load(out / "whole.pt",
                                                                                              weights_only=True)
 

@@ -22,7 +22,7 @@ def train(run_dir, stages: int, *overrides):
                *(PIPELINE if stages > 1 else ["train.grad_accum_steps=2", "train.checkpoint_every=2"]), *overrides]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
+    return done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,14 @@ def straight(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory):
-    """The same job stopped after step 2 (with its checkpoint): each resume below continues a copy of it."""
+def stopped(straight, tmp_path_factory):
+    """The straight run as a crash after step 4, before its save, leaves it: its step-2 checkpoint the newest (a
+    launch fewer than a run stopped at step 2, whose checkpoint is the same; ``train.stop_at``'s own stop and
+    resume: tests/train/test_train_run.py). Each resume below continues a copy of it from step 2."""
     run_dir = tmp_path_factory.mktemp("stopped")
-    train(run_dir, 2, "train.max_steps=4", "train.stop_at=2")
+    shutil.copytree(straight[0], run_dir, dirs_exist_ok=True)
+    shutil.rmtree(run_dir / "checkpoints" / "step00000004")
+    (run_dir / "checkpoints" / "latest").write_text("step00000002")
     return run_dir
 
 
@@ -47,7 +51,8 @@ def test_plan_is_printed_before_training(straight):
 
 def test_resume_at_the_same_stage_count_is_exact(straight, stopped, tmp_path):
     shutil.copytree(stopped, tmp_path, dirs_exist_ok=True)
-    train(tmp_path, 2, "train.max_steps=4", "train.resume=auto")
+    out = train(tmp_path, 2, "train.max_steps=4", "train.resume=auto")
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step00000002'} at step 2" in out, out[-3000:]
     assert _exact_rows(tmp_path) == _exact_rows(straight[0])
 
 
@@ -55,7 +60,8 @@ def test_resume_under_another_stage_count(straight, stopped, tmp_path):
     """Two steps on 2 stages, then the same checkpoint continues on 1 stage: the step after the resume sees
     bitwise the same weights (same loss); later steps may differ by the shadow indexers' reduction order."""
     shutil.copytree(stopped, tmp_path, dirs_exist_ok=True)
-    train(tmp_path, 1, "train.max_steps=4", "train.resume=auto")
+    out = train(tmp_path, 1, "train.max_steps=4", "train.resume=auto")
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step00000002'} at step 2" in out, out[-3000:]
     got, want = _exact_rows(tmp_path), _exact_rows(straight[0])
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert got[2]["loss"] == want[2]["loss"] and got[2]["lm_loss"] == want[2]["lm_loss"]

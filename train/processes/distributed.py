@@ -10,7 +10,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from parallel.local import free_port
+from parallel.local import free_port, skip_shm_comm_build
 from train.observe.quiet import prints_to_debug
 
 
@@ -73,20 +73,6 @@ def _init_attempt(backend: str, timeout: timedelta) -> None:
                           is_master=rank == 0 and not agent_store)
     attempt = dist.PrefixStore(f"attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
     dist.init_process_group(backend, store=attempt, rank=rank, world_size=world, timeout=timeout)
-
-
-def skip_shm_comm_build() -> None:
-    """Keep DeepSpeed's CPU communication backend from JIT-compiling its shared-memory op with g++.
-
-    On the CPU accelerator DeepSpeed's comm backend builds ``deepspeed_shm_comm`` on first use: minutes of silent
-    compilation on a small machine (issue 57), rebuilt whenever the compile flags differ (a one-process run and a
-    torchrun run alternated between two). The op serves only ``inference_all_reduce`` (AutoTP inference); training
-    reduces through torch.distributed's gloo group either way. DeepSpeed builds it only where its table of
-    compatible ops (``deepspeed.ops.__compatible_ops__``, probed once and kept, so that an edit holds) says it can,
-    so the op is marked incompatible there."""
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def close() -> None:
