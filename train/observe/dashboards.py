@@ -162,13 +162,9 @@ def log_synthetic_charts(wandb_run, row: dict) -> None:
 
 
 def draw_and_log(rows: list[dict], run_dir: Path, window: int, wandb_run=None) -> list[Path]:
-    """Draw ``layers.png``, ``synthetic.png`` and a MoE model's ``routing.png`` into ``run_dir`` from ``rows``; log
-    them to wandb as images."""
-    from train.observe.routing import ROUTING_PLOT, plot_routing
-
+    """Draw ``layers.png`` and ``synthetic.png`` into ``run_dir`` from ``rows``; log them to wandb as images."""
     drawn = [path for path, draw in ((run_dir / LAYERS_FILE, plot_layers),
-                                     (run_dir / SYNTHETIC_FILE, lambda r, p: plot_synthetic(r, p, window)),
-                                     (run_dir / ROUTING_PLOT, plot_routing))
+                                     (run_dir / SYNTHETIC_FILE, lambda r, p: plot_synthetic(r, p, window)))
              if draw(rows, path)]
     if wandb_run is not None and drawn:
         import wandb

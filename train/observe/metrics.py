@@ -5,7 +5,8 @@ Only rank 0 writes. ``metrics.jsonl`` holds one JSON object per logged training 
 A non-finite number (the loss of a skipped step) is written as ``null``, so that the file stays strict JSON.
 The PNGs are drawn from that file, for people without a wandb account: ``loss_curve.png`` here, the per-layer and
 synthetic-task dashboards in ``train/observe/dashboards.py`` (also logged to wandb, with the layout as a Table). A MoE
-model's expert loads go to ``experts.jsonl`` beside it, drawn as ``experts.png`` (``train/observe/routing.py``).
+model's expert loads go to ``experts.jsonl`` beside it, drawn as ``experts.png``, and its routing scalars as
+``routing.png`` (``train/observe/routing.py``).
 
 What the layout costs (``model.accounting`` at ``data.seq_len``) and the tokens of one optimizer step are logged
 once per run: in the first training row of the file, and in the wandb config next to the resolved config and the
@@ -105,11 +106,14 @@ class MetricsLogger:
         plot_losses(rows, self.plot_path)
         plot_health(rows, self.path.parent / HEALTH_PLOT_FILE)
         dashboards.draw_and_log(rows, self.path.parent, self.window, self.wandb_run)
-        experts_plot = self.path.parent / routing.EXPERTS_PLOT
-        if routing.plot_experts(self.experts_path, experts_plot) and self.wandb_run is not None:
+        experts_plot, routing_plot = (self.path.parent / name for name in (routing.EXPERTS_PLOT, routing.ROUTING_PLOT))
+        drawn = {name: path for name, path, done in (
+            ("experts", experts_plot, routing.plot_experts(self.experts_path, experts_plot)),
+            ("routing", routing_plot, routing.plot_routing(rows, routing_plot))) if done}
+        if drawn and self.wandb_run is not None:
             import wandb
 
-            self.wandb_run.log({"dashboards/experts": wandb.Image(str(experts_plot))},
+            self.wandb_run.log({f"dashboards/{name}": wandb.Image(str(path)) for name, path in drawn.items()},
                                step=max((r["step"] for r in rows), default=0))
 
 
