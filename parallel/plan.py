@@ -215,7 +215,7 @@ class Verdict:
     need: float  # bytes: the largest stage's peak (GPU), or what the host's processes hold together
     stage: int  # the stage that needs the most
     memory: Memory
-    state: float  # of ``need``: weights, gradients and AdamW state
+    state: float  # of ``need``: weights, gradients and optimizer state
 
     @property
     def fits(self) -> bool:
@@ -224,7 +224,7 @@ class Verdict:
     def describe(self) -> str:
         where = f"stage {self.stage} needs" if self.memory.on_gpu else (
             "the processes on this host need" if self.memory.processes > 1 else "the process needs")
-        return (f"{where} an estimated {_size(self.need)} (weights, gradients and AdamW state "
+        return (f"{where} an estimated {_size(self.need)} (weights, gradients and optimizer state "
                 f"{_size(self.state)}), against {self.memory.describe()}")
 
 
