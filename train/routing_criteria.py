@@ -2,8 +2,8 @@
 
     python -m train.routing_criteria RUN_DIR [--dense DENSE_RUN_DIR] [--window 100]
 
-- ``init``: at step 1 (the loads of the first forward, before any update; the run must log step 1, i.e.
-  ``train.log_every=1`` or a first logged row at step 1) every layer's ``load_max_over_mean`` is <= ``INIT_MAX``;
+- ``init``: at step 1 (the loads of the first forward, before any update; every run logs step 1, whatever
+  ``train.log_every``) every layer's ``load_max_over_mean`` is <= ``INIT_MAX``;
 - ``end``: over the last ``window`` steps, each layer's ``load_max_over_mean`` averaged over the logged rows is <=
   ``END_MEAN_MAX``, and no logged row has an idle expert in any layer (``idle_experts``; a run that predates that
   series cannot pass);
@@ -39,7 +39,7 @@ def training_rows(rows: list[dict]) -> list[dict]:
 def init_criterion(train: list[dict]) -> dict:
     first = next((r for r in train if layer_series(r, "load_max_over_mean")), None)
     if first is None or first["step"] != 1:
-        return {"holds": False, "why": "no routing series at step 1 (run with train.log_every=1, or log step 1)"}
+        return {"holds": False, "why": "no routing series at step 1 (a run from before step 1 was always logged: use train.log_every=1)"}
     loads = layer_series(first, "load_max_over_mean")
     over = {layer: v for layer, v in loads.items() if v > INIT_MAX}
     return {"holds": not over, "limit": INIT_MAX, "worst_layer": max(loads, key=loads.get),
