@@ -17,7 +17,8 @@ vector ``x`` (attention near uniform at initialisation), the gradient is nearly 
 steps are then about ``lr * sign(g) sign(x)^T``, and they move every token's output by ``lr * |x|_1 * sign(g)``: one
 shift shared by all tokens, growing with the fan-in, which collapsed MoE routing with depth. Muon spreads the same
 update RMS over all singular directions; a rank-one gradient gets a step of spectral norm ``lr * rms * sqrt(max(n,
-m))``, and the shared shift it writes is about ``sqrt(min(n, m))`` times smaller than AdamW's.
+m))``, and the shared shift it writes is smaller than AdamW's by about ``(0.8 / rms) sqrt(min(n, m))`` (0.8: the
+mean of ``|x_i|`` over their RMS for Gaussian values): 70 times at 256 x 256 (``tests/parallel/test_muon.py``).
 
 The Newton-Schulz iterations are DeepSeek-V4's hybrid schedule: 8 of the quintic whose coefficients (3.4445, -4.7750,
 2.0315) raise small singular values fast (Keller Jordan's), which leaves them spread around 1, then 2 of (2, -1.5,
@@ -36,7 +37,7 @@ EPS = 1e-7  # the Frobenius norm's floor: a zero gradient gives a zero update
 BATCH_VALUES = 2 ** 28  # values orthogonalised in one call (1 GiB in fp32): bounds the step's extra memory
 
 
-def orthogonalize(matrices: torch.Tensor, schedule=HYBRID_SCHEDULE, dtype: torch.dtype | None = None) -> torch.Tensor:
+def orthogonalize(matrices: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """About ``U V^T`` of each ``U S V^T`` in ``matrices`` (``[..., rows, columns]``), in ``dtype`` (default: bf16 on a
     GPU, fp32 otherwise); returned in the input's dtype. Each step is ``X <- a X + (b A + c A^2) X`` with ``A = X
     X^T``, on the wide form of the matrix so that ``A`` is the smaller Gram matrix."""
@@ -46,7 +47,7 @@ def orthogonalize(matrices: torch.Tensor, schedule=HYBRID_SCHEDULE, dtype: torch
     if tall:
         x = x.mT
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=EPS)  # every singular value <= 1
-    for (a, b, c), iterations in schedule:
+    for (a, b, c), iterations in HYBRID_SCHEDULE:
         for _ in range(iterations):
             gram = x @ x.mT
             x = a * x + (b * gram + c * gram @ gram) @ x
