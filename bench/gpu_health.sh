@@ -9,14 +9,13 @@
 #   SMOKE=1 bash bench/gpu_health.sh moe             # the same on the CPU: v41_mini at 256 tokens, 8 steps
 # moe: one run in the foreground, cut at WAIT seconds (default 470; SIGTERM: the trainer stops after its step and
 # writes its plots), of STEPS (default 100) steps warming up over WARMUP (40) to LR (3e-4, as the `small` demo),
-# with the overrides in EXTRA (e.g. EXTRA=train.optimizer=muon); python -m train.routing_criteria's verdict in
-# small_moe/routing_criteria.txt,
-# the held-out loss every EVERY (10) steps, so 4 evaluations inside the warm-up; then bench/health_criteria.py
-# (init gradient norms against the head's, the warm-up's held-out losses, train.observe.health's criteria after it) into
-# $OUT/small_moe/criteria.json. Sized from the `small` model's 16K demo (5,580 tokens/s: 2.9 s a step on an H200,
-# bench/results/health/demo_16k): small_moe has 27% fewer FLOPs a step (model/flops.py, 343 vs 474 TFLOP) but
-# the hyper-connections' elementwise passes on 4 fp32 copies; at ~3 s a step, 100 steps take ~300 s after ~90 s of
-# start (wheels, build, first Triton compile) plus ~10 evaluations of 2 batches. Files: gpu.txt and small_moe/
+# with the overrides in EXTRA (e.g. EXTRA="train.optimizer=muon train.log_every=5"), the held-out loss every EVERY
+# (10) steps; then bench/health_criteria.py (init gradient norms against the head's, the warm-up's held-out losses,
+# train.observe.health's criteria after it) into $OUT/small_moe/criteria.json and python -m train.routing_criteria's
+# verdict into small_moe/routing_criteria.txt. Timing: ~90 s of start (wheels, build, first Triton compile), then
+# 2.2 s a step with Muon and a row every 5 steps (H100, code 41b6e5a: bench/results/health/small_moe_16k_muon;
+# AdamW with a row every step, older code, H200: ~3 s), so 500 steps need ~1,200 s: start it detached in one call
+# and collect it in the next while the machine is warm. Files: gpu.txt and small_moe/
 # {metrics.jsonl, experts.jsonl, health.png, loss_curve.png, experts.png, routing.png, tail.log, criteria.json,
 # routing_criteria.txt}.
 set -uo pipefail
