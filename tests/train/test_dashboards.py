@@ -89,7 +89,8 @@ def test_wandb_gets_the_pictures_the_layout_table_and_the_distance_charts(tmp_pa
 
 def test_routing_series_and_picture_from_the_moe_scalars(tmp_path):
     """``routing.png``'s series are the rows' ``moe/layer<N>/*`` numbers (here the bias range, max - min; the draft
-    head's ``mtp<K>`` layers and evaluation rows are not drawn), and the picture exists only for a MoE run."""
+    head's ``mtp<K>`` layers and evaluation rows are not drawn), and the picture exists only for a MoE run; a
+    ``null`` scalar (a non-finite one) is drawn as a gap."""
     from train.observe.routing import plot_routing, routing_series
 
     rows = [{"step": s, "loss": 1.0, **{f"moe/layer{layer}/{stat}": value for layer in (0, 3) for stat, value in (
@@ -100,4 +101,6 @@ def test_routing_series_and_picture_from_the_moe_scalars(tmp_path):
                                            - r[f"moe/layer{layer}/bias_min"])
     assert steps == [1, 2, 3] and layers == [0, 3] and values[1] == pytest.approx([0.3, 0.6, 0.9])
     assert plot_routing(rows, tmp_path / "routing.png") and (tmp_path / "routing.png").stat().st_size > 5000
+    rows[1]["moe/layer3/load_max_over_mean"] = None  # a non-finite scalar, as metrics.jsonl writes it
+    assert plot_routing(rows, tmp_path / "with_null.png")
     assert not plot_routing(rows_of_a_run(), tmp_path / "none.png") and not (tmp_path / "none.png").exists()

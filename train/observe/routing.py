@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from model.moe import routing_stats
+from train.observe.dashboards import _binned, _number, _pyplot, heatmaps
 
 EXPERTS_FILE = "experts.jsonl"
 EXPERTS_PLOT = "experts.png"
@@ -101,8 +102,6 @@ def plot_experts(path: Path, out: Path) -> bool:
         return False
     from matplotlib.ticker import MaxNLocator
 
-    from train.observe.dashboards import _binned, _pyplot
-
     layers = sorted({key for row in rows for key in row["loads"]}, key=_layer_order)
     columns = min(4, len(layers))
     plt = _pyplot()
@@ -136,18 +135,15 @@ def routing_series(rows: list[dict], value) -> tuple[list[int], list[int], list[
 
 
 def _stat(stat: str):
-    return lambda row, layer: float(row.get(f"{PREFIX}layer{layer}/{stat}", math.nan))
+    return lambda row, layer: _number(row.get(f"{PREFIX}layer{layer}/{stat}"))
 
 
 def _bias_range(row: dict, layer: int) -> float:
-    low, high = (row.get(f"{PREFIX}layer{layer}/bias_{end}") for end in ("min", "max"))
-    return math.nan if low is None or high is None else high - low
+    return _stat("bias_max")(row, layer) - _stat("bias_min")(row, layer)
 
 
 def plot_routing(rows: list[dict], path: Path) -> bool:
     """``routing.png`` from the training rows of ``metrics.jsonl``. False (and no file) without MoE layers."""
-    from train.observe.dashboards import heatmaps
-
     train = [r for r in rows if r.get("split") != "eval"]
     panels = [(title, *routing_series(train, value)) for title, value in (
         ("max / mean expert load (1: balanced)", _stat("load_max_over_mean")),
