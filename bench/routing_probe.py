@@ -140,7 +140,8 @@ def train_steps(model: Transformer, cfg, ids: torch.Tensor, steps: int, dtype: t
     them: AdamW (fused on a GPU), or Muon with AdamW (``train.optimizer``), with its decay groups, betas, eps and
     warm-up schedule (``train/run/engine.py``) over the parameters that require a gradient, each clipping group
     (``model.groups.clip_group``: the trunk, the indexer) clipped at ``train.grad_clip`` by its own norm, then the
-    balance step of the routing biases. The Engram tables (sparse gradients) stay. Yields (step, the LM loss before it, ``gradient_stats`` of its update)."""
+    balance step of the routing biases. The Engram tables (sparse gradients) stay. Yields (step, the LM loss before
+    it, ``gradient_stats`` of its update)."""
     train = cfg.train
     named = [(n, p) for n, p in model.named_parameters()
              if p.requires_grad and not n.endswith("engram.embed.weight")]

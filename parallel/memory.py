@@ -1,17 +1,17 @@
 """Peak memory of a pipeline stage, estimated per layer: what the split balance and the schedule simulator use.
 
 A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
-- state, per parameter: fp32 weight and gradient (8 B) and AdamW's two fp32 moments (8 B, divided by the
-  data-parallel size under ZeRO-1), or Muon's one momentum (4 B) for the matrices it trains under
-  ``train.optimizer=muon`` (``model/matrices.py``: the routed experts and every layer matrix); under expert parallelism a rank holds 1/E of the routed experts, whose
-  moments ZeRO-1 divides by the ranks holding the same experts; an Engram table's rows are sharded over the
-  data-parallel ranks, with no dense gradient (it is sparse) and sparse Adam's two moments when it trains. Under
-  LoRA (``model/lora.py``) the base is frozen: its weights only (no gradient, no moments), in bf16 for the matrices
-  ``LOW_PRECISION`` names when the job computes in bf16, fp32 for the rest, and the adapters' state as above; with
-  ``train.lora.quantized_base`` the matrices the stage holds as the release stores them (``model/quantized_base.py``'s
-  ``base_targets``: the blocks' FP8 and FP4 ones, the draft head's routed experts) cost ``STORED_BYTES`` a value
-  with the scales, and the Engram tables' rows FP8 with a scale per 32 (``table_bytes``) instead of fp32; the stage
-  is built that way (``model/quantized_build.py``), so loading it peaks no higher;
+- state, per parameter: fp32 weight and gradient (8 B) and AdamW's two fp32 moments (8 B, divided by the data-parallel
+  size under ZeRO-1), or Muon's one momentum (4 B) for the matrices it trains under ``train.optimizer=muon``
+  (``model/matrices.py``: the routed experts and every layer matrix); under expert parallelism a rank holds 1/E of the
+  routed experts, whose moments ZeRO-1 divides by the ranks holding the same experts; an Engram table's rows are
+  sharded over the data-parallel ranks, with no dense gradient (it is sparse) and sparse Adam's two moments when it
+  trains. Under LoRA (``model/lora.py``) the base is frozen: its weights only (no gradient, no moments), in bf16 for
+  the matrices ``LOW_PRECISION`` names when the job computes in bf16, fp32 for the rest, and the adapters' state as
+  above; with ``train.lora.quantized_base`` the matrices the stage holds as the release stores them
+  (``model/quantized_base.py``'s ``base_targets``: the blocks' FP8 and FP4 ones, the draft head's routed experts) cost
+  ``STORED_BYTES`` a value with the scales, and the Engram tables' rows FP8 with a scale per 32 (``table_bytes``)
+  instead of fp32; the stage is built that way (``model/quantized_build.py``), so loading it peaks no higher;
 - casts: under bf16 autocast the bf16 copy of every fp32 weight of the stage lives until its forward ends (2 B per
   parameter; none of a frozen weight kept in bf16); it is gone before a backward starts (a recomputed layer casts
   again, inside its transient);
@@ -47,8 +47,8 @@ from torch import nn
 from model.config import ModelArgs, ParallelConfig
 from model.hyper import mix_width
 from model.layout import Layout, Mode
-from model.matrices import matrix_shape
 from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
+from model.matrices import matrix_shape
 from model.quantized_base import STORED_BYTES, base_targets, quantized_form, table_bytes
 from model.transformer import Transformer
 from parallel.payload import Payload, boundary_fields, latent_dtype
