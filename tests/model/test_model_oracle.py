@@ -237,6 +237,18 @@ def assert_close_rel(actual, expected, tol, what=""):
     assert err <= tol * ref + 1e-12, f"{what}: max abs error {err:.3e} vs max magnitude {ref:.3e} (tol {tol:g})"
 
 
+def assert_losses_and_grads_close(model, P, ids, got, want, tol):
+    """The model's indexer losses and the gradients of the objective (``_objective`` of its logits and losses, ``got``)
+    against the oracle's (``want``), each within ``tol`` relative."""
+    (logits, losses), (oracle_logits, oracle_losses) = got, want
+    for s in oracle_losses:
+        assert_close_rel(losses[s], oracle_losses[s], tol, f"indexer loss of layer {s}")
+    gm = _grads(_objective(logits, losses, ids), dict(model.named_parameters()))
+    go = _grads(_objective(oracle_logits, oracle_losses, ids), P)
+    for n in P:
+        assert_close_rel(gm[n], go[n], tol, f"grad of {n}")
+
+
 CASES = [
     # (layout, T, doc lengths per row or None, topk, window)
     ("m1", 1, None, 4, 8), ("m2", 1, None, 4, 8), ("m3", 1, None, 4, 8),
@@ -265,12 +277,7 @@ def test_model_matches_oracle_fp64(name, T, lens, topk, window):
     assert_close_rel(lm_full, lo, TOL64_REL, "logits")
     assert_close_rel(lm, lo, TOL64_REL, "returned logits")
     assert sorted(sm) == sorted(so), (sorted(sm), sorted(so))
-    for s in so:
-        assert_close_rel(sm[s], so[s], TOL64_REL, f"indexer loss of layer {s}")
-    gm = _grads(_objective(lm_full, sm, ids), dict(model.named_parameters()))
-    go = _grads(_objective(lo, so, ids), P)
-    for n in P:
-        assert_close_rel(gm[n], go[n], TOL64_REL, f"grad of {n}")
+    assert_losses_and_grads_close(model, P, ids, (lm_full, sm), (lo, so), TOL64_REL)
 
 
 @pytest.mark.parametrize("name,T,lens", [("mixed_cand", 23, [[9, 14], [23]]), ("m3", 17, None)])
@@ -286,9 +293,4 @@ def test_model_matches_oracle_fp32(name, T, lens):
     _, lm, sm = run_model(model, ids, doc)
     lo, so = oracle_forward(P, dims, layout, ids, doc)
     assert_close_rel(lm, lo, TOL32_REL, "logits")
-    for s in so:
-        assert_close_rel(sm[s], so[s], TOL32_REL, f"indexer loss of layer {s}")
-    gm = _grads(_objective(lm, sm, ids), dict(model.named_parameters()))
-    go = _grads(_objective(lo, so, ids), P)
-    for n in P:
-        assert_close_rel(gm[n], go[n], TOL32_REL, f"grad of {n}")
+    assert_losses_and_grads_close(model, P, ids, (lm, sm), (lo, so), TOL32_REL)
