@@ -26,6 +26,10 @@
 #                                                                                                    -> finetune/
 #   train_small_moe_full, train_small_moe_lora  train_step_small_moe_{full,lora}_65536.json: the step (its timing
 #                     and peak only) in full and with LoRA rank 16: the memory model's measured peaks  -> finetune/
+#   lora_slice        lora_slice.json: bench/lora_slice.py, the one-node LoRA plan's GPU (1 x 8 x 8: 8,192 tokens,
+#                     48 experts) on layers 20-23 and 24-27, rank 16, over the quantised base (FP8 / FP4, built and
+#                     filled as a run does) then the bf16 base: step, peak, MFU, their ratios, the memory model's
+#                     estimate of the same layers (issue 56)                                         -> finetune/
 # Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt (a device call returns
 # at most 8 files: choose the stages with ONLY).
 # Each stage runs under `timeout`, capped by what is left of BUDGET (bench/gpu_stages.sh). CSA2_CODE=<commit>
@@ -40,6 +44,7 @@ if [ "$SMOKE" = 1 ]; then  # the CPU: v41_mini at 64 tokens, the PyTorch kernels
   MOE=(--device cpu model=v41_mini layout=v41_scaled data.seq_len=64 train.precision=fp32)
   FFN=(--smoke)
   SLICE=(--smoke)
+  LORA=(--smoke)
   KB=(python3 bench/bench_kernels.py --smoke)
   T=64
 else
@@ -48,6 +53,7 @@ else
   MOE=(model=small_moe layout=v41 data.seq_len=$T)
   FFN=()
   SLICE=(--splits own_tokens,uniform --modes layer --tokens $T)
+  LORA=(--tokens $((T / 8)))  # a GPU's context chunk of the row (C = 8)
   KB=(python3 bench/bench_kernels.py)
 fi
 stages_begin 540
@@ -72,4 +78,5 @@ stage quant_gemm 90 python3 bench/quant_gemm.py "${FFN[@]}" --out "$OUT/quant_ge
 stage train_small_moe_full 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_full_$T.json" "${MOE[@]}"
 stage train_small_moe_lora 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \
   train.lora.rank=16 "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]"
+stage lora_slice 200 python3 bench/lora_slice.py "${LORA[@]}" --out "$OUT/lora_slice.json"
 stages_end

@@ -76,7 +76,7 @@ from layer_probe import Clock, LayerProbe, PartProbe  # noqa: E402
 from model import ModelArgs, layout_from_config  # noqa: E402
 from model.attention import IndexKeys  # noqa: E402
 from model.cli import compose  # noqa: E402
-from model.flops import model_flops  # noqa: E402
+from model.flops import model_flops, passes  # noqa: E402
 from model.rope import Rotary  # noqa: E402
 from model.state import FIELDS  # noqa: E402
 from model.transformer import Transformer, init_parameters  # noqa: E402
@@ -197,19 +197,24 @@ class StandInDispatch:
 
 # ------------------------------------------------------------------------------------------------- the slice
 
-def routed_gemm_flops(rows: int, dim: int, inter: int) -> int:
-    """Forward + backward GEMM FLOPs of the routed experts on ``rows`` rows: 3 matrices x 2 x 3 (6 per weight)."""
-    return 18 * rows * dim * inter
+def routed_flops_per_row(experts: nn.Module) -> int:
+    """Forward + backward matmul FLOPs of one routed row through a stack of held experts: ``model.flops.passes``
+    per value of one expert's matrices (18 x dim x inter when they train, 12 frozen), their adapters' too."""
+    held = len(experts.expert_ids)
+    return sum(passes(name, p) * p.numel() for name, p in experts.named_parameters() if p.dim() > 1) // held
 
 
 def slice_flops(model, layout, args: ModelArgs, layers: range, T: int, rows: int) -> dict[str, int]:
     """``model_flops`` of the slice's layers, with the routed experts at ``rows`` received rows a layer instead of
-    the share of its own ``T`` tokens that ``model_flops`` counts for the held experts (``T x top-k x held / E``)."""
+    the share of its own ``T`` tokens that ``model_flops`` counts for the held experts (``T x top-k x held / E``).
+    The matrices are ``model``'s parameters: a base held quantised (buffers) is not in it."""
     flops = model_flops(model, layout, args, T, 1, layers=layers)
-    moe, held = args.moe, len(next(iter(model.experts().values())).experts.expert_ids)
+    moes = list(model.experts().values())
+    moe, held = args.moe, len(moes[0].experts.expert_ids)
     own = rank_rows(T, moe.n_activated_experts, moe.n_routed_experts, held, 1)
-    routed = len(layers) * routed_gemm_flops(rows, args.dim, moe.inter_dim)
-    flops["matmul"] += routed - len(layers) * routed_gemm_flops(own, args.dim, moe.inter_dim)
+    per_row = sum(routed_flops_per_row(m.experts) for m in moes)
+    routed = rows * per_row
+    flops["matmul"] += routed - own * per_row
     flops["routed"] = routed
     flops["total"] = flops["matmul"] + flops["attention"] + flops["indexer"]
     return flops
@@ -227,19 +232,26 @@ def parse_slices(text: str, n_layers: int) -> list[range]:
     return slices
 
 
+def drawn_layers(args: ModelArgs, layout, layers: range, dispatch, seed: int) -> Transformer:
+    """The slice's layers on the ambient device, every tensor drawn there (``init_parameters(on_device=True)``)."""
+    model = Transformer(args, layout, layer_ids=layers, init=False, experts=dispatch)
+    init_parameters(model.state_dict(keep_vars=True).items(), args, layout.n_layers, seed, on_device=True)
+    return model
+
+
 class Slice:
     """The slice's layers on ``device`` with the MoEs of one expert-parallel rank (``dispatch``), its shadow
-    indexers, and the stream and shared state it reads."""
+    indexers, and the stream and shared state it reads. ``build(args, layout, layers, dispatch, seed)`` makes the
+    layers on the ambient device (``drawn_layers``; bench/lora_slice.py: a LoRA stage's)."""
 
     def __init__(self, args: ModelArgs, layout, layers: range, T: int, device: torch.device, carried: dict,
-                 dispatch: StandInDispatch, autocast: bool, seed: int = 0):
+                 dispatch: StandInDispatch, autocast: bool, seed: int = 0, build=drawn_layers):
         self.args, self.layout, self.layers, self.T, self.device = args, layout, layers, T, device
         self.dispatch, self.autocast = dispatch, autocast
         with torch.device(device):
-            self.model = Transformer(args, layout, layer_ids=layers, init=False, experts=dispatch)
+            self.model = build(args, layout, layers, dispatch, seed)
             self.shadows = nn.ModuleDict({str(s): IndexKeys(args) for s in shadow_sources(layout, layers)})
             self.rotary = Rotary.for_layer(args, compressed=True)
-        init_parameters(self.model.state_dict(keep_vars=True).items(), args, layout.n_layers, seed, on_device=True)
         for s, shadow in self.shadows.items():
             init_parameters(shadow.named_parameters(), args, layout.n_layers, seed, on_device=True,
                             rename=lambda name, s=int(s): owner_name(s, name))
@@ -289,7 +301,8 @@ class Slice:
                 state.index_k[source] = shadow(state.kv[source], self.rotary, entries)
             # views: the probes' hooks go on tensors made per step, not on the persistent leaves
             x, pre = self.model.run_layers(self.x.view_as(self.x), self.pre.view_as(self.pre), state)
-        losses = [state.indexer_losses[s] for s in sorted(state.indexer_losses)]
+        # a frozen indexer's loss (LoRA) has no gradient: nothing of it to run backward
+        losses = [loss for _, loss in sorted(state.indexer_losses.items()) if loss.requires_grad]
         mid = clock.mark()
         torch.autograd.backward([x, pre, *losses], [self.grad_x, self.grad_pre, *(torch.ones_like(v) for v in losses)])
         return state, (start, mid, clock.mark())
@@ -343,13 +356,12 @@ def free_memory(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(sl: Slice, clock: Clock, a, mode: str, split: str, counts: list[int], rate: float,
-            dense_ms: float | None) -> tuple[dict, object]:
-    """One (mode, split) run of a slice: warm-up, timed steps, the probed step. Returns (result, last state)."""
-    senders, _ = SPLITS[split]
+def measure(sl: Slice, clock: Clock, a, mode: str, split: str, senders: int, counts: list[int], flops: dict,
+            rate: float, dense_ms: float | None) -> tuple[dict, object]:
+    """One (mode, split) run of a slice, ``counts`` rows from ``senders`` ranks a held expert, ``flops`` its model
+    FLOPs (``slice_flops``): warm-up, timed steps, the probed step. Returns (result, last state)."""
     rows = sum(counts)
     sl.set_run(mode, counts, senders)
-    flops = slice_flops(sl.model, sl.layout, sl.args, sl.layers, sl.T, rows)
     res = {"recompute": mode, "split": split, "senders": senders, "rows_per_layer": rows, "per_expert": counts,
            "max_over_mean": max(counts) * len(counts) / rows, "flops": flops}
     for _ in range(a.warmup):
@@ -432,7 +444,8 @@ def run_slice(res: dict, index: int, slices: list[range], args, layout, device, 
         rows = rank_rows(T, moe.n_activated_experts, moe.n_routed_experts, held, senders)
         counts = expert_split(rows, held, routing)
         essential = (mode, split) in ESSENTIAL
-        estimate_s = budget.estimate(index, (mode, split), slice_flops(sl.model, layout, args, layers, T, rows)["total"])
+        flops = slice_flops(sl.model, layout, args, layers, T, rows)
+        estimate_s = budget.estimate(index, (mode, split), flops["total"])
         run = {"recompute": mode, "split": split, "rows_per_layer": rows, "estimate_s": estimate_s}
         blocker = next((b for b in too_big if MODES.index(mode) >= MODES.index(b[0]) and rows >= b[1]), None)
         if blocker is not None:
@@ -446,8 +459,8 @@ def run_slice(res: dict, index: int, slices: list[range], args, layout, device, 
             continue
         start = time.monotonic()
         try:
-            measured, state = measure(sl, clock, a, mode, split, counts, res["matmul_bf16"]["tflops"],
-                                      dense.get(rows))
+            measured, state = measure(sl, clock, a, mode, split, senders, counts, flops,
+                                      res["matmul_bf16"]["tflops"], dense.get(rows))
             run.update(measured)
             produced = produced or sl.produced(state)
             del state

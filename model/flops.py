@@ -2,7 +2,8 @@
 
 Computed work only, forward + backward, activation recomputation not counted (the MFU convention):
 - matmuls: 6 x params x tokens for every matrix applied per token (embedding lookup excluded, LM head included);
-  the indexer's matrices 4 x (their inputs are detached: no input gradient); ``wk`` per compressed entry (T/m);
+  the indexer's matrices 4 x (their inputs are detached: no input gradient); a frozen matrix (LoRA's base) 2 x
+  fewer (no weight gradient is computed; ``passes``); ``wk`` per compressed entry (T/m);
   a MoE's routed experts only as the share a token activates (top-k of the experts), its gate and shared expert
   whole; Engram's table lookups and its elementwise gate weights excluded (not matmuls), its ``wkv`` counted; the
   hyper-connection mixes counted (one [mix, hc x D] matrix per sublayer and token), their collapse and expand
@@ -29,6 +30,13 @@ def causal_slots(T: int, m: int, cap: int) -> int:
     return m * q * (q - 1) // 2 + r * q + (T - below_cap) * cap
 
 
+def passes(name: str, p: torch.Tensor) -> int:
+    """Matmul FLOPs per value of weight ``name`` and row it multiplies, in a training step: the forward 2, the
+    gradient of its input 2 (not an indexer matrix's: its inputs are detached), the gradient of the weight 2 when it
+    trains (``p.requires_grad``: LoRA's frozen base has none)."""
+    return 2 + 2 * (".indexer." not in name) + 2 * p.requires_grad
+
+
 def model_flops(model, layout: Layout, args: ModelArgs, T: int, B: int, dense: bool = False,
                 dspark: bool = False, layers: range | None = None) -> dict[str, int]:
     """FLOPs of one forward + backward of ``B`` rows of ``T`` tokens through ``model`` (its parameters give the
@@ -45,15 +53,13 @@ def model_flops(model, layout: Layout, args: ModelArgs, T: int, B: int, dense: b
         moe = args.dspark_moe if drafting else args.moe
         active = p.numel() * moe.n_activated_experts // moe.n_routed_experts if ".ffn.experts." in name else p.numel()
         if drafting:
-            matmul += 6 * active * tokens * args.dspark.block_size if dspark else 0
+            matmul += passes(name, p) * active * tokens * args.dspark.block_size if dspark else 0
         elif ".indexer.wk." in name:
-            matmul += 4 * active * B * (T // layout.compress_ratios[int(name.split(".")[1])])
-        elif ".indexer." in name:
-            matmul += 4 * active * tokens
+            matmul += passes(name, p) * active * B * (T // layout.compress_ratios[int(name.split(".")[1])])
         else:
-            matmul += 6 * active * tokens
+            matmul += passes(name, p) * active * tokens
     if dspark:
-        matmul += 6 * model.head.weight.numel() * tokens * args.dspark.block_size
+        matmul += passes("head.weight", model.head.weight) * model.head.weight.numel() * tokens * args.dspark.block_size
     attention = indexer = 0
     H, D, W, K = args.n_heads, args.head_dim, args.window_size, args.index_topk
     index_width = args.index_n_heads * args.index_head_dim
