@@ -78,5 +78,6 @@ stage quant_gemm 90 python3 bench/quant_gemm.py "${FFN[@]}" --out "$OUT/quant_ge
 stage train_small_moe_full 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_full_$T.json" "${MOE[@]}"
 stage train_small_moe_lora 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \
   train.lora.rank=16 "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]"
-stage lora_slice 200 python3 bench/lora_slice.py "${LORA[@]}" --out "$OUT/lora_slice.json"
+stage lora_slice 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/lora_slice.py "${LORA[@]}" \
+  --out "$OUT/lora_slice.json"
 stages_end

@@ -2,7 +2,8 @@
 on one GPU): a V4.1-width slice with rank-16 adapters, forward + backward at the tokens a GPU trains, the two bases
 one after the other in one process.
 
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True CSA2_CODE=<commit> python bench/lora_slice.py --out $OUT/lora_slice.json
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True CSA2_CODE=<commit> python bench/lora_slice.py \
+        --out $OUT/lora_slice.json
     python bench/lora_slice.py --smoke --out /tmp/lora_slice.json    # the same code on the CPU: v41_slice's smoke
                                                                      # widths, 64 tokens, fp32, PyTorch kernels
 
@@ -46,16 +47,19 @@ What runs, and why so:
   peak allocated against ``estimate_as_run`` (the goal: within 10%).
 
 Per run: the ``v41_slice.measure`` keys (``--warmup`` steps, ``--steps`` timed, one probed; step / fwd / bwd ms,
-per layer and per part, peak allocated and reserved, model TFLOP/s and MFU), ``base`` (quantised modules by format,
-frozen bytes, floating-point tensors of a quantised matrix's full shape: none may exist) and ``adapter_grad_norm``;
-per slice ``quantized_over_bf16`` (step, forward, backward, peak). A run out of memory is recorded and the next one
-runs. The JSON is rewritten after each run, so a cut call keeps what ran; a short table is printed at the end.
+per layer and per part, peak allocated and reserved, model TFLOP/s and MFU), ``base_held`` (quantised matrices by
+format, frozen GiB, adapter parameters, ``base_in_floating_point``: the matrices the release stores quantised that
+the stage holds in bf16 / fp32, none for the quantised base) and ``adapter_grad_norm``; per slice
+``quantized_over_bf16`` (step, forward, backward, peak). A run that fails (out of memory: ``out_of_memory``) is
+recorded and the next one runs; the exit status is 1 when none was measured. The JSON is rewritten after each run,
+so a cut call keeps what ran; a short table is printed at the end.
 """
 import argparse
 import json
 import math
 import sys
 import time
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -190,18 +194,16 @@ def flops_model(lora: LoRA, args: ModelArgs, layout, layers: range, dispatch):
 
 
 def run_base(base: str, layers: range, args, layout, device, carried: dict, clock: Clock, a, lora: LoRA,
-             dispatch: StandInDispatch, rate: float) -> tuple[dict, dict]:
-    """Build the slice over ``base``, measure it: (the run's result, what it produced for later slices)."""
-    moe, T = args.moe, a.tokens
-    held = len(dispatch.experts_of(moe.n_routed_experts))
-    rows = rank_rows(T, moe.n_activated_experts, moe.n_routed_experts, held, RANKS)
-    counts = expert_split(rows, held, "uniform")
-    flops = slice_flops(flops_model(lora, args, layout, layers, dispatch), layout, args, layers, T, rows)
+             dispatch: StandInDispatch, counts: list[int], rate: float) -> tuple[dict, dict]:
+    """Build the slice over ``base``, measure it with ``counts`` rows received a held expert: (the run's result,
+    what it produced for later slices)."""
+    rows = sum(counts)
+    flops = slice_flops(flops_model(lora, args, layout, layers, dispatch), layout, args, layers, a.tokens, rows)
     run, produced = {"base": base, "rows_per_layer": rows}, {}
     build = partial(BUILDS[base], lora, torch.bfloat16 if a.autocast else None)
     start = time.monotonic()
     try:
-        sl = Slice(args, layout, layers, T, device, carried, dispatch, a.autocast, a.seed, build=build)
+        sl = Slice(args, layout, layers, a.tokens, device, carried, dispatch, a.autocast, a.seed, build=build)
         sl.shadows.requires_grad_(False)  # replicas of frozen owners, as parallel/stage.py freezes them
         run.update(build_s=time.monotonic() - start, base_held=describe_base(sl.model))
         measured, state = measure(sl, clock, a, MODE, SPLIT, RANKS, counts, flops, rate, None)
@@ -211,6 +213,8 @@ def run_base(base: str, layers: range, args, layout, device, carried: dict, cloc
     except Exception as err:  # noqa: BLE001 - recorded; the other base and later slices still run
         run["error"] = f"{type(err).__name__}: {err}"[:600]
         run["out_of_memory"] = is_oom(err)
+        if not run["out_of_memory"]:
+            traceback.print_exc()  # the log of a GPU call is all there is to debug it from
         if clock.cuda:
             run["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
     sl = None  # noqa: F841 - the stage freed before the next is built
@@ -252,7 +256,8 @@ def table(res: dict) -> None:
                   f"{run.get('measured_over_estimate', float('nan')):8.2f}")
         if "quantized_over_bf16" in entry:
             r = entry["quantized_over_bf16"]
-            print(f"{name:>7} quantised / bf16: step {r['step_ms']:.2f}, peak {r.get('peak_alloc_gib', float('nan')):.2f}")
+            peak = r.get("peak_alloc_gib", float("nan"))
+            print(f"{name:>7} quantised / bf16: step {r['step_ms']:.2f}, peak {peak:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         lora.check(args)
         dispatch = StandInDispatch(RANKS)
         held = dispatch.experts_of(args.moe.n_routed_experts)
-        rank_rows(a.tokens, args.moe.n_activated_experts, args.moe.n_routed_experts, len(held), RANKS)
+        counts = expert_split(rank_rows(a.tokens, args.moe.n_activated_experts, args.moe.n_routed_experts,
+                                        len(held), RANKS), len(held), "uniform")
     except ValueError as err:
         p.error(str(err))
     clock = Clock(cuda)
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         res["slices"].append(entry)
         produced = {}
         for base in bases:
-            run, made = run_base(base, layers, args, layout, device, carried, clock, a, lora, dispatch,
+            run, made = run_base(base, layers, args, layout, device, carried, clock, a, lora, dispatch, counts,
                                  res["matmul_bf16"]["tflops"])
             produced = produced or made
             entry["runs"].append(run)
@@ -334,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
         carried.update(produced)
     table(res)
-    return 0
+    return 0 if any("step_ms" in run for entry in res["slices"] for run in entry["runs"]) else 1
 
 
 if __name__ == "__main__":
