@@ -294,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     lora = LoRA(rank=a.rank, targets=TARGETS, quantized_base=True)
     try:
         slices = parse_slices(a.slices, layout.n_layers)
+        tables = sorted({i for layers in slices for i in layers} & set(args.engram.layers))
+        if tables:
+            raise ValueError(f"--slices {a.slices}: layers {tables} hold Engram tables, which are not drawn here "
+                             "(DrawnRelease): choose layers without them (e.g. 20-23,24-27)")
         lora.check(args)
         dispatch = StandInDispatch(RANKS)
         held = dispatch.experts_of(args.moe.n_routed_experts)

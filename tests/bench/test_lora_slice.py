@@ -96,7 +96,12 @@ def test_a_run_out_of_memory_is_recorded_and_the_other_base_still_runs(tmp_path,
     assert "step_ms" in b and "quantized_over_bf16" not in entry
 
 
-def test_bad_bases_are_one_line_errors(tmp_path, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--bases", "fp8"], "--bases fp8: use some of quantized,bf16"),
+    (["--slices", "4-7"], "--slices 4-7: layers [5] hold Engram tables"),  # smoke: Engram in 1 and 5
+    (["--tokens", "63"], "378 rows do not split evenly over 8 experts")])
+def test_bad_input_is_a_one_line_error_before_anything_is_built(tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as stop:
-        lora_slice.main(["--smoke", "--out", str(tmp_path / "x.json"), "--bases", "fp8"])
-    assert stop.value.code == 2 and "--bases fp8: use some of quantized,bf16" in capsys.readouterr().err
+        lora_slice.main(["--smoke", "--out", str(tmp_path / "x.json"), *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
