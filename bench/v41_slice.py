@@ -16,7 +16,9 @@ What runs, and why so:
   all 384 experts, experts 0-23, the shared expert) with its dispatch; weights drawn on the device
   (``init_parameters(on_device=True)``, the real initialisation's distribution). bf16 autocast over fp32 master
   weights; the gradients are fp32 and not reduced, and no optimizer steps (a benchmark of the layers).
-- Stream and shared state. The input is the stream a middle slice receives: ``x`` [1,T,4,dim] fp32 drawn normal,
+- Stream and shared state. The input is the stream a middle slice receives: ``x`` [1,T,4,dim] drawn normal in the
+  stream's dtype (bf16 under autocast, as a pipeline boundary carries it: ``model.hyper.stream_dtype``; the files
+  of c657ab4 and before drew it in fp32, which kept the slice's whole stream in fp32),
   ``pre`` [1,T,4] = 1/4 (a block's pre-mix at init), both carrying gradients, and a random gradient for each output.
   The first slice starts at a Full layer and reads nothing from before it. A later slice reads what the earlier
   ones produced (``--slices`` in order): the fields a pipeline boundary before it carries
@@ -259,9 +261,10 @@ class Slice:
         self.reads = self._reads(carried)
         gen = torch.Generator(device).manual_seed(seed)
         stream = (1, T, args.hc_mult, args.dim)
-        self.x = torch.randn(stream, device=device, generator=gen).requires_grad_()
+        dtype = torch.bfloat16 if autocast else torch.float32  # the stream's (model.hyper.stream_dtype)
+        self.x = torch.randn(stream, device=device, generator=gen).to(dtype).requires_grad_()
         self.pre = torch.full(stream[:-1], 1 / args.hc_mult, device=device).requires_grad_()
-        self.grad_x = torch.randn(stream, device=device, generator=gen)
+        self.grad_x = torch.randn(stream, device=device, generator=gen).to(dtype)
         self.grad_pre = torch.randn(stream[:-1], device=device, generator=gen)
         self.doc_ids = torch.zeros(1, T, dtype=torch.long, device=device)
 

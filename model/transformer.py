@@ -11,8 +11,9 @@ V4.1 parts around them (SPEC §5), each behind its switch:
   always.
 With every switch off the stack is the plain pre-norm model, bit for bit.
 
-The stream a slice of layers passes on is a pair ``(x, pre)``: ``x`` [B,T,D] (plain) or [B,T,hc,D], fp32 in
-training, and ``pre`` [B,T,hc] fp32 (None for the plain stream). A pipeline boundary carries both.
+The stream a slice of layers passes on is a pair ``(x, pre)``: ``x`` [B,T,D] (plain: fp32 in training) or
+[B,T,hc,D] (the compute dtype: ``hyper.stream_dtype``), and ``pre`` [B,T,hc] fp32 (None for the plain stream). A
+pipeline boundary carries both.
 """
 import math
 from functools import partial
