@@ -59,7 +59,7 @@ def parse():
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny model, fp32: checks the script in seconds")
     p.add_argument("--work-dir", default=None, help="where the run directory goes (default: a temporary one)")
     p.add_argument("--out", default=None, help="JSON file (default: $OUT/save_timing.json if $OUT)")
-    return p.parse_args()
+    return p.parse_intermixed_args()  # overrides may come on both sides of an option (bench/gpu_save.sh)
 
 
 class Phases:
