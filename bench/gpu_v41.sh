@@ -20,7 +20,7 @@
 #   moe_ffn           moe_ffn.json: bench/moe_ffn.py, the routed path (gate, sort, permutation, grouped GEMMs, SwiGLU,
 #                     combine) at V4.1 shapes against a dense GEMM chain of the same FLOPs               -> kernels/
 #   slice             v41_slice.json: bench/v41_slice.py, layers 20-23 and 24-27 at V4.1 width, splits own_tokens
-#                     and uniform                                                                    -> v41_slice/
+#                     and uniform, each run's device time by kernel                                  -> v41_slice/
 #   slice_base        the same on the BASE tree                                      -> v41_slice/v41_slice_base.json
 #   quant_gemm        quant_gemm.json: bench/quant_gemm.py, the frozen base's FP8/FP4 GEMMs against bf16 (issue 56)
 #                                                                                                    -> finetune/
@@ -72,7 +72,7 @@ STEP=(python3 bench/train_step.py --variant csa2 --steps 2 --warmup 1)
 stage train_small_moe 300 "${STEP[@]}" --kernel-table --out "$OUT/train_step_small_moe_$T.json" "${MOE[@]}"
 stage train_small_moe_base 260 "${BASE_RUN[@]}" "${STEP[@]}" --out "$OUT/train_step_small_moe_${T}_base.json" "${MOE[@]}"
 stage moe_ffn 100 python3 bench/moe_ffn.py "${FFN[@]}" --out "$OUT/moe_ffn.json"
-stage slice 260 python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice.json"
+stage slice 260 python3 bench/v41_slice.py "${SLICE[@]}" --kernel-table --out "$OUT/v41_slice.json"
 stage slice_base 260 "${BASE_RUN[@]}" python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice_base.json"
 stage quant_gemm 90 python3 bench/quant_gemm.py "${FFN[@]}" --out "$OUT/quant_gemm.json"
 stage train_small_moe_full 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_full_$T.json" "${MOE[@]}"

@@ -56,8 +56,10 @@ shared expert); ``moe_rest`` (the rest of the MoE: FFN norm, gate, sort, gathers
 experts at the rows the rank receives; MFU against the bf16 matmul rate of this process (8192^3); grouped-GEMM
 efficiency: a dense bf16 chain of the same GEMM FLOPs (``moe_ffn.dense_chain``, this process, before the slices)
 against the routed experts' forward + backward in the step (recomputation apart), and ``moe_ffn.case`` standalone
-at the same rows beside it. The JSON is rewritten after each run, so a cut call keeps what ran; a short table is
-printed at the end.
+at the same rows beside it. With ``--kernel-table`` (CUDA), one more step's device time by kernel and by host op
+(``train_step.kernel_table``): what the parts cannot say, e.g. which of the stream's kernels or the MoE's sorts and
+gathers take the time at V4.1 width. The JSON is rewritten after each run, so a cut call keeps what ran; a short
+table is printed at the end.
 """
 import argparse
 import gc
@@ -89,6 +91,7 @@ from parallel.payload import boundary_fields  # noqa: E402
 from parallel.recompute import recompute, run_plainly  # noqa: E402
 from parallel.stage import owner_name, shadow_sources  # noqa: E402
 from result_meta import result_meta  # noqa: E402
+from train_step import kernel_table  # noqa: E402
 
 V41 = ["model=v41_flash", "layout=v41"]
 # v41_mini's widths on the 40-layer V4.1 layout, top-6 over 64 experts (the split arithmetic of 16 ranks at 4 each).
@@ -393,6 +396,8 @@ def measure(sl: Slice, clock: Clock, a, mode: str, split: str, senders: int, cou
         res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     res["parts"] = sl.probe_parts(clock)
     res["parts"]["unprobed_step_ms"] = step_ms
+    if a.kernel_table and clock.cuda:
+        res["kernel_table"] = kernel_table(lambda: sl.step(clock), clock.sync, top=30)
     res["summary"] = s = part_summary(res["parts"], len(sl.layers), flops["routed"], dense_ms)
     res["mfu_without_standin"] = flops["total"] / (step_ms - s["all_to_all_standin_ms"]) / 1e9 / rate
     return res, state
@@ -548,6 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="T (default 65536; smoke 64)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 2; smoke 1)")
     p.add_argument("--warmup", type=int, default=None, help="steps before them (default 1; smoke 0)")
+    p.add_argument("--kernel-table", action="store_true",
+                   help="each run: one more step's device time by kernel and by host op (train_step.kernel_table)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds from the start: runs that would end after it are skipped (default 330; smoke none)")
