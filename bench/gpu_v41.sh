@@ -29,7 +29,7 @@
 #   lora_slice        lora_slice.json: bench/lora_slice.py, the one-node LoRA plan's GPU (1 x 8 x 8: 8,192 tokens,
 #                     48 experts) on layers 20-23 and 24-27, rank 16, over the quantised base (FP8 / FP4, built and
 #                     filled as a run does) then the bf16 base: step, peak, MFU, their ratios, the memory model's
-#                     estimate of the same layers (issue 56)                                         -> finetune/
+#                     estimate of the same layers, device time by kernel (issue 56)                  -> finetune/
 # Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt (a device call returns
 # at most 8 files: choose the stages with ONLY).
 # Each stage runs under `timeout`, capped by what is left of BUDGET (bench/gpu_stages.sh). CSA2_CODE=<commit>
@@ -79,5 +79,5 @@ stage train_small_moe_full 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_s
 stage train_small_moe_lora 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \
   train.lora.rank=16 "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]"
 stage lora_slice 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/lora_slice.py "${LORA[@]}" \
-  --out "$OUT/lora_slice.json"
+  --kernel-table --out "$OUT/lora_slice.json"
 stages_end

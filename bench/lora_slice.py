@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=16, help="train.lora.rank")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 2; smoke 1)")
     p.add_argument("--warmup", type=int, default=None, help="steps before them (default 1; smoke 0)")
+    p.add_argument("--kernel-table", action="store_true",
+                   help="each run: one more step's device time by kernel (CUDA; v41_slice.measure)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="config overrides after the preset's")
     a = p.parse_args(argv)
