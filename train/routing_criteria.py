@@ -7,6 +7,10 @@
 - ``end``: over the last ``window`` steps, each layer's ``load_max_over_mean`` averaged over the logged rows is <=
   ``END_MEAN_MAX``, and no logged row has an idle expert in any layer (``idle_experts``; a run that predates that
   series cannot pass);
+- ``persistent`` (reported, not part of ``healthy``; when the run directory has ``experts.jsonl``): over the same
+  window, each layer's expert loads summed over the logged steps, then max/mean. An expert that is busy step after
+  step shows here, and the balance bias is what corrects it (a rate too slow for the run leaves it); what the per-step
+  mean adds on top is the rows' own spread (a step's tokens route by their text), which no bias removes;
 - ``loss`` (reported, not part of ``healthy``): the run's LM loss against a dense-FFN run's at the same step (the
   last held-out evaluation both have at one step, else the training LM loss averaged over the last ``window``
   steps both logged), with the tokens a step of each; the issue asks for the MoE below the dense model, or a
@@ -19,7 +23,7 @@ import sys
 from pathlib import Path
 
 from train.observe.metrics import METRICS_FILE, read_rows
-from train.observe.routing import PREFIX
+from train.observe.routing import EXPERTS_FILE, PREFIX
 
 INIT_MAX = 2.0
 END_MEAN_MAX = 1.3
@@ -66,6 +70,17 @@ def end_criterion(train: list[dict], window: int) -> dict:
     return {**result, "why": why} if why else result
 
 
+def persistent_imbalance(loads: list[dict], window: int) -> dict:
+    """Per layer, max/mean of the expert loads (``experts.jsonl`` rows) summed over the last ``window`` steps."""
+    last = [r for r in loads if r["step"] > loads[-1]["step"] - window]
+    summed = {}
+    for layer in last[-1]["loads"]:
+        totals = [sum(column) for column in zip(*(r["loads"][layer] for r in last if layer in r["loads"]))]
+        summed[layer] = max(totals) / statistics.fmean(totals)
+    return {"steps": [last[0]["step"], last[-1]["step"]], "rows": len(last),
+            "summed_max_over_mean": dict(sorted(summed.items()))}
+
+
 def comparable_loss(rows: list[dict], dense: list[dict], window: int) -> dict:
     """The LM losses of the two runs at the same steps: held-out at the last common evaluation step, else the
     training LM loss over the last ``window`` steps both logged."""
@@ -94,9 +109,12 @@ def comparable_loss(rows: list[dict], dense: list[dict], window: int) -> dict:
             "steps": [steps[0], steps[-1]], **tokens}
 
 
-def criteria(rows: list[dict], dense: list[dict] | None = None, window: int = WINDOW) -> dict:
+def criteria(rows: list[dict], dense: list[dict] | None = None, window: int = WINDOW,
+             loads: list[dict] | None = None) -> dict:
     train = training_rows(rows)
     result = {"init": init_criterion(train), "end": end_criterion(train, window)}
+    if loads:
+        result["persistent"] = persistent_imbalance(loads, window)
     if dense is not None:
         result["loss"] = comparable_loss(rows, dense, window)
     result["healthy"] = result["init"]["holds"] and result["end"]["holds"]
@@ -116,7 +134,8 @@ def main(argv: list[str]) -> int:
         print(f"{a.run}: no {METRICS_FILE} there: pass a run directory", file=sys.stderr)
         return 2
     dense = read_rows(Path(a.dense) / METRICS_FILE) if a.dense else None
-    result = {"run": a.run, **criteria(rows, dense, a.window)}
+    loads = read_rows(Path(a.run) / EXPERTS_FILE)
+    result = {"run": a.run, **criteria(rows, dense, a.window, loads)}
     print(json.dumps(result))
     return 0 if result["healthy"] else 1
 

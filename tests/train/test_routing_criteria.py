@@ -77,6 +77,27 @@ def test_loss_against_the_dense_run_at_the_same_step():
     assert loss["step"] == 200 and loss["below_dense"] is False and loss["dense_heldout_lm_loss"] == 2.5
 
 
+def test_persistent_imbalance_sums_the_loads_before_max_over_mean(tmp_path, capsys):
+    """Four experts: in layer0 expert 0 takes half the slots at every step (persistent: summed max/mean 2.0); in
+    layer1 the busy expert turns with the step (per step 2.0 too, summed 1.0: the rows' own spread). Only the last
+    ``window`` steps count (an early busy expert 3 in layer1 is outside it). Planted: the per-step max/mean averaged
+    instead of the summed loads' (layer1 2.0), or the whole run summed (layer1 over 1.0): each fails. The command line
+    reads experts.jsonl beside metrics.jsonl."""
+    def loads(step):
+        turning = [0.5] * 4
+        turning[step % 4 if step > 200 else 3] = 2.0
+        return {"step": step, "loads": {"layer0": [2.0, 0.5, 1.0, 0.5], "layer1": turning}}
+
+    rows = [loads(s) for s in range(1, 301)]
+    persistent = criteria(run(), loads=rows, window=100)["persistent"]
+    assert persistent["steps"] == [201, 300] and persistent["rows"] == 100
+    assert persistent["summed_max_over_mean"] == {"layer0": 2.0, "layer1": 1.0}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run()))
+    (tmp_path / "experts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert routing_criteria.main([str(tmp_path)]) == 0  # reported, not judged
+    assert json.loads(capsys.readouterr().out)["persistent"]["summed_max_over_mean"]["layer1"] == 1.0
+
+
 def test_command_line(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run(first=(3.0, 1.0, 1.0))))
     assert routing_criteria.main([str(tmp_path)]) == 1
