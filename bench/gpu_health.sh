@@ -7,6 +7,11 @@
 #   bash bench/gpu_health.sh collect # a later call on the same machine: wait for them to end, copy the results
 #   CSA2_CODE=<commit> bash bench/gpu_health.sh moe  # issue 34: `model=small_moe` at 16K in one call (below)
 #   SMOKE=1 bash bench/gpu_health.sh moe             # the same on the CPU: v41_mini at 256 tokens, 8 steps
+#   CSA2_CODE=<commit> bash bench/gpu_health.sh moe_start    # the same run detached (the call returns at once)
+#   bash bench/gpu_health.sh moe_collect                     # later calls: wait up to WAIT (default 540) for it;
+#                                    # copy what it has written so far (metrics, expert loads, the log's tail: a run
+#                                    # the device budget cuts still brings its rows back), and the plots and
+#                                    # verdicts once it has ended
 # moe: one run in the foreground, cut at WAIT seconds (default 470; SIGTERM: the trainer stops after its step and
 # writes its plots), of STEPS (default 100) steps warming up over WARMUP (40) to LR (3e-4, as the `small` demo),
 # with the overrides in EXTRA (e.g. EXTRA="train.optimizer=muon train.log_every=5"), the held-out loss every EVERY
@@ -14,16 +19,19 @@
 # train.observe.health's criteria after it) into $OUT/small_moe/criteria.json and python -m train.routing_criteria's
 # verdict into small_moe/routing_criteria.txt. Timing: ~90 s of start (wheels, build, first Triton compile), then
 # 2.2 s a step with Muon and a row every 5 steps (H100, code 41b6e5a: bench/results/health/small_moe_16k_muon;
-# AdamW with a row every step, older code, H200: ~3 s), so 500 steps need ~1,200 s: start it detached in one call
-# and collect it in the next while the machine is warm. Files: gpu.txt and small_moe/
+# AdamW with a row every step, older code, H200: ~3 s; with a 32K BPE head 3.1 s of wall time a step, evaluations and
+# compiles included: bench/results/health/small_moe_16k_muon_bpe), so 500 steps need 1,200-1,600 s: moe_start, then
+# moe_collect in the next calls while the machine is warm. Files: gpu.txt and small_moe/
 # {metrics.jsonl, experts.jsonl, health.png, loss_curve.png, experts.png, routing.png, tail.log, criteria.json,
 # routing_criteria.txt}.
 set -uo pipefail
-mode=${1:?probe, demo, collect or moe}
+mode=${1:?probe, demo, collect, moe, moe_start or moe_collect}
 : "${OUT:?set OUT}"
 SMOKE=${SMOKE:-0}
 if [ "$SMOKE" = 1 ]; then  # this machine's own packages
   export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+elif [ "$mode" = moe_collect ]; then  # the running job's packages: not reinstalled under it
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 elif ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 1
@@ -92,6 +100,19 @@ case $mode in
   collect)
     wait_for "${WAIT:-580}" csa2 dense
     copy_results csa2 dense
+    ;;
+  moe_start)  # the run's own OUT is on this machine: a later call's $OUT is another folder
+    rm -rf /tmp/small_moe_call.done /tmp/small_moe_out
+    setsid nohup bash -c "OUT=/tmp/small_moe_out bash '$0' moe; echo \$? > /tmp/small_moe_call.done" \
+      > /tmp/small_moe_call.log 2>&1 < /dev/null &
+    exit 0
+    ;;
+  moe_collect)
+    wait_for "${WAIT:-540}" small_moe_call
+    mkdir -p "$OUT/small_moe"
+    cp /tmp/small_moe/{metrics.jsonl,experts.jsonl} "$OUT/small_moe/" 2>/dev/null
+    grep -v -i warn /tmp/small_moe.log | tail -n 40 > "$OUT/small_moe/tail.log"
+    [ -f /tmp/small_moe_call.done ] && cp -r /tmp/small_moe_out/small_moe/. "$OUT/small_moe/"
     ;;
   moe)
     if [ "$SMOKE" = 1 ]; then
