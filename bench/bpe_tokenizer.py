@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -43,9 +44,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="data settings, key=value (data. optional)")
     args = parser.parse_args()
     settings = {"source": "stdlib"}
-    for item in args.overrides:
+    for item in args.overrides:  # values read as YAML, as Hydra reads an override's: 0 an int, null None
         key, _, value = item.partition("=")
-        settings[key.removeprefix("data.")] = None if value == "null" else value
+        settings[key.removeprefix("data.")] = yaml.safe_load(value)
     config = DataConfig(**settings)
     texts = list(build_documents(config).texts(0, 0))
     tokenizer = train(texts, args.vocab)

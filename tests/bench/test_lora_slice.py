@@ -16,7 +16,7 @@ from model import ModelArgs, layout_from_config  # noqa: E402
 from model.cli import compose  # noqa: E402
 from model.config import LoRA  # noqa: E402
 from model.quantized_base import QuantizedMatrix  # noqa: E402
-from tests.model.test_quantized_build import FloatShapes  # noqa: E402
+from tests.support.float_shapes import FloatShapes  # noqa: E402
 
 
 def run_script(tmp_path, *argv) -> dict:

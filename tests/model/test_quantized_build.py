@@ -4,8 +4,6 @@ the frozen base is born as empty quantised buffers and filled with the bytes the
 then converted (``quantize_base``), on the released miniature of ``tests/train/test_released_format.py``."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from model import Transformer, layout_from_config
 from model.lora import LoRA, attach
@@ -13,13 +11,13 @@ from model.quant import dequantize
 from model.quantized_base import TABLE_BLOCK, QuantizedMatrix, QuantizedTable, quantize_base, quantized_form, \
     stored_slots
 from model.quantized_build import quantized_transformer
+from tests.support.float_shapes import FLOATS, FloatShapes
 from tests.support.released_format import OVERRIDES, Dispatch, Rows, hf_config, opened, run_config, write_release
 from tests.support.v41_oracle import _one_thread, configured, random_state  # noqa: F401 (_one_thread: autouse)
 from train.formats.init_from import fill_stored, load_stage
 from train.formats.sources import InitError
 
 LORA = LoRA(4, 8.0, ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts"), quantized_base=True)
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SMALLER = ["model.moe.n_routed_experts=4", "model.moe.inter_dim=32", "model.dspark.n_routed_experts=2",
            "model.engram.vocab_size=100"]
 
@@ -103,21 +101,6 @@ def test_a_stage_built_without_its_base_equals_the_converted_one(release, part):
     for name, slot in slots.items():
         codes, scale, *_ = stored[name]
         assert torch.equal(slot.codes, codes.view(torch.uint8)) and torch.equal(slot.scale, scale.view(torch.uint8))
-
-
-class FloatShapes(TorchDispatchMode):
-    """The shapes of every floating-point tensor (fp16 .. fp64, off the meta device) that any op makes."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.dtype in FLOATS and not t.is_meta:
-                self.shapes.add(tuple(t.shape))
-        return out
 
 
 def test_no_full_precision_copy_of_the_base_is_ever_made(release):
