@@ -80,7 +80,7 @@ from model.quantized_build import quantized_transformer  # noqa: E402
 from model.transformer import Transformer, init_parameters  # noqa: E402
 from moe_ffn import Timer, matmul_rate  # noqa: E402
 from parallel.memory import GIB, estimate  # noqa: E402
-from result_meta import result_meta  # noqa: E402
+from result_meta import result_meta, write_result  # noqa: E402
 from train.formats.init_from import fill_stored  # noqa: E402
 from v41_slice import (SMOKE, V41, Slice, StandInDispatch, expert_split, free_memory, is_oom, measure,  # noqa: E402
                        parse_slices, rank_rows, slice_flops)
@@ -321,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         res["wall_s"] = time.monotonic() - started
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(res, indent=1, default=str))
-        tmp.replace(out)
+        write_result(out, res)
 
     res["matmul_bf16"] = matmul_rate(Timer(cuda, 1 if a.smoke else 3, 2 if a.smoke else 10), device,
                                      64 if a.smoke else 8192)

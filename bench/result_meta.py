@@ -1,4 +1,5 @@
 """What every benchmark result file carries besides its numbers: the command, the machine, the date and the code."""
+import json
 import os
 import subprocess
 import sys
@@ -34,3 +35,11 @@ def result_meta() -> dict:
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"command": command, "machine": machine, "torch": torch.__version__, "triton": triton_version,
             "date": time.strftime("%Y-%m-%d"), "code": code_version()}
+
+
+def write_result(path: Path, result: dict) -> None:
+    """``result`` as indented JSON at ``path``, atomically (a temporary file renamed over it): a call cut while a
+    benchmark rewrites its file after each run keeps the previous whole file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.replace(path)

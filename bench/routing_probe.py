@@ -29,7 +29,6 @@ keeps what it measured.
 """
 import argparse
 import gc
-import json
 import os
 import sys
 from pathlib import Path
@@ -47,7 +46,7 @@ from model.moe import MoE  # noqa: E402
 from model.transformer import Transformer  # noqa: E402
 from parallel.job import compute_dtype, resolve_device, resolve_precision  # noqa: E402
 from parallel.recompute import recompute_leading  # noqa: E402
-from result_meta import result_meta  # noqa: E402
+from result_meta import result_meta, write_result  # noqa: E402
 from train.data.loader import build_loader  # noqa: E402
 from train.loss import compute_loss  # noqa: E402
 from train.run.engine import plain_optimizer, warmup_cosine  # noqa: E402
@@ -242,9 +241,7 @@ def main(argv=None) -> None:
     meta = result_meta()
 
     def write(result: dict) -> None:
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**meta, **result}, indent=1))
-        tmp.replace(out)
+        write_result(out, {**meta, **result})
 
     result = probe(a.overrides, a.tokens, a.data.split(","), a.seed, a.steps, a.freeze, a.device, write)
     write(result)

@@ -90,7 +90,7 @@ from parallel.experts import ExpertAllToAll, run_received  # noqa: E402
 from parallel.payload import boundary_fields  # noqa: E402
 from parallel.recompute import recompute, run_plainly  # noqa: E402
 from parallel.stage import owner_name, shadow_sources  # noqa: E402
-from result_meta import result_meta  # noqa: E402
+from result_meta import result_meta, write_result  # noqa: E402
 from train_step import kernel_table  # noqa: E402
 
 V41 = ["model=v41_flash", "layout=v41"]
@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         res["wall_s"] = time.monotonic() - started
-        out.write_text(json.dumps(res, indent=1, default=str))
+        write_result(out, res)
 
     res["matmul_bf16"] = matmul_rate(Timer(cuda, 1 if a.smoke else 3, 2 if a.smoke else 10), device,
                                      64 if a.smoke else 8192)
