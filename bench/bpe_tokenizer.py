@@ -14,13 +14,14 @@ import argparse
 import hashlib
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
-import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train.data.loader import DataConfig, build_documents  # noqa: E402
+from model.cli import job_config  # noqa: E402
+from train.data.loader import build_documents  # noqa: E402
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 
@@ -41,27 +42,19 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="the tokenizers JSON")
     parser.add_argument("--experts", type=int, default=32, help="E, for the load floor of the most frequent token")
     parser.add_argument("--topk", type=int, default=4)
-    parser.add_argument("overrides", nargs="*", help="data settings, key=value (data. optional)")
+    parser.add_argument("overrides", nargs="*", help="data settings, as python -m train takes them (data.path=...)")
     args = parser.parse_args()
-    settings = {"source": "stdlib"}
-    for item in args.overrides:  # values read as YAML, as Hydra reads an override's: 0 an int, null None
-        key, _, value = item.partition("=")
-        settings[key.removeprefix("data.")] = yaml.safe_load(value)
-    config = DataConfig(**settings)
+    config = job_config(args.overrides).data  # the data settings as `python -m train <overrides>` resolves them
     texts = list(build_documents(config).texts(0, 0))
     tokenizer = train(texts, args.vocab)
     out = Path(args.out)
     tokenizer.save(str(out))
-    counts: dict[int, int] = {}
-    tokens = 0
-    for encoding in tokenizer.encode_batch(texts):
-        tokens += len(encoding.ids)
-        for i in encoding.ids:
-            counts[i] = counts.get(i, 0) + 1
-    top = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+    counts = Counter(i for encoding in tokenizer.encode_batch(texts) for i in encoding.ids)
+    tokens = counts.total()
+    top = counts.most_common(8)
     text_bytes = sum(len(t.encode("utf-8", errors="surrogatepass")) for t in texts)
     share = top[0][1] / tokens
-    summary = {"command": " ".join(sys.argv), "data": settings, "documents": len(texts), "bytes": text_bytes,
+    summary = {"command": " ".join(sys.argv), "data": {"source": config.source, "path": config.path}, "documents": len(texts), "bytes": text_bytes,
                "tokens": tokens, "bytes_per_token": text_bytes / tokens, "vocab": tokenizer.get_vocab_size(),
                "sha256": hashlib.sha256(out.read_bytes()).hexdigest(),
                "top_tokens": [{"token": tokenizer.id_to_token(i), "share": n / tokens} for i, n in top],

@@ -5,6 +5,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from model.config import DataConfig
+from train.data.loader import build_documents
 from train.data.tokenizer import HFTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -13,10 +15,10 @@ import bpe_tokenizer  # noqa: E402
 
 
 def test_trained_on_the_training_part_with_a_summary_that_a_count_confirms(tmp_path, monkeypatch):
-    """Six files, one held out (data.heldout_fraction's smallest hash): five documents read, the held-out one's
-    unique name never in the vocabulary. The pipeline finds the specials by name. The top share and the floor
-    (share x E / k) against a count of the encoded training files. Planted: every document read (6, and the
-    held-out name merged into a token), the floor without the x E / k, the share over the bytes: each fails."""
+    """Six files, one held out (the loader's split: data.heldout_fraction's smallest hash): five documents read. The
+    pipeline finds the specials by name. The tokens, the top share and the floor (share x E / k) against a count of
+    the encoded training files alone. Planted: every document read (6 documents, and the held-out file's tokens
+    counted), the floor without the x E / k: each fails."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(6):
@@ -30,11 +32,10 @@ def test_trained_on_the_training_part_with_a_summary_that_a_count_confirms(tmp_p
     tokenizer = HFTokenizer(str(out))
     assert sorted(tokenizer.token(i) for i in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)) == sorted(
         bpe_tokenizer.SPECIALS)
+    held_out = list(build_documents(DataConfig(source="stdlib", path=str(corpus)), heldout=True).texts(0, 0))
+    assert len(held_out) == 1
     texts = [p.read_text() for p in sorted(corpus.glob("*.py"))]
-    encoded = {text: tokenizer.encode(text) for text in texts}
-    held_out = [text for text in texts if len(tokenizer.encode(text)) > len(min(encoded.values(), key=len)) + 2]
-    assert len(held_out) == 1  # the held-out file's unique name was never merged: more tokens than the others
-    counts = Counter(i for text in texts if text not in held_out for i in encoded[text])
+    counts = Counter(i for text in texts if text not in held_out for i in tokenizer.encode(text))
     tokens = sum(counts.values())
     assert summary["tokens"] == tokens
     share = counts.most_common(1)[0][1] / tokens
