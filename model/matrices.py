@@ -15,6 +15,7 @@ A parameter may hold several matrices that never mix:
 Like ``model/groups.py`` it is a function of the full model's name alone, so every stage, expert-parallel rank and
 ZeRO shard agrees on it.
 """
+import math
 import re
 
 from model.config import ModelArgs
@@ -41,7 +42,4 @@ def rows_per_matrix(shape: tuple[int, ...], matrix: tuple[int, int]) -> int:
     """Rows (slices along dim 0) of a parameter of ``shape`` that make up one of its matrices: a shard of a parameter
     must begin and end at such a boundary, or a matrix would be orthogonalised in pieces."""
     rows, columns = matrix
-    per_row = 1
-    for size in shape[1:]:
-        per_row *= size
-    return rows * columns // per_row
+    return rows * columns // math.prod(shape[1:])

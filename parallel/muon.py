@@ -86,13 +86,15 @@ class MuonWithAdamW(torch.optim.AdamW):
         ten small ones per parameter and iteration, with at most ``BATCH_VALUES`` of them in flight."""
         rows, columns = group["matrix"]
         batch: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        values = 0
         for p in group["params"]:
             if p.grad is None:
                 continue
             batch.append((p, self._look_ahead(p).reshape(-1, rows, columns)))
-            if sum(m.numel() for _, m in batch) >= BATCH_VALUES:
+            values += p.numel()
+            if values >= BATCH_VALUES:
                 self._apply(group, batch)
-                batch = []
+                batch, values = [], 0
         if batch:
             self._apply(group, batch)
 

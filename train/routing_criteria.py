@@ -43,7 +43,8 @@ def training_rows(rows: list[dict]) -> list[dict]:
 def init_criterion(train: list[dict]) -> dict:
     first = next((r for r in train if layer_series(r, "load_max_over_mean")), None)
     if first is None or first["step"] != 1:
-        return {"holds": False, "why": "no routing series at step 1 (a run from before step 1 was always logged: use train.log_every=1)"}
+        return {"holds": False, "why": "no routing series at step 1 (a run from before step 1 was always logged: use "
+                                       "train.log_every=1)"}
     loads = layer_series(first, "load_max_over_mean")
     over = {layer: v for layer, v in loads.items() if v > INIT_MAX}
     return {"holds": not over, "limit": INIT_MAX, "worst_layer": max(loads, key=loads.get),
