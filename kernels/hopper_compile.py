@@ -197,25 +197,29 @@ def specs() -> list[KernelSpec]:
         projection = dict(stream, BLOCK_D=hyper.BLOCK_D, MIX=24, MIX_P=32, BLOCK_N=hyper.BLOCK_N)
         sinkhorn = dict(HC=4, HC_P=4, MIX=24, STEPS=39, ROWS=hyper.SINKHORN_ROWS)
         out.append(KernelSpec(untuned(hyper._pre_fwd, num_warps=hyper.WARPS),
-                              dict(X=bf, PRE_IN=f32, FN=bf, H=bf, MRAW=f32, RSTD=f32, n_rows=i32, norm_eps="fp32"),
-                              dict(projection, SPLIT_FN=True)))
-        out.append(KernelSpec(untuned(hyper._pre_bwd, num_warps=hyper.WARPS),
-                              dict(X=bf, PRE_IN=f32, FN=f32, DH=bf, DMRAW=f32, COEF=f32, STASH=bf, DX=bf, DFN=f32,
-                                   DPRE=f32, n_rows=i32, tiles_per_split=i32),
-                              dict(projection, HAS_STASH=True, WHILE_LOOP=False)))
-        out.append(KernelSpec(untuned(hyper._expand_fwd, num_warps=4),
-                              dict(X=bf, Y=bf, POST=f32, COMB=f32, OUT=bf), dict(stream, HC_P=4)))
-        out.append(KernelSpec(untuned(hyper._expand_bwd, num_warps=4),
-                              dict(X=bf, Y=bf, POST=f32, COMB=f32, G=bf, DX=bf, DY=bf, DPOST=f32, DCOMB=f32,
-                                   n_rows=i32),
-                              dict(stream, HC_P=4)))
+                              dict(X=bf, PRE_IN=f32, FN=bf, H=bf, MPART=f32, SQPART=f32, n_rows=i32),
+                              dict(projection, SPLIT_BLOCKS=D // hyper.BLOCK_D // hyper.PRE_SPLITS, SPLIT_FN=True)))
+        for stash in (1, 2):  # the expand's dX linked, or its output gradient G
+            out.append(KernelSpec(untuned(hyper._pre_bwd, num_warps=hyper.BWD_WARPS),
+                                  dict(X=bf, PRE_IN=f32, FN=f32, DH=bf, DMRAW=f32, COEF=f32, STASH=bf, STASH_COMB=f32,
+                                       DX=bf, DFN=f32, DPRE=f32, n_rows=i32, tiles_per_split=i32),
+                                  dict(projection, BLOCK_N=hyper.BWD_BLOCK_N, BLOCK_D=hyper.BWD_BLOCK_D,
+                                       HAS_STASH=stash, WHILE_LOOP=False)))
+        expand = dict(stream, HC_P=4, BLOCK_T=hyper.EXPAND_TOKENS)
+        out.append(KernelSpec(untuned(hyper._expand_fwd, num_warps=hyper.EXPAND_WARPS),
+                              dict(X=bf, Y=bf, POST=f32, COMB=f32, OUT=bf, n_rows=i32), expand))
+        for write_dx in (False, True):
+            out.append(KernelSpec(untuned(hyper._expand_bwd, num_warps=hyper.EXPAND_WARPS),
+                                  dict(X=bf, Y=bf, POST=f32, COMB=f32, G=bf, DX=bf, DY=bf, DPOST=f32, DCOMB=f32,
+                                       n_rows=i32), dict(expand, WRITE_DX=write_dx)))
         out.append(KernelSpec(untuned(hyper._collapse_fwd, num_warps=4), dict(X=bf, PRE=f32, OUT=bf),
                               dict(stream, HC_P=4)))
         out.append(KernelSpec(untuned(hyper._collapse_bwd, num_warps=4), dict(X=bf, PRE=f32, G=bf, DX=bf, DPRE=f32),
                               dict(stream, HC_P=4)))
     out.append(KernelSpec(untuned(hyper._sinkhorn_fwd, num_warps=4),
-                          dict(MRAW=f32, RSTD=f32, SCALE=f32, BASE=f32, PRE=f32, POST=f32, COMB=f32, n_rows=i32,
-                               hc_eps="fp32"), sinkhorn))
+                          dict(MPART=f32, SQPART=f32, SCALE=f32, BASE=f32, MRAW=f32, RSTD=f32, PRE=f32, POST=f32,
+                               COMB=f32, n_rows=i32, norm_eps="fp32", hc_eps="fp32"),
+                          dict(sinkhorn, D=5120, SPLITS=hyper.PRE_SPLITS)))
     out.append(KernelSpec(untuned(hyper._sinkhorn_bwd, num_warps=4),
                           dict(MRAW=f32, RSTD=f32, SCALE=f32, BASE=f32, DPRE=f32, DPOST=f32, DCOMB=f32, SCRATCH=f32,
                                DMRAW=f32, COEF=f32, PARTS=f32, n_rows=i32, hc_eps="fp32"), dict(sinkhorn, D=1024)))

@@ -6,16 +6,18 @@ projection ``X fn^T`` with one RMS statistic, the collapse ``sum_c pre_c X_c`` i
 post_k y + sum_j comb[j,k] X_j`` of its output. Everything here is bound by the stream's bytes; the arithmetic (a
 [N, hc D] x [hc D, (2+hc) hc] projection, the Sinkhorn iterations on hc x hc per token) is small. So:
 - forward, ``_pre_fwd``: one read of X makes the projection (tensor cores: a bf16 stream against fn's two bf16
-  parts, ~2^-16 of fp32; an fp32 stream in tf32x3), the statistic and the collapse, then ``_sinkhorn_fwd`` turns
-  the projection into pre, post and comb: all ``iters`` Sinkhorn rounds of a token in registers, one launch
+  parts, ~2^-16 of fp32; an fp32 stream in tf32x3), the statistic and the collapse, each program over a token block
+  and a share of the columns (partial projections and statistics), then ``_sinkhorn_fwd`` adds the partials and
+  turns the projection into pre, post and comb: all ``iters`` Sinkhorn rounds of a token in registers, one launch
   (PyTorch runs them as ~300 launches of [N, hc, hc] elementwise ops per sublayer);
-  ``_expand_fwd`` reads X and y once and writes the new stream.
-- backward: ``_expand_bwd`` reads X and the output gradient once, a program per token and column block (dX, dy,
-  and each block's partial dpost, dcomb, summed over the blocks after);
+  ``_expand_fwd`` reads X and y once and writes the new stream, a program per tile of tokens x columns.
+- backward: ``_expand_bwd`` reads X and the output gradient G once (dy, and each column block's partial dpost,
+  dcomb, summed over the blocks after); it does not write the expand's dX_j = sum_k comb[j,k] G_k. ``hc_post``
+  leaves G and comb in the ``StreamGrad`` link instead, and ``_pre_bwd``, which reads X once more to write dX = the
+  collapse's, the projection's and the statistic's gradients, forms the expand's share from G in the same pass: the
+  stream's gradient is accumulated there, not written by one kernel and added by another (or by autograd's add).
   ``_sinkhorn_bwd`` runs the Sinkhorn rounds again, keeping each round's matrix in a scratch buffer, and goes back
-  through them; ``_pre_bwd`` reads X once more and writes dX = the collapse's, the projection's and the statistic's
-  gradients **plus the expand's**, which ``hc_post``'s backward left in the ``StreamMix``'s ``stream_grad`` instead
-  of returning it: the stream's gradient is accumulated in that pass, not by autograd's separate add over the stream.
+  through them.
   Sums over tokens (dfn, dscale, dbase, dpre) are per-program partials added once after: no atomics, bitwise
   repeatable.
 Each kernel computes in fp32 and rounds once to its output's dtype.
@@ -29,29 +31,37 @@ from kernels.triton_common import INTERPRET, new_output
 
 BLOCK_D = 32 if INTERPRET else 64  # columns of a copy per step of the projection kernels
 TOKEN_BLOCK_D = 32 if INTERPRET else 256  # columns per step of the per-token kernels (expand, collapse)
+EXPAND_TOKENS = 4  # tokens per program of the expand's kernels (a tile of EXPAND_TOKENS x TOKEN_BLOCK_D)
+EXPAND_WARPS = 4
+LINK_OUTPUT_GRAD = True  # hc_post's backward hands hc_pre's the output gradient (not its dX): one pass fewer
 BLOCK_N = 16 if INTERPRET else 64  # tokens per program of the projection and its gradient
 SINKHORN_ROWS = 16 if INTERPRET else 128  # tokens per program of the Sinkhorn kernels
+PRE_SPLITS = 2 if INTERPRET else 4  # column splits of _pre_fwd (partial projections, added by _sinkhorn_fwd)
 BACKWARD_PROGRAMS = 512  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
-WARPS = 8  # of _pre_fwd and _pre_bwd (64 x 64 tiles at 8 warps: no spills, ptxas on sm_90a)
+WARPS = 8  # of _pre_fwd (64 x 64 tiles at 8 warps: no spills, ptxas on sm_90a)
+BWD_BLOCK_N, BWD_BLOCK_D, BWD_WARPS = BLOCK_N, BLOCK_D, 8  # _pre_bwd's tile and warps
 
 
 @triton.jit
-def _pre_fwd(X, PRE_IN, FN, H, MRAW, RSTD, n_rows, norm_eps, D: tl.constexpr, HC: tl.constexpr,
-             MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _pre_fwd(X, PRE_IN, FN, H, MPART, SQPART, n_rows, D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr,
+             MIX_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
              SPLIT_FN: tl.constexpr):
-    """For the program's tokens: H = sum_c PRE_IN[c] X_c, MRAW = X_flat FN^T (unscaled), RSTD = rsqrt(mean(X_flat^2)
-    + norm_eps). Column block outer, copy inner, so that H's block is complete before it is stored. The squares are
-    summed elementwise and reduced once at the end. ``SPLIT_FN`` (a 16-bit stream): FN is [2, MIX, HC D] in X's dtype,
-    fn's high and low parts (``_split``), so the projection is two 16-bit MMAs on X as it is, exact to ~2^-16 of
-    fn; else (fp32) one tf32x3 MMA, fp32's accuracy."""
+    """For the program's tokens and its share of the columns (program_id(1): SPLIT_BLOCKS column blocks): H = sum_c
+    PRE_IN[c] X_c, and the partials MPART[split] = X_flat FN^T and SQPART[split] = sum(X_flat^2) over those columns,
+    which ``_sinkhorn_fwd`` adds. Splitting the columns gives the GPU token blocks x splits programs (a 64K-token
+    stream in blocks of 64 is 1,024 programs, fewer than the loads need in flight). Column block outer, copy inner,
+    so that H's block is complete before it is stored. ``SPLIT_FN`` (a 16-bit stream): FN is [2, MIX, HC D] in X's
+    dtype, fn's high and low parts (``_split``), so the projection is two 16-bit MMAs on X as it is, exact to ~2^-16
+    of fn; else (fp32) one tf32x3 MMA, fp32's accuracy."""
+    split = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < n_rows
     rows64 = rows.to(tl.int64)
     mixes = tl.arange(0, MIX_P)
     m = tl.zeros((BLOCK_N, MIX_P), dtype=tl.float32)
     squares = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    for start in range(0, D, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
+    for block in range(SPLIT_BLOCKS):
+        cols = (split * SPLIT_BLOCKS + block) * BLOCK_D + tl.arange(0, BLOCK_D)
         inside = live[:, None] & (cols[None, :] < D)
         h = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         for c in tl.static_range(HC):
@@ -67,23 +77,30 @@ def _pre_fwd(X, PRE_IN, FN, H, MRAW, RSTD, n_rows, norm_eps, D: tl.constexpr, HC
             else:
                 m = tl.dot(x, tl.load(fn_t, mask=fn_in, other=0.0), m, input_precision="tf32x3")
         tl.store(H + rows64[:, None] * D + cols[None, :], h.to(H.dtype.element_ty), mask=inside)
-    tl.store(MRAW + rows64[:, None] * MIX + mixes[None, :], m, mask=live[:, None] & (mixes[None, :] < MIX))
-    tl.store(RSTD + rows64, 1.0 / tl.sqrt(tl.sum(squares, axis=1) / (HC * D) + norm_eps), mask=live)
+    part = split * n_rows + rows64
+    tl.store(MPART + part[:, None] * MIX + mixes[None, :], m, mask=live[:, None] & (mixes[None, :] < MIX))
+    tl.store(SQPART + part, tl.sum(squares, axis=1), mask=live)
 
 
 @triton.jit
-def _mix_parts(MRAW, RSTD, rows64, live, HC: tl.constexpr, HC_P: tl.constexpr, MIX: tl.constexpr):
-    """A token's projection MRAW split into its pre [R, HC_P], post [R, HC_P] and comb [R, HC_P (j), HC_P (k)]
-    parts (0 in the padding), its RSTD [R], and the valid masks of the [R, HC_P] and [R, HC_P, HC_P] parts."""
+def _mix_parts(MRAW, rows64, live, n_rows, HC: tl.constexpr, HC_P: tl.constexpr, MIX: tl.constexpr,
+               SPLITS: tl.constexpr):
+    """A token's projection split into its pre [R, HC_P], post [R, HC_P] and comb [R, HC_P (j), HC_P (k)] parts (0
+    in the padding), the sum of the SPLITS partials MRAW [SPLITS, n_rows, MIX] holds, and the valid masks of the
+    [R, HC_P] and [R, HC_P, HC_P] parts."""
     copies = tl.arange(0, HC_P)
     j, k = copies[None, :, None], copies[None, None, :]
     valid = live[:, None] & (copies[None, :] < HC)
     comb_valid = live[:, None, None] & (j < HC) & (k < HC)
-    row = rows64 * MIX
-    raw_pre = tl.load(MRAW + row[:, None] + copies[None, :], mask=valid, other=0.0)
-    raw_post = tl.load(MRAW + row[:, None] + HC + copies[None, :], mask=valid, other=0.0)
-    raw_comb = tl.load(MRAW + row[:, None, None] + 2 * HC + j * HC + k, mask=comb_valid, other=0.0)
-    return raw_pre, raw_post, raw_comb, tl.load(RSTD + rows64, mask=live, other=0.0), valid, comb_valid
+    raw_pre = tl.zeros((rows64.shape[0], HC_P), dtype=tl.float32)
+    raw_post = tl.zeros((rows64.shape[0], HC_P), dtype=tl.float32)
+    raw_comb = tl.zeros((rows64.shape[0], HC_P, HC_P), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        row = (split * n_rows + rows64) * MIX
+        raw_pre += tl.load(MRAW + row[:, None] + copies[None, :], mask=valid, other=0.0)
+        raw_post += tl.load(MRAW + row[:, None] + HC + copies[None, :], mask=valid, other=0.0)
+        raw_comb += tl.load(MRAW + row[:, None, None] + 2 * HC + j * HC + k, mask=comb_valid, other=0.0)
+    return raw_pre, raw_post, raw_comb, valid, comb_valid
 
 
 @triton.jit
@@ -117,22 +134,35 @@ def _step_sums(c, step):
 
 
 @triton.jit
-def _sinkhorn_fwd(MRAW, RSTD, SCALE, BASE, PRE, POST, COMB, n_rows, hc_eps, HC: tl.constexpr, HC_P: tl.constexpr,
-                  MIX: tl.constexpr, STEPS: tl.constexpr, ROWS: tl.constexpr):
-    """PRE = sigmoid + hc_eps, POST = 2 sigmoid, COMB = softmax_k + hc_eps then STEPS normalisations (columns,
-    then rows and columns in turn), each dividing by (sum + hc_eps)."""
+def _sinkhorn_fwd(MPART, SQPART, SCALE, BASE, MRAW, RSTD, PRE, POST, COMB, n_rows, norm_eps, hc_eps,
+                  D: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr, MIX: tl.constexpr, SPLITS: tl.constexpr,
+                  STEPS: tl.constexpr, ROWS: tl.constexpr):
+    """The projection MRAW (``_pre_fwd``'s SPLITS partials added; with one split MPART is MRAW) and RSTD =
+    rsqrt(mean(X_flat^2) + norm_eps), kept for the backward; then PRE = sigmoid + hc_eps, POST = 2 sigmoid, COMB =
+    softmax_k + hc_eps then STEPS normalisations (columns, then rows and columns in turn), each dividing by (sum +
+    hc_eps)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = rows < n_rows
     rows64 = rows.to(tl.int64)
-    raw_pre, raw_post, raw_comb, rstd, valid, comb_valid = _mix_parts(MRAW, RSTD, rows64, live, HC, HC_P, MIX)
-    logit_pre, logit_post, logit_comb = _logits(raw_pre, raw_post, raw_comb, rstd, SCALE, BASE, HC, HC_P)
+    raw_pre, raw_post, raw_comb, valid, comb_valid = _mix_parts(MPART, rows64, live, n_rows, HC, HC_P, MIX, SPLITS)
     copies = tl.arange(0, HC_P)
+    j, k = copies[None, :, None], copies[None, None, :]
+    if SPLITS > 1:
+        row = rows64 * MIX
+        tl.store(MRAW + row[:, None] + copies[None, :], raw_pre, mask=valid)
+        tl.store(MRAW + row[:, None] + HC + copies[None, :], raw_post, mask=valid)
+        tl.store(MRAW + row[:, None, None] + 2 * HC + j * HC + k, raw_comb, mask=comb_valid)
+    squares = tl.zeros((ROWS,), dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        squares += tl.load(SQPART + split * n_rows + rows64, mask=live, other=0.0)
+    rstd = 1.0 / tl.sqrt(squares / (HC * D) + norm_eps)
+    tl.store(RSTD + rows64, rstd, mask=live)
+    logit_pre, logit_post, logit_comb = _logits(raw_pre, raw_post, raw_comb, rstd, SCALE, BASE, HC, HC_P)
     tl.store(PRE + (rows64 * HC)[:, None] + copies[None, :], tl.sigmoid(logit_pre) + hc_eps, mask=valid)
     tl.store(POST + (rows64 * HC)[:, None] + copies[None, :], 2 * tl.sigmoid(logit_post), mask=valid)
     c = tl.where(comb_valid, _softmax_k(logit_comb, comb_valid, HC, HC_P) + hc_eps, 0.0)
     for step in range(STEPS):
         c = c / (_step_sums(c, step) + hc_eps)
-    j, k = copies[None, :, None], copies[None, None, :]
     tl.store(COMB + (rows64 * HC * HC)[:, None, None] + j * HC + k, c, mask=comb_valid)
 
 
@@ -149,7 +179,8 @@ def _sinkhorn_bwd(MRAW, RSTD, SCALE, BASE, DPRE, DPOST, DCOMB, SCRATCH, DMRAW, C
     rows = pid * ROWS + tl.arange(0, ROWS)
     live = rows < n_rows
     rows64 = rows.to(tl.int64)
-    raw_pre, raw_post, raw_comb, rstd, valid, comb_valid = _mix_parts(MRAW, RSTD, rows64, live, HC, HC_P, MIX)
+    raw_pre, raw_post, raw_comb, valid, comb_valid = _mix_parts(MRAW, rows64, live, n_rows, HC, HC_P, MIX, 1)
+    rstd = tl.load(RSTD + rows64, mask=live, other=0.0)
     logit_pre, logit_post, logit_comb = _logits(raw_pre, raw_post, raw_comb, rstd, SCALE, BASE, HC, HC_P)
     copies = tl.arange(0, HC_P)
     j, k = copies[None, :, None], copies[None, None, :]
@@ -193,9 +224,9 @@ def _sinkhorn_bwd(MRAW, RSTD, SCALE, BASE, DPRE, DPOST, DCOMB, SCRATCH, DMRAW, C
 
 
 @triton.jit
-def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, block, c, cols, col_in, mixes, mix_in,
-                  n_rows, D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr):
+def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DPRE, fn, dfn, tile, column_block, c, cols,
+                  col_in, mixes, mix_in, n_rows, D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr):
     """``_pre_bwd`` on the tokens of one tile: writes their DX and DPRE, returns dfn with their DMRAW^T X added."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < n_rows
@@ -208,15 +239,20 @@ def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, bl
     dx = tl.load(PRE_IN + rows64 * HC + c, mask=live, other=0.0)[:, None] * dh
     dx += tl.dot(dm, fn, input_precision="tf32")
     dx += tl.load(COEF + rows64, mask=live, other=0.0)[:, None] * x
-    if HAS_STASH:
+    if HAS_STASH == 1:
         dx += tl.load(STASH + stream, mask=inside, other=0.0).to(tl.float32)
+    if HAS_STASH == 2:  # the expand's share, sum_k comb[c, k] G_k, from its output gradient G
+        for k in tl.static_range(HC):
+            g = tl.load(STASH + rows64[:, None] * (HC * D) + k * D + cols[None, :], mask=inside, other=0.0)
+            dx += tl.load(STASH_COMB + rows64 * (HC * HC) + c * HC + k, mask=live, other=0.0)[:, None] * g.to(
+                tl.float32)
     tl.store(DX + stream, dx.to(DX.dtype.element_ty), mask=inside)
-    tl.store(DPRE + ((block % tl.cdiv(D, BLOCK_D)) * n_rows + rows64) * HC + c, tl.sum(dh * x, axis=1), mask=live)
+    tl.store(DPRE + (column_block * n_rows + rows64) * HC + c, tl.sum(dh * x, axis=1), mask=live)
     return tl.dot(tl.trans(dm), x, dfn, input_precision="tf32")
 
 
 @triton.jit
-def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, DX, DFN, DPRE, n_rows, tiles_per_split, D: tl.constexpr,
+def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DFN, DPRE, n_rows, tiles_per_split, D: tl.constexpr,
              HC: tl.constexpr, MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr, WHILE_LOOP: tl.constexpr):
     """One column block of one copy, over one split of the tokens (``tiles_per_split`` tiles of BLOCK_N): DX =
@@ -225,8 +261,8 @@ def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, DX, DFN, DPRE, n_rows, tiles
     WHILE_LOOP (the interpreter, whose ``range`` takes no runtime bound) walks the tiles with a while loop; compiled,
     a for loop, which Triton pipelines."""
     block, split = tl.program_id(0), tl.program_id(1)
-    c = block // tl.cdiv(D, BLOCK_D)
-    cols = (block % tl.cdiv(D, BLOCK_D)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    c, column_block = block % HC, block // HC  # a column block's copies side by side: they share DH and G in L2
+    cols = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
     col_in = cols < D
     mixes = tl.arange(0, MIX_P)
     mix_in = mixes < MIX
@@ -237,13 +273,13 @@ def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, DX, DFN, DPRE, n_rows, tiles
     if WHILE_LOOP:
         tile = first
         while tile < first + tiles_per_split:
-            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, block, c, cols, col_in,
-                                mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
+            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DPRE, fn, dfn, tile, column_block,
+                                c, cols, col_in, mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
             tile += 1
     else:
         for tile in range(first, first + tiles_per_split):
-            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, block, c, cols, col_in,
-                                mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
+            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DPRE, fn, dfn, tile, column_block,
+                                c, cols, col_in, mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
     tl.store(DFN + split * MIX * HC * D + mixes[:, None] * (HC * D) + c * D + cols[None, :], dfn,
              mask=mix_in[:, None] & col_in[None, :])
 
@@ -255,50 +291,63 @@ def _rows(base, copies, cols, HC: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _coefficients(POST, COMB, row, copies, HC: tl.constexpr):
-    """post [HC_P] and comb [HC_P (j), HC_P (k)] of a token, zero in the padding."""
-    valid = copies < HC
-    post = tl.load(POST + row * HC + copies, mask=valid, other=0.0)
-    comb = tl.load(COMB + row * HC * HC + copies[:, None] * HC + copies[None, :],
-                   mask=valid[:, None] & valid[None, :], other=0.0)
-    return post, comb
+def _token_tile(n_rows, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The program's BLOCK_T tokens (int64) and BLOCK_D columns of a (token block, column block) grid, and their
+    masks."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return rows.to(tl.int64), rows < n_rows, cols, cols < D
 
 
 @triton.jit
-def _expand_fwd(X, Y, POST, COMB, OUT, D: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """OUT[r, k, c] = POST[r, k] Y[r, c] + sum_j COMB[r, j, k] X[r, j, c] for the program's token r, columns c."""
-    row = tl.program_id(0).to(tl.int64)
-    copies, cols = tl.arange(0, HC_P), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offsets, inside = _rows(row * HC * D, copies, cols, HC, D)
-    post, comb = _coefficients(POST, COMB, row, copies, HC)
-    x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
-    y = tl.load(Y + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
-    out = tl.sum(comb[:, :, None] * x[:, None, :], axis=0) + post[:, None] * y[None, :]
-    tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=inside)
+def _expand_fwd(X, Y, POST, COMB, OUT, n_rows, D: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr,
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT[r, k, c] = POST[r, k] Y[r, c] + sum_j COMB[r, j, k] X[r, j, c] for the program's tokens r and columns c:
+    a tile of BLOCK_T tokens, so that a program moves enough bytes to hide its loads' latency (a program per token
+    moved 2 KB and left the pass at a third of HBM's rate)."""
+    rows64, live, cols, col_in = _token_tile(n_rows, D, BLOCK_T, BLOCK_D)
+    copies = tl.arange(0, HC_P)
+    valid = live[:, None] & (copies[None, :] < HC)  # [T, k]
+    inside = live[:, None] & col_in[None, :]  # [T, c]
+    post = tl.load(POST + rows64[:, None] * HC + copies[None, :], mask=valid, other=0.0)
+    y = tl.load(Y + rows64[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    out = post[:, :, None] * y[:, None, :]
+    for j in tl.static_range(HC):
+        x = tl.load(X + rows64[:, None] * (HC * D) + j * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        comb = tl.load(COMB + rows64[:, None] * (HC * HC) + j * HC + copies[None, :], mask=valid, other=0.0)
+        out += comb[:, :, None] * x[:, None, :]
+    stream = rows64[:, None, None] * (HC * D) + copies[None, :, None] * D + cols[None, None, :]
+    tl.store(OUT + stream, out.to(OUT.dtype.element_ty), mask=valid[:, :, None] & col_in[None, None, :])
 
 
 @triton.jit
 def _expand_bwd(X, Y, POST, COMB, G, DX, DY, DPOST, DCOMB, n_rows, D: tl.constexpr, HC: tl.constexpr,
-                HC_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dX_j = sum_k comb[j,k] G_k, dY = sum_k post_k G_k of token r's columns c; and the block's share of
-    dCOMB[j,k] = <X_j, G_k>, dPOST_k = <G_k, Y>: partials [column block, token, ...], summed over the blocks after.
-    A program per token and column block, as the forward: a program per token looping over D left a 64K-token
-    backward latency-bound (3.4 ms at small_moe's 64K, the forward 0.38 ms)."""
-    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    copies, cols = tl.arange(0, HC_P), block * BLOCK_D + tl.arange(0, BLOCK_D)
-    offsets, inside = _rows(row * HC * D, copies, cols, HC, D)
-    post, comb = _coefficients(POST, COMB, row, copies, HC)
-    x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
-    g = tl.load(G + offsets, mask=inside, other=0.0).to(tl.float32)
-    y = tl.load(Y + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
-    tl.store(DX + offsets, tl.sum(comb[:, :, None] * g[None, :, :], axis=1).to(DX.dtype.element_ty), mask=inside)
-    tl.store(DY + row * D + cols, tl.sum(post[:, None] * g, axis=0).to(DY.dtype.element_ty), mask=cols < D)
-    valid = copies < HC
-    part = block * n_rows + row
-    tl.store(DPOST + part * HC + copies, tl.sum(g * y[None, :], axis=1), mask=valid)
-    tl.store(DCOMB + part * HC * HC + copies[:, None] * HC + copies[None, :],
-             tl.sum(x[:, None, :] * g[None, :, :], axis=2), mask=valid[:, None] & valid[None, :])
+                HC_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_DX: tl.constexpr):
+    """dX_j = sum_k comb[j,k] G_k, dY = sum_k post_k G_k of the program's tokens and columns; and the column block's
+    share of dCOMB[j,k] = <X_j, G_k>, dPOST_k = <G_k, Y>: partials [column block, token, ...], summed over the blocks
+    after. The forward's tile of tokens x columns, one output copy k at a time."""
+    rows64, live, cols, col_in = _token_tile(n_rows, D, BLOCK_T, BLOCK_D)
+    copies = tl.arange(0, HC_P)
+    valid = live[:, None] & (copies[None, :] < HC)  # [T, j]
+    inside = live[:, None] & col_in[None, :]
+    stream = rows64[:, None, None] * (HC * D) + copies[None, :, None] * D + cols[None, None, :]
+    in_stream = valid[:, :, None] & col_in[None, None, :]
+    x = tl.load(X + stream, mask=in_stream, other=0.0).to(tl.float32)  # [T, j, c]
+    y = tl.load(Y + rows64[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    dx = tl.zeros((BLOCK_T, HC_P, BLOCK_D), dtype=tl.float32)
+    dy = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    part = tl.program_id(1) * n_rows + rows64
+    for k in tl.static_range(HC):
+        g = tl.load(G + rows64[:, None] * (HC * D) + k * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        comb = tl.load(COMB + rows64[:, None] * (HC * HC) + copies[None, :] * HC + k, mask=valid, other=0.0)
+        dx += comb[:, :, None] * g[:, None, :]
+        dy += tl.load(POST + rows64 * HC + k, mask=live, other=0.0)[:, None] * g
+        tl.store(DPOST + part * HC + k, tl.sum(g * y, axis=1), mask=live)
+        tl.store(DCOMB + part[:, None] * (HC * HC) + copies[None, :] * HC + k, tl.sum(x * g[:, None, :], axis=2),
+                 mask=valid)
+    if WRITE_DX:
+        tl.store(DX + stream, dx.to(DX.dtype.element_ty), mask=in_stream)
+    tl.store(DY + rows64[:, None] * D + cols[None, :], dy.to(DY.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -336,6 +385,11 @@ def _launch(x: torch.Tensor) -> tuple[int, dict]:
                                          BLOCK_D=min(TOKEN_BLOCK_D, triton.next_power_of_2(dim)))
 
 
+def _expand_grid(rows: int, consts: dict) -> tuple[int, int]:
+    """The expand kernels' grid: token blocks x column blocks."""
+    return triton.cdiv(rows, EXPAND_TOKENS), triton.cdiv(consts["D"], consts["BLOCK_D"])
+
+
 def _split(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fn's high and low parts in a 16-bit ``dtype``, stacked [2, ...]: hi = fn rounded, lo = the rest rounded, so
     hi + lo holds ~16 of fp32's 24 significant bits (its own products with a 16-bit x are exact in fp32)."""
@@ -344,11 +398,13 @@ def _split(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class StreamGrad:
-    """Where ``hc_post``'s backward leaves the stream's gradient for the ``hc_pre`` backward of the same stream."""
-    __slots__ = ("grad",)
+    """Where ``hc_post``'s backward leaves the stream's gradient for the ``hc_pre`` backward of the same stream:
+    ``grad`` with ``comb`` None, the expand's dX itself; with ``comb``, the expand's output gradient G, from which
+    ``_pre_bwd`` forms dX_j = sum_k comb[j, k] G_k in its own pass."""
+    __slots__ = ("grad", "comb")
 
     def __init__(self):
-        self.grad = None
+        self.grad = self.comb = None
 
 
 class _Pre(torch.autograd.Function):
@@ -358,18 +414,23 @@ class _Pre(torch.autograd.Function):
         rows, consts = _launch(x)
         hc, dim, mix = consts["HC"], consts["D"], fn.shape[0]
         h = new_output((*x.shape[:-2], dim), x.dtype, x.device)
-        mraw = new_output((rows, mix), torch.float32, x.device)
+        block_d = min(BLOCK_D, triton.next_power_of_2(dim))
+        split_blocks = triton.cdiv(triton.cdiv(dim, block_d), PRE_SPLITS)
+        splits = triton.cdiv(triton.cdiv(dim, block_d), split_blocks)
+        mpart = new_output((splits, rows, mix), torch.float32, x.device)
+        sqpart = new_output((splits, rows), torch.float32, x.device)
+        mraw = mpart[0] if splits == 1 else new_output((rows, mix), torch.float32, x.device)
         rstd = new_output((rows,), torch.float32, x.device)
-        split = x.dtype != torch.float32
-        _pre_fwd[(triton.cdiv(rows, BLOCK_N),)](x, pre_in, _split(fn, x.dtype) if split else fn, h, mraw, rstd, rows,
-                                                norm_eps, D=dim, HC=hc, MIX=mix,
-                                                MIX_P=max(16, triton.next_power_of_2(mix)), BLOCK_N=BLOCK_N,
-                                                BLOCK_D=min(BLOCK_D, triton.next_power_of_2(dim)), SPLIT_FN=split,
-                                                num_warps=WARPS)
+        split_fn = x.dtype != torch.float32
+        _pre_fwd[(triton.cdiv(rows, BLOCK_N), splits)](
+            x, pre_in, _split(fn, x.dtype) if split_fn else fn, h, mpart, sqpart, rows, D=dim, HC=hc, MIX=mix,
+            MIX_P=max(16, triton.next_power_of_2(mix)), BLOCK_N=BLOCK_N, BLOCK_D=block_d, SPLIT_BLOCKS=split_blocks,
+            SPLIT_FN=split_fn, num_warps=WARPS)
         pre, post = (new_output(x.shape[:-1], torch.float32, x.device) for _ in range(2))
         comb = new_output((*x.shape[:-1], hc), torch.float32, x.device)
-        _sinkhorn_fwd[(triton.cdiv(rows, SINKHORN_ROWS),)](mraw, rstd, scale, base, pre, post, comb, rows, hc_eps,
-                                                           HC=hc, HC_P=consts["HC_P"], MIX=mix, STEPS=2 * iters - 1,
+        _sinkhorn_fwd[(triton.cdiv(rows, SINKHORN_ROWS),)](mpart, sqpart, scale, base, mraw, rstd, pre, post, comb,
+                                                           rows, norm_eps, hc_eps, D=dim, HC=hc, HC_P=consts["HC_P"],
+                                                           MIX=mix, SPLITS=splits, STEPS=2 * iters - 1,
                                                            ROWS=SINKHORN_ROWS)
         ctx.save_for_backward(x, pre_in, fn, scale, base, mraw, rstd)
         ctx.iters, ctx.hc_eps, ctx.link = iters, hc_eps, link
@@ -391,21 +452,23 @@ class _Pre(torch.autograd.Function):
                                    HC=hc, HC_P=hc_p, MIX=mix, STEPS=steps, ROWS=SINKHORN_ROWS)
         del scratch
         parts = parts.sum(0)
-        stash = ctx.link.grad if ctx.link is not None else None
+        stash, stash_comb = (ctx.link.grad, ctx.link.comb) if ctx.link is not None else (None, None)
         if ctx.link is not None:
-            ctx.link.grad = None
-        dx = stash if stash is not None else new_output(x.shape, x.dtype, x.device)
-        block_d = min(BLOCK_D, triton.next_power_of_2(dim))
+            ctx.link.grad = ctx.link.comb = None
+        mode = 0 if stash is None else 1 if stash_comb is None else 2
+        dx = stash if mode == 1 else new_output(x.shape, x.dtype, x.device)
+        block_d = min(BWD_BLOCK_D, triton.next_power_of_2(dim))
         blocks = hc * triton.cdiv(dim, block_d)
-        splits = max(1, min(triton.cdiv(rows, BLOCK_N), BACKWARD_PROGRAMS // blocks))
-        tiles_per_split = triton.cdiv(triton.cdiv(rows, BLOCK_N), splits)
-        splits = triton.cdiv(triton.cdiv(rows, BLOCK_N), tiles_per_split)
+        splits = max(1, min(triton.cdiv(rows, BWD_BLOCK_N), BACKWARD_PROGRAMS // blocks))
+        tiles_per_split = triton.cdiv(triton.cdiv(rows, BWD_BLOCK_N), splits)
+        splits = triton.cdiv(triton.cdiv(rows, BWD_BLOCK_N), tiles_per_split)
         dfn = new_output((splits, mix, hc * dim), torch.float32, x.device)
         dpre_in = new_output((blocks // hc, rows, hc), torch.float32, x.device)
-        _pre_bwd[(blocks, splits)](x, pre_in, fn, dh.contiguous(), dmraw, coef, dx, dx, dfn, dpre_in, rows,
+        _pre_bwd[(blocks, splits)](x, pre_in, fn, dh.contiguous(), dmraw, coef, dx if mode < 2 else stash,
+                                   stash_comb if mode == 2 else coef, dx, dfn, dpre_in, rows,
                                    tiles_per_split, D=dim, HC=hc, MIX=mix, MIX_P=max(16, triton.next_power_of_2(mix)),
-                                   BLOCK_N=BLOCK_N, BLOCK_D=block_d, HAS_STASH=stash is not None,
-                                   WHILE_LOOP=INTERPRET, num_warps=WARPS)
+                                   BLOCK_N=BWD_BLOCK_N, BLOCK_D=block_d, HAS_STASH=mode,
+                                   WHILE_LOOP=INTERPRET, num_warps=BWD_WARPS)
         return (dx, dpre_in.sum(0).view(pre_in.shape), dfn.sum(0), parts[mix:], parts[:mix],
                 None, None, None, None)
 
@@ -416,7 +479,8 @@ class _Post(torch.autograd.Function):
         y, x, post, comb = (t.contiguous() for t in (y, x, post, comb))
         rows, consts = _launch(x)
         out = new_output(x.shape, x.dtype, x.device)
-        _expand_fwd[(rows, triton.cdiv(consts["D"], consts["BLOCK_D"]))](x, y, post, comb, out, **consts)
+        _expand_fwd[_expand_grid(rows, consts)](x, y, post, comb, out, rows, **consts, BLOCK_T=EXPAND_TOKENS,
+                                                 num_warps=EXPAND_WARPS)
         ctx.save_for_backward(y, x, post, comb)
         ctx.link = link
         return out
@@ -425,12 +489,18 @@ class _Post(torch.autograd.Function):
     def backward(ctx, grad):
         y, x, post, comb = ctx.saved_tensors
         rows, consts = _launch(x)
-        dx, dy = new_output(x.shape, x.dtype, x.device), new_output(y.shape, y.dtype, y.device)
+        grad = grad.contiguous()
+        linked = ctx.link is not None and ctx.needs_input_grad[1] and LINK_OUTPUT_GRAD
+        dx = grad if linked else new_output(x.shape, x.dtype, x.device)  # linked: not written
+        dy = new_output(y.shape, y.dtype, y.device)
         blocks = triton.cdiv(consts["D"], consts["BLOCK_D"])
         dpost = new_output((blocks, *post.shape), torch.float32, x.device)
         dcomb = new_output((blocks, *comb.shape), torch.float32, x.device)
-        _expand_bwd[(rows, blocks)](x, y, post, comb, grad.contiguous(), dx, dy, dpost, dcomb, rows, **consts)
-        if ctx.link is not None and ctx.needs_input_grad[1]:
+        _expand_bwd[_expand_grid(rows, consts)](x, y, post, comb, grad, dx, dy, dpost, dcomb, rows, **consts,
+                                                BLOCK_T=EXPAND_TOKENS, WRITE_DX=not linked, num_warps=EXPAND_WARPS)
+        if linked:
+            ctx.link.grad, ctx.link.comb, dx = grad, comb, None  # hc_pre's backward forms the expand's dX
+        elif ctx.link is not None and ctx.needs_input_grad[1]:
             ctx.link.grad, dx = dx, None  # hc_pre's backward adds it into its own dX
         return dy, dx, dpost.sum(0), dcomb.sum(0), None
 
