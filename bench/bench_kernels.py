@@ -1043,40 +1043,63 @@ def bench_index_logits():
     RESULTS["index_logits_64k"] = res
 
 
+# The Triton kernels of a sublayer's pass over the stream (kernels/triton_hyper.py), by name; "other" is torch work
+# (the partial sums' reductions, fn's split, zero fills).
+HYPER_KERNELS = {name: name.strip("_") for name in ("_pre_fwd", "_sinkhorn_fwd", "_expand_fwd", "_expand_bwd",
+                                                    "_sinkhorn_bwd", "_pre_bwd")}
+
+
 @section
 def bench_hyper():
-    """A sublayer's pass over the stream forward + backward at 64K, hc 4, dims 1,024 (small_moe) and 5,120 (V4.1-Flash,
-    at 16K: the same bytes per token x 5), a bf16 stream: Triton against the PyTorch reference (what the model ran
-    before: the mixes' fp32 projection and ~300 Sinkhorn launches, per-token matmuls), and the stream's bytes over
-    the time (the ceiling is HBM's ~4.8 TB/s). Bytes counted: forward X read twice (hc_pre, hc_post) and written
-    once, h and y; backward X read twice, the output gradient read once, dX written once and read and written once
-    more (the link), dh."""
+    """A sublayer's pass over the stream forward + backward at 64K, hc 4, dims 1,024 (small_moe) and 5,120 (V4.1-Flash),
+    a bf16 stream: Triton against the PyTorch reference (the mixes' fp32 projection and ~300 Sinkhorn launches,
+    per-token matmuls), each Triton kernel's device time, and the stream's bytes over the time (the ceiling is HBM's
+    ~3.3 TB/s on an H100, ~4.8 on an H200). Bytes counted, S the stream's and R a row's [T, dim]: forward X read by
+    hc_pre and by hc_post, the new stream written, h written and y read (3 S + 2 R); backward X and the output
+    gradient G read by the expand's backward and again by hc_pre's, dX written, y and dh read, dy written (5 S + 3 R)."""
     res = {}
-    for name, T, dim in (("small_moe_64k", n(65536, 64), n(1024, 75)), ("v41_16k", n(16384, 64), n(5120, 75))):
+    for name, T, dim in (("small_moe_64k", n(65536, 64), n(1024, 75)), ("v41_64k", n(65536, 64), n(5120, 75))):
         problem = hyper_problem(T, 4, dim)
         times = {impl: ms(lambda: hyper_step(ops, *problem)) for impl, ops in (("triton", triton_ops),
                                                                             ("torch", reference))}
         stream, row = T * 4 * dim * problem[0].element_size(), T * dim * problem[0].element_size()
-        moved = 3 * stream + 2 * row + 6 * stream + 2 * row
+        moved = 8 * stream + 5 * row
         res[name] = {"T": T, "dim": dim, "hc": 4, **{f"{k}_ms": v for k, v in times.items()},
-                     "speedup": times["torch"] / times["triton"], "triton_tb_per_s": moved / times["triton"] / 1e9}
-        res[name]["triton_ms_by_block"] = hyper_blocks(problem)
+                     "speedup": times["torch"] / times["triton"], "triton_tb_per_s": moved / times["triton"] / 1e9,
+                     "triton_kernel_ms": device_ms_by_stage(lambda: hyper_step(triton_ops, *problem), 5,
+                                                            HYPER_KERNELS)}
+        res[name]["triton_ms_by_tiles"] = hyper_tiles(problem)
         del problem
     RESULTS["hyper"] = res
 
 
-def hyper_blocks(problem) -> dict:
-    """The Triton pass's time with other tile shapes of the projection kernels (BLOCK_N tokens x BLOCK_D columns,
-    warps): the data for choosing the defaults."""
+# Other settings of kernels/triton_hyper.py's tiles, one kernel's at a time: the data for choosing the defaults.
+HYPER_TILES = {
+    "pre_fwd": ("BLOCK_N", "BLOCK_D", "WARPS", "PRE_SPLITS"),
+    "pre_bwd": ("BWD_BLOCK_N", "BWD_BLOCK_D", "BWD_WARPS", "BACKWARD_PROGRAMS"),
+    "expand": ("EXPAND_TOKENS", "TOKEN_BLOCK_D", "EXPAND_WARPS"),
+}
+HYPER_TILE_VALUES = {
+    "pre_fwd": [(64, 64, 8, 2), (64, 64, 8, 8), (32, 64, 4, 4), (128, 64, 8, 4)],
+    "pre_bwd": [(64, 64, 8, 1024), (64, 64, 8, 4096), (32, 64, 4, 2048), (64, 128, 8, 2048)],
+    "expand": [(2, 256, 4), (8, 256, 4), (4, 512, 4), (8, 128, 4)],
+}
+
+
+def hyper_tiles(problem) -> dict:
+    """The Triton pass's time with each of HYPER_TILE_VALUES in place of its kernel's defaults (one kernel's
+    settings changed at a time); a tile too large for the SM is recorded, not raised."""
     times = {}
-    for block_n, block_d, warps in n([(64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 64, 4)],
-                                      [(16, 32, 4)]):
-        with overridden(triton_hyper, "BLOCK_N", block_n), overridden(triton_hyper, "BLOCK_D", block_d), \
-                overridden(triton_hyper, "WARPS", warps):
-            try:
-                times[f"{block_n}x{block_d}_w{warps}"] = ms(lambda: hyper_step(triton_ops, *problem))
-            except triton.runtime.errors.OutOfResources as e:  # a tile too large for the SM: a finding, not a failure
-                times[f"{block_n}x{block_d}_w{warps}"] = f"{type(e).__name__}: {e}"[:200]
+    for kernel, names in HYPER_TILES.items():
+        for values in n(HYPER_TILE_VALUES[kernel], HYPER_TILE_VALUES[kernel][:1]):
+            key = f"{kernel}:" + ",".join(f"{k}={v}" for k, v in zip(names, values))
+            with contextlib.ExitStack() as stack:
+                for k, v in zip(names, values):
+                    stack.enter_context(overridden(triton_hyper, k, v))
+                try:
+                    times[key] = ms(lambda: hyper_step(triton_ops, *problem))
+                except triton.runtime.errors.OutOfResources as e:
+                    times[key] = f"{type(e).__name__}: {e}"[:200]
     return times
 
 
