@@ -199,19 +199,17 @@ def specs() -> list[KernelSpec]:
         out.append(KernelSpec(untuned(hyper._pre_fwd, num_warps=hyper.WARPS),
                               dict(X=bf, PRE_IN=f32, FN=bf, H=bf, MPART=f32, SQPART=f32, n_rows=i32),
                               dict(projection, SPLIT_BLOCKS=D // hyper.BLOCK_D // hyper.PRE_SPLITS, SPLIT_FN=True)))
-        for stash in (1, 2):  # the expand's dX linked, or its output gradient G
-            out.append(KernelSpec(untuned(hyper._pre_bwd, num_warps=hyper.BWD_WARPS),
-                                  dict(X=bf, PRE_IN=f32, FN=f32, DH=bf, DMRAW=f32, COEF=f32, STASH=bf, STASH_COMB=f32,
-                                       DX=bf, DFN=f32, DPRE=f32, n_rows=i32, tiles_per_split=i32),
-                                  dict(projection, BLOCK_N=hyper.BWD_BLOCK_N, BLOCK_D=hyper.BWD_BLOCK_D,
-                                       HAS_STASH=stash, WHILE_LOOP=False)))
+        out.append(KernelSpec(untuned(hyper._pre_bwd, num_warps=hyper.BWD_WARPS),
+                              dict(X=bf, PRE_IN=f32, FN=f32, DH=bf, DMRAW=f32, COEF=f32, STASH=bf, DX=bf, DFN=f32,
+                                   DPRE=f32, n_rows=i32, tiles_per_split=i32),
+                              dict(projection, BLOCK_N=hyper.BWD_BLOCK_N, BLOCK_D=hyper.BWD_BLOCK_D, HAS_STASH=True,
+                                   WHILE_LOOP=False)))
         expand = dict(stream, HC_P=4, BLOCK_T=hyper.EXPAND_TOKENS)
         out.append(KernelSpec(untuned(hyper._expand_fwd, num_warps=hyper.EXPAND_WARPS),
                               dict(X=bf, Y=bf, POST=f32, COMB=f32, OUT=bf, n_rows=i32), expand))
-        for write_dx in (False, True):
-            out.append(KernelSpec(untuned(hyper._expand_bwd, num_warps=hyper.EXPAND_WARPS),
-                                  dict(X=bf, Y=bf, POST=f32, COMB=f32, G=bf, DX=bf, DY=bf, DPOST=f32, DCOMB=f32,
-                                       n_rows=i32), dict(expand, WRITE_DX=write_dx)))
+        out.append(KernelSpec(untuned(hyper._expand_bwd, num_warps=hyper.EXPAND_WARPS),
+                              dict(X=bf, Y=bf, POST=f32, COMB=f32, G=bf, DX=bf, DY=bf, DPOST=f32, DCOMB=f32,
+                                   n_rows=i32), expand))
         out.append(KernelSpec(untuned(hyper._collapse_fwd, num_warps=4), dict(X=bf, PRE=f32, OUT=bf),
                               dict(stream, HC_P=4)))
         out.append(KernelSpec(untuned(hyper._collapse_bwd, num_warps=4), dict(X=bf, PRE=f32, G=bf, DX=bf, DPRE=f32),

@@ -11,11 +11,13 @@ post_k y + sum_j comb[j,k] X_j`` of its output. Everything here is bound by the 
   turns the projection into pre, post and comb: all ``iters`` Sinkhorn rounds of a token in registers, one launch
   (PyTorch runs them as ~300 launches of [N, hc, hc] elementwise ops per sublayer);
   ``_expand_fwd`` reads X and y once and writes the new stream, a program per tile of tokens x columns.
-- backward: ``_expand_bwd`` reads X and the output gradient G once (dy, and each column block's partial dpost,
-  dcomb, summed over the blocks after); it does not write the expand's dX_j = sum_k comb[j,k] G_k. ``hc_post``
-  leaves G and comb in the ``StreamGrad`` link instead, and ``_pre_bwd``, which reads X once more to write dX = the
-  collapse's, the projection's and the statistic's gradients, forms the expand's share from G in the same pass: the
-  stream's gradient is accumulated there, not written by one kernel and added by another (or by autograd's add).
+- backward: ``_expand_bwd`` reads X and the output gradient G once and writes dX_j = sum_k comb[j,k] G_k, dy, and
+  each column block's partial dpost, dcomb (summed over the blocks after). ``hc_post`` leaves that dX in the
+  ``StreamGrad`` link instead of returning it, and ``_pre_bwd``, which reads X once more to write dX = the collapse's,
+  the projection's and the statistic's gradients, adds it in the same pass, in place: the stream's gradient is
+  accumulated there, not by autograd's separate add over the stream. (Handing over G and comb instead, for
+  ``_pre_bwd`` to form the expand's dX itself, saves a write and a read of the stream, but each copy's program then
+  reads all hc copies of G: at V4.1's width on an H100 its pass took 1.8x as long, the sublayer's 1.3x.)
   ``_sinkhorn_bwd`` runs the Sinkhorn rounds again, keeping each round's matrix in a scratch buffer, and goes back
   through them.
   Sums over tokens (dfn, dscale, dbase, dpre) are per-program partials added once after: no atomics, bitwise
@@ -29,17 +31,15 @@ import triton.language as tl
 from kernels.reference import StreamMix
 from kernels.triton_common import INTERPRET, new_output
 
-BLOCK_D = 32 if INTERPRET else 64  # columns of a copy per step of the projection kernels
-TOKEN_BLOCK_D = 32 if INTERPRET else 256  # columns per step of the per-token kernels (expand, collapse)
-EXPAND_TOKENS = 4  # tokens per program of the expand's kernels (a tile of EXPAND_TOKENS x TOKEN_BLOCK_D)
-EXPAND_WARPS = 4
-LINK_OUTPUT_GRAD = True  # hc_post's backward hands hc_pre's the output gradient (not its dX): one pass fewer
-BLOCK_N = 16 if INTERPRET else 64  # tokens per program of the projection and its gradient
-SINKHORN_ROWS = 16 if INTERPRET else 128  # tokens per program of the Sinkhorn kernels
+# Tiles and warps, each kernel's fastest of those timed on an H100 at 64K x 4 x 5,120 and x 1,024 (a bf16 stream;
+# bench_kernels.bench_hyper times the alternatives).
+BLOCK_N, BLOCK_D, WARPS = (16, 32, 8) if INTERPRET else (128, 64, 8)  # _pre_fwd: tokens x columns of a copy a step
 PRE_SPLITS = 2 if INTERPRET else 4  # column splits of _pre_fwd (partial projections, added by _sinkhorn_fwd)
-BACKWARD_PROGRAMS = 512  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
-WARPS = 8  # of _pre_fwd (64 x 64 tiles at 8 warps: no spills, ptxas on sm_90a)
-BWD_BLOCK_N, BWD_BLOCK_D, BWD_WARPS = BLOCK_N, BLOCK_D, 8  # _pre_bwd's tile and warps
+BWD_BLOCK_N, BWD_BLOCK_D, BWD_WARPS = (16, 32, 8) if INTERPRET else (64, 64, 8)  # _pre_bwd's
+BACKWARD_PROGRAMS = 4096  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
+SINKHORN_ROWS = 16 if INTERPRET else 128  # tokens per program of the Sinkhorn kernels
+TOKEN_BLOCK_D = 32 if INTERPRET else 256  # columns per program of the per-token kernels (expand, collapse)
+EXPAND_TOKENS, EXPAND_WARPS = 4, 4  # tokens per program of the expand's kernels (tiles of tokens x TOKEN_BLOCK_D)
 
 
 @triton.jit
@@ -224,7 +224,7 @@ def _sinkhorn_bwd(MRAW, RSTD, SCALE, BASE, DPRE, DPOST, DCOMB, SCRATCH, DMRAW, C
 
 
 @triton.jit
-def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DPRE, fn, dfn, tile, column_block, c, cols,
+def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block, c, cols,
                   col_in, mixes, mix_in, n_rows, D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr):
     """``_pre_bwd`` on the tokens of one tile: writes their DX and DPRE, returns dfn with their DMRAW^T X added."""
@@ -239,20 +239,15 @@ def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DPRE, fn, d
     dx = tl.load(PRE_IN + rows64 * HC + c, mask=live, other=0.0)[:, None] * dh
     dx += tl.dot(dm, fn, input_precision="tf32")
     dx += tl.load(COEF + rows64, mask=live, other=0.0)[:, None] * x
-    if HAS_STASH == 1:
+    if HAS_STASH:
         dx += tl.load(STASH + stream, mask=inside, other=0.0).to(tl.float32)
-    if HAS_STASH == 2:  # the expand's share, sum_k comb[c, k] G_k, from its output gradient G
-        for k in tl.static_range(HC):
-            g = tl.load(STASH + rows64[:, None] * (HC * D) + k * D + cols[None, :], mask=inside, other=0.0)
-            dx += tl.load(STASH_COMB + rows64 * (HC * HC) + c * HC + k, mask=live, other=0.0)[:, None] * g.to(
-                tl.float32)
     tl.store(DX + stream, dx.to(DX.dtype.element_ty), mask=inside)
     tl.store(DPRE + (column_block * n_rows + rows64) * HC + c, tl.sum(dh * x, axis=1), mask=live)
     return tl.dot(tl.trans(dm), x, dfn, input_precision="tf32")
 
 
 @triton.jit
-def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DFN, DPRE, n_rows, tiles_per_split, D: tl.constexpr,
+def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, DX, DFN, DPRE, n_rows, tiles_per_split, D: tl.constexpr,
              HC: tl.constexpr, MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr, WHILE_LOOP: tl.constexpr):
     """One column block of one copy, over one split of the tokens (``tiles_per_split`` tiles of BLOCK_N): DX =
@@ -261,7 +256,7 @@ def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DFN, DPRE, n
     WHILE_LOOP (the interpreter, whose ``range`` takes no runtime bound) walks the tiles with a while loop; compiled,
     a for loop, which Triton pipelines."""
     block, split = tl.program_id(0), tl.program_id(1)
-    c, column_block = block % HC, block // HC  # a column block's copies side by side: they share DH and G in L2
+    c, column_block = block % HC, block // HC  # a column block's copies side by side: they share DH in L2
     cols = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
     col_in = cols < D
     mixes = tl.arange(0, MIX_P)
@@ -273,12 +268,12 @@ def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DFN, DPRE, n
     if WHILE_LOOP:
         tile = first
         while tile < first + tiles_per_split:
-            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DPRE, fn, dfn, tile, column_block,
+            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block,
                                 c, cols, col_in, mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
             tile += 1
     else:
         for tile in range(first, first + tiles_per_split):
-            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, STASH_COMB, DX, DPRE, fn, dfn, tile, column_block,
+            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block,
                                 c, cols, col_in, mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
     tl.store(DFN + split * MIX * HC * D + mixes[:, None] * (HC * D) + c * D + cols[None, :], dfn,
              mask=mix_in[:, None] & col_in[None, :])
@@ -322,7 +317,7 @@ def _expand_fwd(X, Y, POST, COMB, OUT, n_rows, D: tl.constexpr, HC: tl.constexpr
 
 @triton.jit
 def _expand_bwd(X, Y, POST, COMB, G, DX, DY, DPOST, DCOMB, n_rows, D: tl.constexpr, HC: tl.constexpr,
-                HC_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_DX: tl.constexpr):
+                HC_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """dX_j = sum_k comb[j,k] G_k, dY = sum_k post_k G_k of the program's tokens and columns; and the column block's
     share of dCOMB[j,k] = <X_j, G_k>, dPOST_k = <G_k, Y>: partials [column block, token, ...], summed over the blocks
     after. The forward's tile of tokens x columns, one output copy k at a time."""
@@ -345,8 +340,7 @@ def _expand_bwd(X, Y, POST, COMB, G, DX, DY, DPOST, DCOMB, n_rows, D: tl.constex
         tl.store(DPOST + part * HC + k, tl.sum(g * y, axis=1), mask=live)
         tl.store(DCOMB + part[:, None] * (HC * HC) + copies[None, :] * HC + k, tl.sum(x * g[:, None, :], axis=2),
                  mask=valid)
-    if WRITE_DX:
-        tl.store(DX + stream, dx.to(DX.dtype.element_ty), mask=in_stream)
+    tl.store(DX + stream, dx.to(DX.dtype.element_ty), mask=in_stream)
     tl.store(DY + rows64[:, None] * D + cols[None, :], dy.to(DY.dtype.element_ty), mask=inside)
 
 
@@ -398,13 +392,12 @@ def _split(fn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class StreamGrad:
-    """Where ``hc_post``'s backward leaves the stream's gradient for the ``hc_pre`` backward of the same stream:
-    ``grad`` with ``comb`` None, the expand's dX itself; with ``comb``, the expand's output gradient G, from which
-    ``_pre_bwd`` forms dX_j = sum_k comb[j, k] G_k in its own pass."""
-    __slots__ = ("grad", "comb")
+    """Where ``hc_post``'s backward leaves the expand's dX for the ``hc_pre`` backward of the same stream, which adds
+    it in its own pass."""
+    __slots__ = ("grad",)
 
     def __init__(self):
-        self.grad = self.comb = None
+        self.grad = None
 
 
 class _Pre(torch.autograd.Function):
@@ -452,11 +445,10 @@ class _Pre(torch.autograd.Function):
                                    HC=hc, HC_P=hc_p, MIX=mix, STEPS=steps, ROWS=SINKHORN_ROWS)
         del scratch
         parts = parts.sum(0)
-        stash, stash_comb = (ctx.link.grad, ctx.link.comb) if ctx.link is not None else (None, None)
+        stash = ctx.link.grad if ctx.link is not None else None
         if ctx.link is not None:
-            ctx.link.grad = ctx.link.comb = None
-        mode = 0 if stash is None else 1 if stash_comb is None else 2
-        dx = stash if mode == 1 else new_output(x.shape, x.dtype, x.device)
+            ctx.link.grad = None
+        dx = stash if stash is not None else new_output(x.shape, x.dtype, x.device)
         block_d = min(BWD_BLOCK_D, triton.next_power_of_2(dim))
         blocks = hc * triton.cdiv(dim, block_d)
         splits = max(1, min(triton.cdiv(rows, BWD_BLOCK_N), BACKWARD_PROGRAMS // blocks))
@@ -464,10 +456,9 @@ class _Pre(torch.autograd.Function):
         splits = triton.cdiv(triton.cdiv(rows, BWD_BLOCK_N), tiles_per_split)
         dfn = new_output((splits, mix, hc * dim), torch.float32, x.device)
         dpre_in = new_output((blocks // hc, rows, hc), torch.float32, x.device)
-        _pre_bwd[(blocks, splits)](x, pre_in, fn, dh.contiguous(), dmraw, coef, dx if mode < 2 else stash,
-                                   stash_comb if mode == 2 else coef, dx, dfn, dpre_in, rows,
+        _pre_bwd[(blocks, splits)](x, pre_in, fn, dh.contiguous(), dmraw, coef, dx, dx, dfn, dpre_in, rows,
                                    tiles_per_split, D=dim, HC=hc, MIX=mix, MIX_P=max(16, triton.next_power_of_2(mix)),
-                                   BLOCK_N=BWD_BLOCK_N, BLOCK_D=block_d, HAS_STASH=mode,
+                                   BLOCK_N=BWD_BLOCK_N, BLOCK_D=block_d, HAS_STASH=stash is not None,
                                    WHILE_LOOP=INTERPRET, num_warps=BWD_WARPS)
         return (dx, dpre_in.sum(0).view(pre_in.shape), dfn.sum(0), parts[mix:], parts[:mix],
                 None, None, None, None)
@@ -490,17 +481,13 @@ class _Post(torch.autograd.Function):
         y, x, post, comb = ctx.saved_tensors
         rows, consts = _launch(x)
         grad = grad.contiguous()
-        linked = ctx.link is not None and ctx.needs_input_grad[1] and LINK_OUTPUT_GRAD
-        dx = grad if linked else new_output(x.shape, x.dtype, x.device)  # linked: not written
-        dy = new_output(y.shape, y.dtype, y.device)
+        dx, dy = new_output(x.shape, x.dtype, x.device), new_output(y.shape, y.dtype, y.device)
         blocks = triton.cdiv(consts["D"], consts["BLOCK_D"])
         dpost = new_output((blocks, *post.shape), torch.float32, x.device)
         dcomb = new_output((blocks, *comb.shape), torch.float32, x.device)
         _expand_bwd[_expand_grid(rows, consts)](x, y, post, comb, grad, dx, dy, dpost, dcomb, rows, **consts,
-                                                BLOCK_T=EXPAND_TOKENS, WRITE_DX=not linked, num_warps=EXPAND_WARPS)
-        if linked:
-            ctx.link.grad, ctx.link.comb, dx = grad, comb, None  # hc_pre's backward forms the expand's dX
-        elif ctx.link is not None and ctx.needs_input_grad[1]:
+                                                BLOCK_T=EXPAND_TOKENS, num_warps=EXPAND_WARPS)
+        if ctx.link is not None and ctx.needs_input_grad[1]:
             ctx.link.grad, dx = dx, None  # hc_pre's backward adds it into its own dX
         return dy, dx, dpost.sum(0), dcomb.sum(0), None
 
