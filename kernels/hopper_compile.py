@@ -202,7 +202,7 @@ def specs() -> list[KernelSpec]:
         out.append(KernelSpec(untuned(hyper._pre_bwd, num_warps=hyper.BWD_WARPS),
                               dict(X=bf, PRE_IN=f32, FN=f32, DH=bf, DMRAW=f32, COEF=f32, STASH=bf, DX=bf, DFN=f32,
                                    DPRE=f32, n_rows=i32, tiles_per_split=i32),
-                              dict(projection, HC_P=4, BLOCK_N=hyper.BWD_BLOCK_N, BLOCK_D=hyper.BWD_BLOCK_D, HAS_STASH=True,
+                              dict(projection, BLOCK_N=hyper.BWD_BLOCK_N, BLOCK_D=hyper.BWD_BLOCK_D, HAS_STASH=True,
                                    WHILE_LOOP=False)))
         expand = dict(stream, HC_P=4, BLOCK_T=hyper.EXPAND_TOKENS)
         out.append(KernelSpec(untuned(hyper._expand_fwd, num_warps=hyper.EXPAND_WARPS),

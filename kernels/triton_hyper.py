@@ -35,8 +35,8 @@ from kernels.triton_common import INTERPRET, new_output
 # bench_kernels.bench_hyper times the alternatives).
 BLOCK_N, BLOCK_D, WARPS = (16, 32, 8) if INTERPRET else (128, 64, 8)  # _pre_fwd: tokens x columns of a copy a step
 PRE_SPLITS = 2 if INTERPRET else 4  # column splits of _pre_fwd (partial projections, added by _sinkhorn_fwd)
-BWD_BLOCK_N, BWD_BLOCK_D, BWD_WARPS = (16, 32, 8) if INTERPRET else (64, 32, 8)  # _pre_bwd's
-BACKWARD_PROGRAMS = 1024  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
+BWD_BLOCK_N, BWD_BLOCK_D, BWD_WARPS = (16, 32, 8) if INTERPRET else (64, 64, 8)  # _pre_bwd's
+BACKWARD_PROGRAMS = 4096  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
 SINKHORN_ROWS = 16 if INTERPRET else 128  # tokens per program of the Sinkhorn kernels
 TOKEN_BLOCK_D = 32 if INTERPRET else 256  # columns per program of the per-token kernels (expand, collapse)
 EXPAND_TOKENS, EXPAND_WARPS = 4, 4  # tokens per program of the expand's kernels (tiles of tokens x TOKEN_BLOCK_D)
@@ -224,64 +224,59 @@ def _sinkhorn_bwd(MRAW, RSTD, SCALE, BASE, DPRE, DPOST, DCOMB, SCRATCH, DMRAW, C
 
 
 @triton.jit
-def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block, copy, cols, lane_in,
-                  mixes, mix_in, n_rows, D: tl.constexpr, HC: tl.constexpr, HC_P: tl.constexpr, MIX: tl.constexpr,
+def _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block, c, cols,
+                  col_in, mixes, mix_in, n_rows, D: tl.constexpr, HC: tl.constexpr, MIX: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr):
     """``_pre_bwd`` on the tokens of one tile: writes their DX and DPRE, returns dfn with their DMRAW^T X added."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < n_rows
     rows64 = rows.to(tl.int64)
-    inside = live[:, None] & lane_in[None, :]
-    stream = rows64[:, None] * (HC * D) + copy[None, :] * D + cols[None, :]
+    inside = live[:, None] & col_in[None, :]
+    stream = rows64[:, None] * (HC * D) + c * D + cols[None, :]
     x = tl.load(X + stream, mask=inside, other=0.0).to(tl.float32)
-    dh = tl.load(DH + rows64[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)  # per copy alike
+    dh = tl.load(DH + rows64[:, None] * D + cols[None, :], mask=inside, other=0.0).to(tl.float32)
     dm = tl.load(DMRAW + rows64[:, None] * MIX + mixes[None, :], mask=live[:, None] & mix_in[None, :], other=0.0)
-    dx = tl.load(PRE_IN + rows64[:, None] * HC + copy[None, :], mask=inside, other=0.0) * dh
+    dx = tl.load(PRE_IN + rows64 * HC + c, mask=live, other=0.0)[:, None] * dh
     dx += tl.dot(dm, fn, input_precision="tf32")
     dx += tl.load(COEF + rows64, mask=live, other=0.0)[:, None] * x
     if HAS_STASH:
         dx += tl.load(STASH + stream, mask=inside, other=0.0).to(tl.float32)
     tl.store(DX + stream, dx.to(DX.dtype.element_ty), mask=inside)
-    dpre = tl.sum(tl.reshape(dh * x, (BLOCK_N, HC_P, BLOCK_D)), axis=2)  # [BLOCK_N, HC_P]: <DH, X_c> over the block
-    copies = tl.arange(0, HC_P)
-    tl.store(DPRE + (column_block * n_rows + rows64)[:, None] * HC + copies[None, :], dpre,
-             mask=live[:, None] & (copies[None, :] < HC))
+    tl.store(DPRE + (column_block * n_rows + rows64) * HC + c, tl.sum(dh * x, axis=1), mask=live)
     return tl.dot(tl.trans(dm), x, dfn, input_precision="tf32")
 
 
 @triton.jit
 def _pre_bwd(X, PRE_IN, FN, DH, DMRAW, COEF, STASH, DX, DFN, DPRE, n_rows, tiles_per_split, D: tl.constexpr,
-             HC: tl.constexpr, HC_P: tl.constexpr, MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr,
+             HC: tl.constexpr, MIX: tl.constexpr, MIX_P: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, HAS_STASH: tl.constexpr, WHILE_LOOP: tl.constexpr):
-    """One column block of every copy, over one split of the tokens (``tiles_per_split`` tiles of BLOCK_N): DX_c =
-    PRE_IN[c] DH + DMRAW FN_c + COEF X_c (+ STASH, the expand's gradient, read and overwritten in place), and the
-    partials DFN[split] = DMRAW^T X and DPRE[column block, token, c] = <DH, X_c> over the block's columns. A tile's
-    lanes are the copies' blocks side by side (HC_P x BLOCK_D: copy = lane // BLOCK_D), so DH, DMRAW and COEF are
-    read once for all copies and the two products are one MMA each.
+    """One column block of one copy, over one split of the tokens (``tiles_per_split`` tiles of BLOCK_N): DX =
+    PRE_IN[c] DH + DMRAW FN + COEF X (+ STASH, the expand's gradient, read and overwritten in place), and the
+    partials DFN[split] = DMRAW^T X and DPRE[column block, token, c] = <DH, X_c> over the block's columns.
     WHILE_LOOP (the interpreter, whose ``range`` takes no runtime bound) walks the tiles with a while loop; compiled,
     a for loop, which Triton pipelines."""
-    column_block, split = tl.program_id(0), tl.program_id(1)
-    lanes = tl.arange(0, HC_P * BLOCK_D)
-    copy, cols = lanes // BLOCK_D, column_block * BLOCK_D + lanes % BLOCK_D
-    lane_in = (copy < HC) & (cols < D)
+    block, split = tl.program_id(0), tl.program_id(1)
+    c, column_block = block % HC, block // HC  # a column block's copies side by side: they share DH in L2
+    cols = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_in = cols < D
     mixes = tl.arange(0, MIX_P)
     mix_in = mixes < MIX
-    fn = tl.load(FN + mixes[:, None] * (HC * D) + copy[None, :] * D + cols[None, :],
-                 mask=mix_in[:, None] & lane_in[None, :], other=0.0)  # [MIX_P, HC_P BLOCK_D]
-    dfn = tl.zeros((MIX_P, HC_P * BLOCK_D), dtype=tl.float32)
+    fn = tl.load(FN + mixes[:, None] * (HC * D) + c * D + cols[None, :], mask=mix_in[:, None] & col_in[None, :],
+                 other=0.0)  # [MIX_P, BLOCK_D]
+    dfn = tl.zeros((MIX_P, BLOCK_D), dtype=tl.float32)
     first = split * tiles_per_split
     if WHILE_LOOP:
         tile = first
         while tile < first + tiles_per_split:
-            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block, copy, cols,
-                                lane_in, mixes, mix_in, n_rows, D, HC, HC_P, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
+            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block,
+                                c, cols, col_in, mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
             tile += 1
     else:
         for tile in range(first, first + tiles_per_split):
-            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block, copy, cols,
-                                lane_in, mixes, mix_in, n_rows, D, HC, HC_P, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
-    tl.store(DFN + split * MIX * HC * D + mixes[:, None] * (HC * D) + copy[None, :] * D + cols[None, :], dfn,
-             mask=mix_in[:, None] & lane_in[None, :])
+            dfn = _pre_bwd_tile(X, PRE_IN, DH, DMRAW, COEF, STASH, DX, DPRE, fn, dfn, tile, column_block,
+                                c, cols, col_in, mixes, mix_in, n_rows, D, HC, MIX, BLOCK_N, BLOCK_D, HAS_STASH)
+    tl.store(DFN + split * MIX * HC * D + mixes[:, None] * (HC * D) + c * D + cols[None, :], dfn,
+             mask=mix_in[:, None] & col_in[None, :])
 
 
 @triton.jit
@@ -455,15 +450,14 @@ class _Pre(torch.autograd.Function):
             ctx.link.grad = None
         dx = stash if stash is not None else new_output(x.shape, x.dtype, x.device)
         block_d = min(BWD_BLOCK_D, triton.next_power_of_2(dim))
-        blocks = triton.cdiv(dim, block_d)
+        blocks = hc * triton.cdiv(dim, block_d)
         splits = max(1, min(triton.cdiv(rows, BWD_BLOCK_N), BACKWARD_PROGRAMS // blocks))
         tiles_per_split = triton.cdiv(triton.cdiv(rows, BWD_BLOCK_N), splits)
         splits = triton.cdiv(triton.cdiv(rows, BWD_BLOCK_N), tiles_per_split)
         dfn = new_output((splits, mix, hc * dim), torch.float32, x.device)
-        dpre_in = new_output((blocks, rows, hc), torch.float32, x.device)
+        dpre_in = new_output((blocks // hc, rows, hc), torch.float32, x.device)
         _pre_bwd[(blocks, splits)](x, pre_in, fn, dh.contiguous(), dmraw, coef, dx, dx, dfn, dpre_in, rows,
-                                   tiles_per_split, D=dim, HC=hc, HC_P=hc_p, MIX=mix,
-                                   MIX_P=max(16, triton.next_power_of_2(mix)),
+                                   tiles_per_split, D=dim, HC=hc, MIX=mix, MIX_P=max(16, triton.next_power_of_2(mix)),
                                    BLOCK_N=BWD_BLOCK_N, BLOCK_D=block_d, HAS_STASH=stash is not None,
                                    WHILE_LOOP=INTERPRET, num_warps=BWD_WARPS)
         return (dx, dpre_in.sum(0).view(pre_in.shape), dfn.sum(0), parts[mix:], parts[:mix],
