@@ -1055,15 +1055,16 @@ def bench_hyper():
     a bf16 stream: Triton against the PyTorch reference (the mixes' fp32 projection and ~300 Sinkhorn launches,
     per-token matmuls), each Triton kernel's device time, and the stream's bytes over the time (the ceiling is HBM's
     ~3.3 TB/s on an H100, ~4.8 on an H200). Bytes counted, S the stream's and R a row's [T, dim]: forward X read by
-    hc_pre and by hc_post, the new stream written, h written and y read (3 S + 2 R); backward X and the output
-    gradient G read by the expand's backward and again by hc_pre's, dX written, y and dh read, dy written (5 S + 3 R)."""
+    hc_pre and by hc_post, the new stream written, h written and y read (3 S + 2 R); backward the expand's X and G
+    read, its dX written and read again by hc_pre's, which reads X and writes the sum (6 S), y and dh read, dy written
+    (3 R)."""
     res = {}
     for name, T, dim in (("small_moe_64k", n(65536, 64), n(1024, 75)), ("v41_64k", n(65536, 64), n(5120, 75))):
         problem = hyper_problem(T, 4, dim)
         times = {impl: ms(lambda: hyper_step(ops, *problem)) for impl, ops in (("triton", triton_ops),
                                                                             ("torch", reference))}
         stream, row = T * 4 * dim * problem[0].element_size(), T * dim * problem[0].element_size()
-        moved = 8 * stream + 5 * row
+        moved = 9 * stream + 5 * row
         res[name] = {"T": T, "dim": dim, "hc": 4, **{f"{k}_ms": v for k, v in times.items()},
                      "speedup": times["torch"] / times["triton"], "triton_tb_per_s": moved / times["triton"] / 1e9,
                      "triton_kernel_ms": device_ms_by_stage(lambda: hyper_step(triton_ops, *problem), 5,
