@@ -49,7 +49,7 @@ def _pre_fwd(X, PRE_IN, FN, H, MPART, SQPART, n_rows, D: tl.constexpr, HC: tl.co
     """For the program's tokens and its share of the columns (program_id(1): SPLIT_BLOCKS column blocks): H = sum_c
     PRE_IN[c] X_c, and the partials MPART[split] = X_flat FN^T and SQPART[split] = sum(X_flat^2) over those columns,
     which ``_sinkhorn_fwd`` adds. Splitting the columns gives the GPU token blocks x splits programs (a 64K-token
-    stream in blocks of 64 is 1,024 programs, fewer than the loads need in flight). Column block outer, copy inner,
+    stream in blocks of 128 is 512 programs, fewer than the loads need in flight). Column block outer, copy inner,
     so that H's block is complete before it is stored. ``SPLIT_FN`` (a 16-bit stream): FN is [2, MIX, HC D] in X's
     dtype, fn's high and low parts (``_split``), so the projection is two 16-bit MMAs on X as it is, exact to ~2^-16
     of fn; else (fp32) one tf32x3 MMA, fp32's accuracy."""
