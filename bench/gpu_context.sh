@@ -10,7 +10,7 @@
 #   halo16k_2         context_16384_c2_no_halo.json: C = 2 with the window halo planted away: the check must fail,
 #                     which the script reports as rc=0 ("as_expected": true, "passes": false)
 #   c64k_2, c64k_4    context_65536_c{2,4}.json: rows of 64K
-# Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt. Each stage runs under
+# The GPU, each stage's exit code and seconds, and the stage logs in logs.txt. Each stage runs under
 # `timeout`, capped by what is left of BUDGET (bench/gpu_stages.sh). CSA2_CODE=<commit> (required on the GPU) labels
 # the result files.
 set -uo pipefail

@@ -16,7 +16,7 @@
 #   7. ncu_attention.json    bench/ncu_attention.py: Nsight Compute metrics of the attention kernels (why they take
 #                            what they take); ncu_attention_details.csv, the .ncu-rep report
 # Stage logs end up in logs.txt (one file: a device call returns at most 8); ncu_attention adds three files of its own.
-# Each stage runs under `timeout`, capped by what is left of BUDGET; stages.txt has each one's exit code and seconds.
+# Each stage runs under `timeout`, capped by what is left of BUDGET; logs.txt has each one's exit code and seconds.
 # Timed on an H200 (2026-11-30, code 780c444, one call): check 92 s, bench 131 s, CSA2 step 119 s (62 s with the
 # kernels already compiled on that machine; a fresh machine once ran past 150 s), dense 72 s, kept attention 49 s,
 # ncu 27 s; the attention bench was left out of that call. 2026-12-01 (code d21dc74): check past 150 s once it

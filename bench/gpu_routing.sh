@@ -15,7 +15,7 @@
 #   gate_only      routing_gate_only.json: only the gate trains: is the gate's update alone enough?
 #   long_warmup    routing_long_warmup.json: everything trains at train.warmup_steps=2000 (lr 1.5e-6, 3e-6, 4.5e-6
 #                  instead of 1.5e-4, 3e-4, 4.5e-4): does a small first lr keep routing healthy?
-# Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt (8 files in all).
+# The GPU, each stage's exit code and seconds, and the stage logs in logs.txt (6 files in all).
 # Each stage runs under `timeout`, capped by what is left of BUDGET (bench/gpu_stages.sh). CSA2_CODE=<commit>
 # (required on the GPU) labels the result files.
 set -uo pipefail

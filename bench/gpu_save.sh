@@ -8,7 +8,7 @@
 #   small_moe  save_timing_small_moe.json: `model=small_moe layout=v41` at 4K: 3.4 B parameters, ~54 GB a checkpoint
 #   small      save_timing_small.json: `model=small layout=v41` at 4K tokens (the issue's model)
 # The checkpoints go under WORK (default /tmp/save_timing; the machine's disk is 64 GB: one checkpoint at a time,
-# removed after each stage). Stage logs in logs.txt, exit codes and seconds in stages.txt, the GPU in gpu.txt.
+# removed after each stage). The GPU, exit codes and seconds, and the stage logs in logs.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_stages.sh

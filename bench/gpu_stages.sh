@@ -1,7 +1,8 @@
 # The budgeted stage runner the one-call GPU scripts share (bench/gpu_kernels.sh, bench/gpu_v41.sh): sourced, not
 # run. A device call has one time limit and brings back at most 8 files, so each stage runs under `timeout`, capped
-# by what is left of the call's BUDGET, its output goes to $OUT/<stage>.log, and the logs are folded into one
-# logs.txt at the end; a cut call still returns the stages that finished.
+# by what is left of the call's BUDGET, its output goes to $OUT/<stage>.log, and the GPU's line (gpu.txt), each
+# stage's exit code and seconds (stages.txt) and the logs are folded into one logs.txt at the end; a cut call still
+# returns the stages that finished.
 #   stages_begin <default budget seconds>   # after `cd` to the repository root, with OUT, SMOKE and SCALE set
 #   stage <name> <cap seconds> command...   # ONLY="a b" runs only the named stages
 #   stages_end
@@ -49,7 +50,10 @@ stage() {  # name cap_seconds command...: run under the smaller of cap x SCALE a
   echo "$name rc=$rc ${limit}s-limit $(( SECONDS - start ))s" | tee -a "$OUT/stages.txt"
 }
 
-stages_end() {  # the stages' summary, and their logs in one file (2026-12-01: a call lost its step files to them)
-  echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt"
-  for log in "$OUT"/*.log; do echo "==== $(basename "$log")"; cat "$log"; done > "$OUT/logs.txt" && rm -f "$OUT"/*.log
+stages_end() {  # the stages' summary; the GPU, the summary and every stage's log in one logs.txt (2026-12-01: a call
+  # lost its step files to the logs; 2026-12-07: gpu_v41.sh's six result files with gpu.txt and stages.txt were 9)
+  echo "total ${SECONDS}s of ${BUDGET}s"; cat "$OUT/stages.txt" 2> /dev/null
+  { cat "$OUT/gpu.txt" "$OUT/stages.txt" 2> /dev/null
+    for log in "$OUT"/*.log; do echo "==== $(basename "$log")"; cat "$log"; done; } > "$OUT/logs.txt.tmp" &&
+    mv "$OUT/logs.txt.tmp" "$OUT/logs.txt" && rm -f "$OUT"/*.log "$OUT/gpu.txt" "$OUT/stages.txt"
 }

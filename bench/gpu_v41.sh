@@ -30,8 +30,8 @@
 #                     48 experts) on layers 20-23 and 24-27, rank 16, over the quantised base (FP8 / FP4, built and
 #                     filled as a run does) then the bf16 base: step, peak, MFU, their ratios, the memory model's
 #                     estimate of the same layers, device time by kernel (issue 56)                  -> finetune/
-# Stage logs in logs.txt, each stage's exit code and seconds in stages.txt, the GPU in gpu.txt (a device call returns
-# at most 8 files: choose the stages with ONLY).
+# The GPU, each stage's exit code and seconds, and the stage logs in logs.txt (a device call returns at most 8 files:
+# choose at most 7 result files' stages with ONLY).
 # Each stage runs under `timeout`, capped by what is left of BUDGET (bench/gpu_stages.sh). CSA2_CODE=<commit>
 # (required on the GPU) labels the result files (BASE_CODE the baseline's).
 set -uo pipefail
