@@ -1074,15 +1074,16 @@ def bench_hyper():
     RESULTS["hyper"] = res
 
 
-# Other settings of kernels/triton_hyper.py's tiles, one kernel's at a time: the data for choosing the defaults.
+# Other settings of kernels/triton_hyper.py's tiles than its defaults, one kernel's at a time: the data for choosing
+# the defaults.
 HYPER_TILES = {
     "pre_fwd": ("BLOCK_N", "BLOCK_D", "WARPS", "PRE_SPLITS"),
     "pre_bwd": ("BWD_BLOCK_N", "BWD_BLOCK_D", "BWD_WARPS", "BACKWARD_PROGRAMS"),
     "expand": ("EXPAND_TOKENS", "TOKEN_BLOCK_D", "EXPAND_WARPS"),
 }
 HYPER_TILE_VALUES = {
-    "pre_fwd": [(64, 64, 8, 2), (64, 64, 8, 8), (32, 64, 4, 4), (128, 64, 8, 4)],
-    "pre_bwd": [(64, 64, 8, 1024), (64, 64, 8, 4096), (32, 64, 4, 2048), (64, 128, 8, 2048)],
+    "pre_fwd": [(128, 64, 8, 2), (128, 64, 8, 8), (64, 64, 4, 4), (128, 32, 8, 4)],
+    "pre_bwd": [(64, 64, 8, 1024), (64, 64, 8, 2048), (32, 64, 4, 4096), (64, 32, 8, 4096)],
     "expand": [(2, 256, 4), (8, 256, 4), (4, 512, 4), (8, 128, 4)],
 }
 

@@ -480,13 +480,12 @@ class _Post(torch.autograd.Function):
     def backward(ctx, grad):
         y, x, post, comb = ctx.saved_tensors
         rows, consts = _launch(x)
-        grad = grad.contiguous()
         dx, dy = new_output(x.shape, x.dtype, x.device), new_output(y.shape, y.dtype, y.device)
         blocks = triton.cdiv(consts["D"], consts["BLOCK_D"])
         dpost = new_output((blocks, *post.shape), torch.float32, x.device)
         dcomb = new_output((blocks, *comb.shape), torch.float32, x.device)
-        _expand_bwd[_expand_grid(rows, consts)](x, y, post, comb, grad, dx, dy, dpost, dcomb, rows, **consts,
-                                                BLOCK_T=EXPAND_TOKENS, num_warps=EXPAND_WARPS)
+        _expand_bwd[_expand_grid(rows, consts)](x, y, post, comb, grad.contiguous(), dx, dy, dpost, dcomb, rows,
+                                                **consts, BLOCK_T=EXPAND_TOKENS, num_warps=EXPAND_WARPS)
         if ctx.link is not None and ctx.needs_input_grad[1]:
             ctx.link.grad, dx = dx, None  # hc_pre's backward adds it into its own dX
         return dy, dx, dpost.sum(0), dcomb.sum(0), None
