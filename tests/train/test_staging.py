@@ -7,6 +7,7 @@ import io
 
 import torch
 
+from train.formats import checkpoint
 from train.formats.staging import ALIGNMENT, StagingArea
 
 
@@ -137,3 +138,30 @@ def test_a_saved_file_holds_only_its_own_tensors():
     assert len(file.getvalue()) < 64 * 1024
     file.seek(0)
     assert torch.load(file, weights_only=True)["small"].untyped_storage().nbytes() == 16 * 4
+
+
+def test_host_copies_keep_the_files_nesting():
+    """``checkpoint.host_copies`` puts every copy back where its source was, strings and numbers untouched, the
+    picked tensors in the area. Planted: the area's copies put back in reverse order: fails."""
+    locks = PageLocks()
+    tensors = sources()
+    files = {"layer_000.pt": {"w": tensors[0], "b": tensors[1]},
+             "resume_state.pt": {"rng": {"numpy": ("MT19937", tensors[2], 3, 0, 0.0)}, "rows": [tensors[6]]},
+             "trainer_state.json": '{"step": 1}'}
+    staged = checkpoint.host_copies(files, locks.area(), into_area=lambda tensor: True)
+    [(start, nbytes)] = locks.registered
+    assert staged["trainer_state.json"] == '{"step": 1}'
+    numpy = staged["resume_state.pt"]["rng"]["numpy"]
+    assert numpy[0] == "MT19937" and numpy[2:] == (3, 0, 0.0)
+    for copy, source in [(staged["layer_000.pt"]["w"], tensors[0]), (staged["layer_000.pt"]["b"], tensors[1]),
+                         (numpy[1], tensors[2]), (staged["resume_state.pt"]["rows"][0], tensors[6])]:
+        assert raw(copy) == raw(source) and start <= copy.data_ptr() < start + nbytes
+
+
+def test_a_cpu_run_touches_no_cuda_call():
+    """Without a GPU no tensor reaches the area: nothing is page-locked, CUDA's own registration (which fails on
+    torch without CUDA) is never called, and each tensor is cloned. Planted: every tensor sent to the area: fails."""
+    source = torch.arange(6.0)
+    staged = checkpoint.host_copies({"layer_000.pt": {"w": source}}, StagingArea())
+    copy = staged["layer_000.pt"]["w"]
+    assert torch.equal(copy, source) and copy.data_ptr() != source.data_ptr()

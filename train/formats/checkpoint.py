@@ -15,8 +15,9 @@ Layout of ``<checkpoint_dir>``::
         manifest.json      # the format version, every other file's size and SHA-256, written last
 (train/formats/manifest.py)
 
-A save first copies this rank's state into CPU memory (``stage``), then writes it (``write_staged``, in a background
-thread under ``train.checkpoint_async``) into ``.step00000100.partial``, every file fsync'd under a temporary name and
+A save first copies this rank's state into CPU memory (``stage``; the GPU's tensors into one page-locked buffer of
+exactly their size, ``train/formats/staging.py``), then writes it (``write_staged``, in a background thread under
+``train.checkpoint_async``) into ``.step00000100.partial``, every file fsync'd under a temporary name and
 renamed (``train/formats/durable.py``). Once every rank has written its files, rank 0 writes the manifest from their
 digests, renames the directory into place and only then replaces ``latest``, fsyncing each rename. A crash or a power
 cut mid-save leaves a ``.partial`` directory that nothing reads and the previous ``latest`` intact. What a resume reads
@@ -41,16 +42,18 @@ import os
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from model.config import JobConfig, plain
 from train.formats import durable, manifest
+from train.formats.staging import StagingArea
 from train.processes.errors import ReportedError
 
 log = logging.getLogger(__name__)
@@ -276,13 +279,19 @@ def set_rng_state(state: dict) -> None:
 
 def save(engine, checkpoint_dir: Path, step: int, trainer_state: dict, resume_state: dict, keep: int,
          group=None) -> CheckpointRef:
-    """Save on every rank (collective): ``stage`` then ``write_staged``, in the caller's thread."""
-    return write_staged(checkpoint_dir, step, stage(engine, trainer_state, resume_state), keep, group)
+    """Save on every rank (collective): ``stage`` then ``write_staged``, in the caller's thread, through a staging
+    area of this save's own."""
+    area = StagingArea()
+    try:
+        return write_staged(checkpoint_dir, step, stage(engine, trainer_state, resume_state, area), keep, group)
+    finally:
+        area.release()
 
 
-def stage(engine, trainer_state: dict, resume_state: dict) -> dict[str, object]:
+def stage(engine, trainer_state: dict, resume_state: dict, area: StagingArea) -> dict[str, object]:
     """This rank's files of a checkpoint (name: what goes in it), every tensor copied into CPU memory of its own
-    (pinned when it comes from the GPU), so that training may go on changing its tensors while they are written.
+    (the GPU's into ``area``, page-locked), so that training may go on changing its tensors while they are written.
+    The copies staged in ``area`` before are overwritten: write them first.
 
     Rank 0 adds ``trainer_state`` (JSON) and ``resume_state`` (RNG and loader position) with the schedule and
     engine counters."""
@@ -293,16 +302,21 @@ def stage(engine, trainer_state: dict, resume_state: dict) -> dict[str, object]:
     if dist.get_rank() == 0:
         files[RESUME_STATE] = {**resume_state, **_engine_state(engine)}
         files[TRAINER_STATE] = json.dumps(trainer_state, indent=1)
-    staged = tree_map_only(torch.Tensor, _host_copy, files)
+    staged = host_copies(files, area)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # the pinned copies were queued asynchronously
+        torch.cuda.synchronize()  # the copies into the area were queued asynchronously
     return staged
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.is_cuda:
-        return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor, non_blocking=True)
-    return tensor.detach().clone()
+def host_copies(files: dict[str, object], area: StagingArea,
+                into_area: Callable[[torch.Tensor], bool] = lambda tensor: tensor.is_cuda) -> dict[str, object]:
+    """``files`` nested as they are, each tensor replaced by a copy in CPU memory: those ``into_area`` picks (the
+    GPU's; a test picks CPU tensors) copied into ``area``, the others cloned."""
+    leaves, nesting = tree_flatten(files)
+    picked = {i: leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and into_area(leaf)}
+    staged = dict(zip(picked, area.copy(list(picked.values()))))
+    return tree_unflatten([staged[i] if i in staged else leaf.detach().clone() if isinstance(leaf, torch.Tensor)
+                           else leaf for i, leaf in enumerate(leaves)], nesting)
 
 
 def write_staged(checkpoint_dir: Path, step: int, files: dict[str, object], keep: int, group=None) -> CheckpointRef:

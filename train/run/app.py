@@ -35,6 +35,7 @@ from train.data.loader import build_loader
 from train.evaluation.evaluate import Evaluator, data_tokenizer
 from train.evaluation.probes import chance_levels
 from train.formats import checkpoint
+from train.formats.staging import StagingArea
 from train.observe import rank_times, routing
 from train.observe.health import ActivationStats
 from train.observe.metrics import MetricsLogger
@@ -196,6 +197,7 @@ class Trainer:
         self.routed = job.args.ffn == "moe" or job.trains_dspark  # the same on every rank: gathers are collective
         self.expert_loads: dict[str, list[float]] = {}  # of the last logged step (experts.jsonl)
         self.writer = BackgroundJob(self.train_config.checkpoint_async, "checkpoint writer")
+        self.staging = StagingArea()  # the GPU's tensors of every save, in host memory page-locked once
         # every rank's beat in the group's store: a timed-out collective names the ranks that stopped beating
         self.heartbeat = Heartbeat(distributed.rank(), distributed.world_size(),
                                    interval_for(self.train_config.collective_timeout_s))
@@ -239,6 +241,7 @@ class Trainer:
             try:
                 self.writer.wait()  # the last checkpoint is published before the job goes on or ends
             finally:
+                self.staging.release()  # its last copies are written (or their write failed): unlocked
                 self.heartbeat.close()  # after the save's collectives: this rank beats as long as it has peers
 
     def logs(self, step: int) -> bool:
@@ -322,7 +325,7 @@ class Trainer:
         trainer_state = {**self.state, "wandb_id": self.wandb_id, "config": plain(self.job.config)}
         resume_state = {"rng": checkpoint.rng_state(), "loader": self.loader.state_dict()}
         self.writer.wait()  # one save at a time, one staged copy in memory; the previous one's failure raised here
-        files = checkpoint.stage(self.engine, trainer_state, resume_state)
+        files = checkpoint.stage(self.engine, trainer_state, resume_state, self.staging)
         step, keep = self.state["step"], self.train_config.keep_checkpoints
         self.writer.submit(lambda: checkpoint.write_staged(self.checkpoint_dir, step, files, keep, self.save_group))
         self.saved_step = step
