@@ -13,8 +13,9 @@ its AdamW state; argv overrides win). It takes ``--steps`` steps (``Trainer.step
 2. **async**: one more step, then ``Trainer.save`` with the writer of ``train.checkpoint_async=true``: the time the
    loop is blocked (the copy into pinned CPU memory, ``checkpoint.stage``) against the background write
    (``checkpoint.write_staged``, its ``write_staged_s``), and the next step's time while the write runs against a
-   step without one. The synchronous save's checkpoint is deleted first (two ~54 GB checkpoints do not fit a GPU
-   machine's 64 GB disk);
+   step without one; ``staging_area_bytes``: the host memory the trainer's staging area holds page-locked
+   (``train/formats/staging.py``; 0 on the CPU, where nothing is staged through it). The synchronous save's
+   checkpoint is deleted first (two ~54 GB checkpoints do not fit a GPU machine's 64 GB disk);
 3. **resume**: ``checkpoint.agree`` (find ``latest`` and check every file's SHA-256 against the manifest) and
    ``checkpoint.load`` into the same engine (a second engine would not fit beside the first).
 
@@ -213,7 +214,7 @@ def measure(a) -> dict:
         until_published = time.perf_counter() - start
     res["async"] = {"blocked_s": blocked, "step_without_write_s": quiet_step, "step_during_write_s": step_beside,
                     "write_outlasted_the_step": still_writing, "until_published_s": until_published,
-                    "step": saved_step, **async_save.report()}
+                    "step": saved_step, "staging_area_bytes": trainer.staging.nbytes, **async_save.report()}
 
     res["resume"] = resume(trainer, job, sync)  # 3. find + verify, load
     for key in ("verify", "load"):
