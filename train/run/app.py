@@ -241,8 +241,8 @@ class Trainer:
             try:
                 self.writer.wait()  # the last checkpoint is published before the job goes on or ends
             finally:
-                self.staging.release()  # its last copies are written (or their write failed): unlocked
                 self.heartbeat.close()  # after the save's collectives: this rank beats as long as it has peers
+                self.staging.release()  # its last copies are written (or their write failed): unlocked
 
     def logs(self, step: int) -> bool:
         """Whether ``step`` gets a row of metrics (and its diagnostics): every ``train.log_every``-th, and step 1, the
