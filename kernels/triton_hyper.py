@@ -35,7 +35,7 @@ from kernels.triton_common import INTERPRET, new_output
 # bench_kernels.bench_hyper times the alternatives).
 BLOCK_N, BLOCK_D, WARPS = (16, 32, 8) if INTERPRET else (128, 64, 8)  # _pre_fwd: tokens x columns of a copy a step
 PRE_SPLITS = 2 if INTERPRET else 4  # column splits of _pre_fwd (partial projections, added by _sinkhorn_fwd)
-BWD_BLOCK_N, BWD_BLOCK_D, BWD_WARPS = (16, 32, 8) if INTERPRET else (64, 64, 8)  # _pre_bwd's
+BWD_BLOCK_N, BWD_BLOCK_D, BWD_WARPS = (16, 32, 8) if INTERPRET else (32, 64, 4)  # _pre_bwd's
 BACKWARD_PROGRAMS = 4096  # programs of _pre_bwd: column blocks x token splits (each split's dfn is a partial)
 SINKHORN_ROWS = 16 if INTERPRET else 128  # tokens per program of the Sinkhorn kernels
 TOKEN_BLOCK_D = 32 if INTERPRET else 256  # columns per program of the per-token kernels (expand, collapse)
