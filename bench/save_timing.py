@@ -154,7 +154,9 @@ def compose_job(a):
     return overrides, compose(overrides)
 
 
-def measure(a) -> dict:
+def measure(a, publish) -> dict:
+    """The three phases; ``publish(res)`` after each, so that a run cut by its time limit keeps the phases it
+    finished (``phases_done``)."""
     import torch
     from train.formats import checkpoint
     from train.processes import distributed
@@ -189,6 +191,7 @@ def measure(a) -> dict:
         return time.perf_counter() - start
 
     res["warm_step_s"] = [step() for _ in range(a.steps)]
+    res["phases_done"] = []
 
     sync_save = Phases()  # 1. synchronous: the writer of train.checkpoint_async=false
     trainer.writer = BackgroundJob(False, "checkpoint writer")
@@ -197,6 +200,8 @@ def measure(a) -> dict:
         trainer.save()
         res["sync"] = {"total_s": time.perf_counter() - start, **sync_save.report()}
     res["sync"]["step"] = trainer.state["step"]
+    res["phases_done"].append("sync")
+    publish(res)
     # removed before the next save: two ~54 GB checkpoints do not fit a GPU machine's 64 GB disk at once
     shutil.rmtree(trainer.checkpoint_dir / checkpoint.tag_for(trainer.state["step"]))
 
@@ -215,10 +220,13 @@ def measure(a) -> dict:
     res["async"] = {"blocked_s": blocked, "step_without_write_s": quiet_step, "step_during_write_s": step_beside,
                     "write_outlasted_the_step": still_writing, "until_published_s": until_published,
                     "step": saved_step, "staging_area_bytes": trainer.staging.nbytes, **async_save.report()}
+    res["phases_done"].append("async")
+    publish(res)
 
     res["resume"] = resume(trainer, job, sync)  # 3. find + verify, load
     for key in ("verify", "load"):
         res["resume"][f"{key}_gb_per_s"] = res["resume"]["bytes_read"] / 1e9 / res["resume"][f"{key}_s"]
+    res["phases_done"].append("resume")
     res["not_separable"] = ("serialising (torch.save) and writing a file are one stream: serialise_and_write_s is a "
                             "file's time less its hashing and fsync; resume's load reads the files memory-mapped "
                             "into the engine, reading and copying in one")
@@ -289,11 +297,15 @@ def main() -> int:
     a = parse()
     os.environ.setdefault("CSA2_KERNEL_POISON", "0")
     out = a.out or (os.path.join(os.environ["OUT"], "save_timing.json") if os.environ.get("OUT") else None)
-    res = measure(a)
-    text = json.dumps(res, indent=1, default=str)
-    print(text, flush=True)
-    if out:
-        Path(out).write_text(text)
+
+    def publish(res: dict) -> None:
+        if out:  # whole or not at all: a write cut by the time limit leaves the previous phase's file
+            Path(out + ".tmp").write_text(json.dumps(res, indent=1, default=str))
+            os.replace(out + ".tmp", out)
+
+    res = measure(a, publish)
+    publish(res)
+    print(json.dumps(res, indent=1, default=str), flush=True)
     return 0
 
 

@@ -44,6 +44,13 @@ def test_bytes_written_are_the_checkpoint_on_disk(smoke):
     assert res["resume"]["bytes_read"] == sum(p.stat().st_size for p in on_disk(tag) if p.name != "manifest.json")
 
 
+def test_every_phase_is_recorded_done(smoke):
+    """``phases_done`` (what a run cut by its time limit finished; the file is rewritten after each phase) names the
+    three phases at the end. Planted: the resume not appended: fails."""
+    res, _ = smoke
+    assert res["phases_done"] == ["sync", "async", "resume"]
+
+
 def test_params_are_the_checkpoints_weights(smoke):
     """``params`` (the projection's bytes per parameter) is every weight the checkpoint holds, counted here from
     its files. Planted: the parameters counted twice: fails."""
