@@ -62,6 +62,37 @@ def test_grouped_kernel_equals_dequantise_then_matmul(fmt, block, dtype, tol):
         assert ((got.double() - want).norm() / want.norm()).item() < tol
 
 
+@pytest.mark.parametrize("fmt, block", FORMS)
+def test_nans_reach_the_products_the_reference_gives_them(fmt, block):
+    """A NaN scale on blocks the matrix's edges cut (the last column block, and for FP8 the last row block, which
+    the kernel reads past the edge) and (FP8) a NaN code: forward and backward to x, the outputs NaN where the
+    dequantise-then-matmul product (fp64) is, the others equal to it: what the kernel reads past the edges must not
+    spread a NaN further."""
+    out, fan_in = 40, 70 if fmt == "fp8" else 66
+    codes, scale, _ = _stack(fmt, block, 2, out, fan_in, seed=1)
+    scale = scale.view(torch.uint8).clone()
+    scale[0, -1, -1] = 255  # the corner block
+    if fmt == "fp8":
+        scale[1, -1, 0] = 255  # the last row block, read past row 40
+        codes = codes.view(torch.uint8).clone()
+        codes[0, 5, 9] = 0x7F
+        codes = codes.view(torch.float8_e4m3fn)
+    values = torch.stack([dequantize(c, s, fmt, block, torch.float64) for c, s in zip(codes, scale)])
+    counts = torch.tensor([19, 23])
+    x = torch.randn(int(counts.sum()), fan_in, requires_grad=True)
+    y = quant_matmul(x, codes, scale, counts, fmt == "fp4", block, (out, fan_in))
+    grad = torch.randn(y.shape)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    xs, gs = x.detach().double().split(counts.tolist()), grad.double().split(counts.tolist())
+    want_y = torch.cat([part @ values[e].T for e, part in enumerate(xs)])
+    want_dx = torch.cat([part @ values[e] for e, part in enumerate(gs)])
+    for got, want in ((y, want_y), (dx, want_dx)):
+        assert want.isnan().any() and not want.isnan().all()
+        assert torch.equal(got.isnan(), want.isnan())
+        number = ~want.isnan()
+        assert ((got[number].double() - want[number]).norm() / want[number].norm()).item() < 1e-6
+
+
 def test_every_code_decodes_as_torch_and_the_reference_do():
     """x = I reads the decoded matrix back: every finite one of the 256 FP8 bytes (subnormals, -0, 448) as torch's
     ``float8_e4m3fn``, every FP4 nibble as ``model/quant.py``'s table, times scales 2^-9 .. 2^6, per 32 x 32 block
