@@ -221,15 +221,18 @@ def specs() -> list[KernelSpec]:
     out.append(KernelSpec(untuned(hyper._sinkhorn_bwd, num_warps=4),
                           dict(MRAW=f32, RSTD=f32, SCALE=f32, BASE=f32, DPRE=f32, DPOST=f32, DCOMB=f32, SCRATCH=f32,
                                DMRAW=f32, COEF=f32, PARTS=f32, n_rows=i32, hc_eps="fp32"), dict(sinkhorn, D=1024)))
-    # the frozen base kept as released (issue 56): FP8 32 x 32 blocks (one linear, Q = dim) and FP4 per-32 experts
-    # (Q = dim forward, the expert width backward to x), each forward and backward to x
+    # the frozen base kept as released (issue 56): FP8 32 x 32 blocks (a linear, Q = dim) and FP4 per-32 experts
+    # (Q = dim forward, the expert width backward to x), each forward and backward to x, in both launch shapes
+    # (PLAIN: matrices of many rows, one linear or wo_a's groups; GROUPED: a stack of experts)
     quant = dict(X=bf, CODES="*u8", SCALE="*u8", OUT=bf, TILE_EXPERT="*i32", TILE_ROW=i64, TILE_END=i64, N=i32,
-                 K=i32, P=i32, scale_rows=i32, scale_cols=i32)
-    for (R, C, fp4), width in (((32, 32, False), 1024), ((1, 32, True), 448)):
-        for transpose in (False, True):
-            out.append(KernelSpec(untuned(qgemm._quant_gemm_kernel, num_warps=qgemm.WARPS, num_stages=qgemm.STAGES),
-                                  quant, dict(Q=width if transpose else 1024, R=R, C=C, FP4=fp4, TRANSPOSE=transpose,
-                                              PRECISION="tf32", BM=qgemm.BM, BP=qgemm.BP, BQ=qgemm.BQ)))
+                 K=i32, P=i32, code_stride=i32, scale_rows=i32, scale_cols=i32)
+    for tiles in (qgemm.PLAIN, qgemm.GROUPED):
+        for (R, C, fp4), width in (((32, 32, False), 1024), ((1, 32, True), 448)):
+            for transpose in (False, True):
+                out.append(KernelSpec(untuned(qgemm._quant_gemm_kernel, tiles.warps, tiles.stages, tiles.maxnreg),
+                                      quant, dict(Q=width if transpose else 1024, R=R, C=C, FP4=fp4,
+                                                  TRANSPOSE=transpose, PRECISION="tf32", BM=tiles.BM, BP=tiles.BP,
+                                                  BQ=tiles.BQ)))
     for conj in (False, True):  # forward rotation; its transpose in the backward
         out.append(KernelSpec(rope._rope_kernel, dict(x=bf, rotation=f32, out=bf, R=i32, H=i32),
                               dict(D=512, DIM=64, BLOCK_REST=512, CONJ=conj)))

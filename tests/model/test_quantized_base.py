@@ -16,7 +16,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels.triton_quant_gemm import quant_matmul  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels.triton_quant_gemm import _decode_tile, _scale_bytes, quant_matmul  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.lora import LoRA, attach  # noqa: E402
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, e2m1_to_float, quantize  # noqa: E402
@@ -67,7 +70,9 @@ def test_nans_reach_the_products_the_reference_gives_them(fmt, block):
     """A NaN scale on blocks the matrix's edges cut (the last column block, and for FP8 the last row block, which
     the kernel reads past the edge) and (FP8) a NaN code: forward and backward to x, the outputs NaN where the
     dequantise-then-matmul product (fp64) is, the others equal to it: what the kernel reads past the edges must not
-    spread a NaN further."""
+    spread a NaN further (it zeroes nothing there: a code reads 0, and 0 times a NaN scale lands only on outputs
+    the block's codes inside make NaN). Planted and caught: codes past the edge read as a NaN code (their load's
+    other)."""
     out, fan_in = 40, 70 if fmt == "fp8" else 66
     codes, scale, _ = _stack(fmt, block, 2, out, fan_in, seed=1)
     scale = scale.view(torch.uint8).clone()
@@ -112,6 +117,56 @@ def test_every_code_decodes_as_torch_and_the_reference_do():
     nibbles = torch.stack([fp4 & 15, fp4 >> 4], -1).flatten(-2)
     want = e2m1_to_float(nibbles) * torch.ldexp(torch.ones(64, 2), fp4_scale.int() - 127).repeat_interleave(32, 1)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@triton.jit
+def _decode_kernel(CODES, SCALE, OUT, expert, N, K, code_stride, scale_rows, scale_cols, TN: tl.constexpr,
+                   TK: tl.constexpr, R: tl.constexpr, C: tl.constexpr, FP4: tl.constexpr):
+    """The GEMM kernel's decode of one tile of ``W[expert]`` (masked at the edges, as its last step), written out as
+    fp32."""
+    n0, k0 = tl.program_id(0) * TN, tl.program_id(1) * TK
+    s = _scale_bytes(SCALE, expert, n0, k0, scale_rows, scale_cols, TN, TK, R, C)
+    w = _decode_tile(CODES, s, expert, n0, k0, N, K, code_stride, TN, TK, R, C, FP4, True, True)
+    n, k = n0 + tl.arange(0, TN), k0 + tl.arange(0, TK)
+    tl.store(OUT + n[:, None] * K + k[None, :], w, mask=(n < N)[:, None] & (k < K)[None, :])
+
+
+EVERY_SCALE = (0, 1, 2, 100, 126, 127, 128, 200, 253, 254, 255)  # 2^-127 (subnormal) .. 2^127, and NaN
+
+
+@pytest.mark.parametrize("fmt, block", FORMS)
+def test_the_decode_is_the_reference_dequantisation_bit_for_bit(fmt, block):
+    """Every FP8 byte (NaNs, subnormals, -0, 448) and every packed FP4 byte (every pair of nibbles) times every scale
+    of ``EVERY_SCALE`` (2^-127, a subnormal, to 2^127, where large codes overflow to inf; 255 NaN), decoded by the
+    kernel's ``_decode_tile`` against ``model/quant.py``'s ``dequantize`` in fp32: the same bits wherever the reference
+    is a number (-0 included), NaN where it is NaN. Each code meets each scale: row block i, column block j holds
+    scale ``EVERY_SCALE[(i + j) % 11]`` and every row holds every code. The matrix is the third of a stack whose
+    first two are zero codes at scale 1 (the expert's offsets count). Planted and caught: the FP4 nibbles swapped, the scale of the
+    next 32 columns, the e8m0 byte 0 read as zero and 255 as inf, e4m3's NaN missed, FP4's sign dropped from the
+    low nibble."""
+    n_scales = len(EVERY_SCALE)
+    if fmt == "fp8":
+        codes = torch.arange(256, dtype=torch.uint8).repeat(32 * n_scales, 1)  # [352, 256]
+    else:
+        codes = torch.arange(256, dtype=torch.uint8).repeat(n_scales, 1)  # [11, 256] bytes: [11, 512] values
+    shape = (codes.shape[0], codes.shape[1] * (2 if fmt == "fp4" else 1))
+    rows, cols = -(-shape[0] // block[0]), -(-shape[1] // block[1])
+    pick = (torch.arange(rows)[:, None] + torch.arange(cols)[None, :]) % n_scales
+    scale = torch.tensor(EVERY_SCALE, dtype=torch.uint8)[pick]
+    want = dequantize(codes.view(torch.float8_e4m3fn) if fmt == "fp8" else codes, scale.view(torch.float8_e8m0fnu),
+                      fmt, block, torch.float32)
+    assert want.isnan().any() and want.isinf().any() and (want.view(torch.int32) == -2 ** 31).any()  # NaN, inf, -0
+    assert ((want != 0) & (want.abs() < 2 ** -126)).any()  # fp32 subnormals
+    other, one = torch.zeros_like(codes), torch.full_like(scale, 127)
+    stack, scales = torch.stack([other, other, codes]), torch.stack([one, one, scale])
+    got = torch.full(shape, float("nan"))
+    tn, tk = 32, 64
+    _decode_kernel[(triton.cdiv(shape[0], tn), triton.cdiv(shape[1], tk))](
+        stack, scales, got, 2, *shape, codes.shape[1], rows, cols, TN=tn, TK=tk, R=block[0], C=block[1],
+        FP4=fmt == "fp4")
+    assert torch.equal(got.isnan(), want.isnan())
+    number = ~want.isnan()
+    assert torch.equal(got[number].view(torch.int32), want[number].view(torch.int32))
 
 
 EVERY_MOE = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b", "shared_experts", "experts")
