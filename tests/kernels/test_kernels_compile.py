@@ -86,3 +86,31 @@ def test_gluon_index_score_fits_one_sm_without_spills(gluon_resources):
 def assert_fits_without_mma_spills(resources: dict):
     assert resources["shared"] <= SM90_SHARED_BYTES, resources
     assert resources["spills"]["in_mma_spans"] == 0, resources
+
+
+QUANT_RESOURCES = """
+import json
+from bench.kernels_compile_report import spill_counts
+from kernels import hopper_compile, triton_quant_gemm
+resources = []
+for spec in hopper_compile.specs():
+    if spec.kernel.fn is triton_quant_gemm._quant_gemm_kernel:
+        config = spec.kernel.configs[0]
+        compiled = hopper_compile.compile_for_hopper(spec, config)
+        resources.append({"constexprs": spec.constexprs, "maxnreg": config.maxnreg, "warps": config.num_warps,
+                          "shared": compiled.metadata.shared, "spills": spill_counts(compiled.asm["cubin"])})
+print(json.dumps(resources))
+"""
+
+
+def test_quant_gemm_holds_two_programs_an_sm_without_spills():
+    """``kernels/triton_quant_gemm.py``'s launch shapes rest on two programs an SM (one decodes while the other's wgmma
+    runs): each capped at 128 registers a thread over 8 warps (half the register file), with at most half an SM's
+    shared memory (less the 1 KiB the SM keeps a block), and no spill anywhere (ptxas reports none at the launch
+    shapes; at a width with a partial last step, e.g. 1000, it spills in that step, outside the loop)."""
+    resources = json.loads(run_compiler("-c", QUANT_RESOURCES))
+    assert len(resources) == 8  # FP8 and FP4, forward and backward, PLAIN and GROUPED tiles
+    for r in resources:
+        assert r["maxnreg"] * r["warps"] * 32 <= 65536 // 2, r
+        assert r["shared"] <= (228 * 1024) // 2 - 1024, r
+        assert r["spills"]["all"] == 0, r
