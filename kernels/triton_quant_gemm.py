@@ -97,16 +97,12 @@ def _decode_tile(CODES, s, expert, n0, k0, N, K, code_stride, TN: tl.constexpr, 
     else:
         j = k0 + tl.arange(0, TK)
         width = K
+    inside = None  # the load's mask, only along the axes that need one (an unmasked axis keeps vector loads)
     if MASK_N:
-        if MASK_K:
-            byte = tl.load(row[:, None] + j[None, :], mask=(n < N)[:, None] & (j < width)[None, :], other=0)
-        else:
-            byte = tl.load(row[:, None] + j[None, :], mask=(n < N)[:, None], other=0)
-    else:
-        if MASK_K:
-            byte = tl.load(row[:, None] + j[None, :], mask=(j < width)[None, :], other=0)
-        else:
-            byte = tl.load(row[:, None] + j[None, :])
+        inside = (n < N)[:, None]
+    if MASK_K:
+        inside = (j < width)[None, :] if inside is None else inside & (j < width)[None, :]
+    byte = tl.load(row[:, None] + j[None, :], mask=inside, other=0 if inside is not None else None)
     # the byte sign-extended: its top bit fills bits 31..7, so that a shift that leaves bit 7 (FP8, FP4's high
     # nibble) or bit 3 (FP4's low nibble, shifted up to 31 and back) at or above bit 25 puts the sign at bit 31
     x = byte.to(tl.int8, bitcast=True).to(tl.int32)
