@@ -24,12 +24,15 @@
 #   slice_base        the same on the BASE tree                                      -> v41_slice/v41_slice_base.json
 #   quant_gemm        quant_gemm.json: bench/quant_gemm.py, the frozen base's FP8/FP4 GEMMs against bf16 (issue 56)
 #                                                                                                    -> finetune/
+#   quant_gemm_base   the same on the BASE tree                                   -> finetune/quant_gemm_base.json
 #   train_small_moe_full, train_small_moe_lora  train_step_small_moe_{full,lora}_65536.json: the step (its timing
 #                     and peak only) in full and with LoRA rank 16: the memory model's measured peaks  -> finetune/
 #   lora_slice        lora_slice.json: bench/lora_slice.py, the one-node LoRA plan's GPU (1 x 8 x 8: 8,192 tokens,
 #                     48 experts) on layers 20-23 and 24-27, rank 16, over the quantised base (FP8 / FP4, built and
 #                     filled as a run does) then the bf16 base: step, peak, MFU, their ratios, the memory model's
 #                     estimate of the same layers, device time by kernel (issue 56)                  -> finetune/
+#   import_slice      import_slice.json: bench/import_slice.py, a V4.1-width stage of the released format written,
+#                     then imported dequantised and held as stored: seconds, bytes, peaks (issues 36, 56) -> finetune/
 # The GPU, each stage's exit code and seconds, and the stage logs in logs.txt (a device call returns at most 8 files:
 # choose at most 7 result files' stages with ONLY).
 # Each stage runs under `timeout`, capped by what is left of BUDGET (bench/gpu_stages.sh). CSA2_CODE=<commit>
@@ -75,9 +78,11 @@ stage moe_ffn 100 python3 bench/moe_ffn.py "${FFN[@]}" --out "$OUT/moe_ffn.json"
 stage slice 260 python3 bench/v41_slice.py "${SLICE[@]}" --kernel-table --out "$OUT/v41_slice.json"
 stage slice_base 260 "${BASE_RUN[@]}" python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice_base.json"
 stage quant_gemm 90 python3 bench/quant_gemm.py "${FFN[@]}" --out "$OUT/quant_gemm.json"
+stage quant_gemm_base 90 "${BASE_RUN[@]}" python3 bench/quant_gemm.py "${FFN[@]}" --out "$OUT/quant_gemm_base.json"
 stage train_small_moe_full 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_full_$T.json" "${MOE[@]}"
 stage train_small_moe_lora 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \
   train.lora.rank=16 "train.lora.targets=[wq_a,wq_b,wkv,wo_a,wo_b,shared_experts,experts]"
 stage lora_slice 200 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 bench/lora_slice.py "${LORA[@]}" \
   --kernel-table --out "$OUT/lora_slice.json"
+stage import_slice 300 python3 bench/import_slice.py "${FFN[@]}" --out "$OUT/import_slice.json"
 stages_end
