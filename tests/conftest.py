@@ -6,7 +6,11 @@ no test file has to remember them (a test added later gets its marks too).
 - ``slow``: multi-process, or a whole training job through ``train.run.app.run``. ``-m "not slow"`` keeps the quick
   unit and oracle tests.
 - ``gpu``: needs a CUDA device; skipped without one.
+
+Every test also starts from the environment variables the suite started with (``pytest_runtest_protocol``). Under
+``-n N`` (pytest-xdist) each worker takes its share of the cores (``pytest_configure``).
 """
+import os
 import sys
 from types import ModuleType
 
@@ -28,6 +32,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_configure(config):
+    """An xdist worker computes on its share of the cores, it and the processes it starts (``OMP_NUM_THREADS``, unless
+    set): two workers of torch's default of a thread a core on a 2-core machine made a test that took 10 s alone take
+    57 s (tests/train/test_training_health.py)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+        torch.set_num_threads(int(threads))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A job run in this process sets RANK, WORLD_SIZE, MASTER_PORT, ... (``train.processes.distributed``), as a
+    launcher would: put back the environment the suite started with after each test, its module- and
+    session-scoped fixtures' setup included, so that no test sees another's launch (``python -m parallel.plan``
+    took a leaked WORLD_SIZE=1 for the processes launched, and failed only when the tests ran in another order)."""
+    saved = dict(os.environ)
+    try:
+        return (yield)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _named(func) -> list:
