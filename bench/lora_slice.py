@@ -44,7 +44,11 @@ What runs, and why so:
   ``data_parallel=8, context_parallel=1``), ``stage_peak`` of those layers (their state, retained activations,
   max(casts, transient), the boundary payloads in and out); ``estimate_plan``: the same layers in the plan (64K rows
   in 8 chunks: the whole row's compressed entries and the gather's buffers on top). ``measured_over_estimate``: the
-  peak allocated against ``estimate_as_run`` (the goal: within 10%).
+  peak allocated against ``estimate_as_run`` (the goal: within 10%). So that the peak holds what the estimate counts,
+  each run keeps AdamW's two moments of the adapters as a training rank does (``hold_optimizer_state``: a step at
+  learning rate 0 over zero gradients, which leaves the weights bit for bit; ``optimizer_state_gib``). The
+  dense adapters' moments are held whole, where the plan's ZeRO-1 gives a rank 1/8 of them (0.04 GiB more than the
+  plan at V4.1 width); the routed experts' adapters, nearly all of them, are held by their expert rank alone in both.
 
 Per run: the ``v41_slice.measure`` keys (``--warmup`` steps, ``--steps`` timed, one probed; step / fwd / bwd ms,
 per layer and per part, peak allocated and reserved, model TFLOP/s and MFU), ``base_held`` (quantised matrices by
@@ -160,6 +164,24 @@ def describe_base(model) -> dict:
                                           for n, t in model.state_dict().items())}
 
 
+def hold_optimizer_state(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW over the trained parameters with its moments allocated (AdamW allocates them at its first step: one at
+    learning rate 0 over zero gradients, which leaves the weights bit for bit), kept by the caller through the
+    measured steps."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=0.0)
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def state_gib(optimizer: torch.optim.Optimizer) -> float:
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
+               if torch.is_tensor(t) and t.dim() > 0) / GIB
+
+
 def adapter_grad_norm(model) -> float:
     """The 2-norm of every adapter's gradient after a step: the two bases' agree to the GEMMs' summation order."""
     return math.sqrt(sum(p.grad.double().square().sum().item() for p in model.parameters() if p.grad is not None))
@@ -202,10 +224,13 @@ def run_base(base: str, layers: range, args, layout, device, carried: dict, cloc
     run, produced = {"base": base, "rows_per_layer": rows}, {}
     build = partial(BUILDS[base], lora, torch.bfloat16 if a.autocast else None)
     start = time.monotonic()
+    optimizer = None
     try:
         sl = Slice(args, layout, layers, a.tokens, device, carried, dispatch, a.autocast, a.seed, build=build)
         sl.shadows.requires_grad_(False)  # replicas of frozen owners, as parallel/stage.py freezes them
         run.update(build_s=time.monotonic() - start, base_held=describe_base(sl.model))
+        optimizer = hold_optimizer_state(sl.model)
+        run["optimizer_state_gib"] = state_gib(optimizer)
         measured, state = measure(sl, clock, a, MODE, SPLIT, RANKS, counts, flops, rate, None)
         run.update(measured, adapter_grad_norm=adapter_grad_norm(sl.model))
         produced = sl.produced(state)
@@ -217,7 +242,7 @@ def run_base(base: str, layers: range, args, layout, device, carried: dict, cloc
             traceback.print_exc()  # the log of a GPU call is all there is to debug it from
         if clock.cuda:
             run["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
-    sl = None  # noqa: F841 - the stage freed before the next is built
+    sl = optimizer = None  # noqa: F841 - the stage and its moments freed before the next is built
     free_memory(clock.cuda)
     run["run_s"] = time.monotonic() - start
     return run, produced

@@ -56,6 +56,8 @@ def test_both_bases_compute_the_same_step_and_the_quantised_one_holds_the_releas
         assert q["base_held"]["frozen_gib"] < b["base_held"]["frozen_gib"] / 2
         assert q["base_held"]["adapter_params"] == b["base_held"]["adapter_params"] > 0
         assert q["adapter_grad_norm"] > 0
+        for run in (q, b):  # AdamW's two fp32 moments of every adapter parameter, held through the measured steps
+            assert run["optimizer_state_gib"] * 2 ** 30 == 8 * run["base_held"]["adapter_params"]
         assert q["adapter_grad_norm"] == pytest.approx(b["adapter_grad_norm"], rel=1e-5)
         assert q["rows_per_layer"] == rows and q["flops"] == b["flops"]
         assert q["flops"]["routed"] == rows * 4 * (3 * 4 * dim * inter + 3 * 6 * r * (dim + inter))
@@ -105,3 +107,19 @@ def test_bad_input_is_a_one_line_error_before_anything_is_built(tmp_path, capsys
         lora_slice.main(["--smoke", "--out", str(tmp_path / "x.json"), *argv])
     assert stop.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_optimizer_state_is_held_and_the_weights_do_not_move():
+    """``hold_optimizer_state`` allocates AdamW's moments: both for every trained parameter, none for a frozen one,
+    and no weight moves by a bit (a step at another rate, or over real gradients, would move them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model[0].weight.requires_grad_(False)  # a frozen base matrix
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = lora_slice.hold_optimizer_state(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert set(optimizer.state) == set(trained)
+    assert lora_slice.state_gib(optimizer) * 2 ** 30 == 8 * sum(p.numel() for p in trained)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert p.grad is None, n
