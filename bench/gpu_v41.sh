@@ -25,6 +25,7 @@
 #   quant_gemm        quant_gemm.json: bench/quant_gemm.py, the frozen base's FP8/FP4 GEMMs against bf16 (issue 56)
 #                                                                                                    -> finetune/
 #   quant_gemm_base   the same on the BASE tree                                   -> finetune/quant_gemm_base.json
+#   quant_gemm_sweep  quant_gemm_sweep.json: the same with --sweep, the kernel at each launch shape of SWEEP -> finetune/
 #   train_small_moe_full, train_small_moe_lora  train_step_small_moe_{full,lora}_65536.json: the step (its timing
 #                     and peak only) in full and with LoRA rank 16: the memory model's measured peaks  -> finetune/
 #   lora_slice        lora_slice.json: bench/lora_slice.py, the one-node LoRA plan's GPU (1 x 8 x 8: 8,192 tokens,
@@ -78,6 +79,7 @@ stage moe_ffn 100 python3 bench/moe_ffn.py "${FFN[@]}" --out "$OUT/moe_ffn.json"
 stage slice 260 python3 bench/v41_slice.py "${SLICE[@]}" --kernel-table --out "$OUT/v41_slice.json"
 stage slice_base 260 "${BASE_RUN[@]}" python3 bench/v41_slice.py "${SLICE[@]}" --out "$OUT/v41_slice_base.json"
 stage quant_gemm 90 python3 bench/quant_gemm.py "${FFN[@]}" --out "$OUT/quant_gemm.json"
+stage quant_gemm_sweep 150 python3 bench/quant_gemm.py "${FFN[@]}" --sweep --out "$OUT/quant_gemm_sweep.json"
 stage quant_gemm_base 90 "${BASE_RUN[@]}" python3 bench/quant_gemm.py "${FFN[@]}" --out "$OUT/quant_gemm_base.json"
 stage train_small_moe_full 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_full_$T.json" "${MOE[@]}"
 stage train_small_moe_lora 150 "${STEP[@]}" --no-detail --out "$OUT/train_step_small_moe_lora_$T.json" "${MOE[@]}" \

@@ -4,13 +4,18 @@ one expert rank's share of a V4.1-Flash MoE layer and one attention projection, 
 
     python bench/quant_gemm.py --out $OUT/quant_gemm.json [--tokens 8192] [--expert-parallel 8] [--reps 20]
     python bench/quant_gemm.py --smoke --out /tmp/quant_gemm.json   # tiny shapes on the CPU, under the interpreter
+    python bench/quant_gemm.py --sweep --out $OUT/quant_gemm_sweep.json  # and every launch shape of SWEEP
 
 - routed experts: the rank's ``384 / E`` experts of ``[2·2304, 5120]`` (w1 | w3) and ``[5120, 2304]`` (w2) in FP4
   with e8m0 per 32 (``QuantizedMatrix``) against the same values in bf16 through ``F.grouped_mm``; the rows are the
   rank's ``tokens x 6`` routed slots, spread evenly over its experts;
 - attention: ``wq_b [64·512, 1280]`` in FP8 (32 x 32 blocks) against bf16 ``F.linear``.
 Per case: milliseconds (forward, backward to x; CUDA events, the median of ``--reps``), the bytes the weights hold,
-and the largest relative difference of the outputs (the same values, another summation order).
+and the largest relative difference of the outputs (the same values, another summation order). ``--sweep`` also times
+the kernel itself at each launch shape of ``SWEEP`` (forward and backward to x, ``quant_gemm(..., tiles=)``), each
+with its outputs' largest relative difference from the default launch's: the data to choose ``PLAIN`` and
+``GROUPED`` from. Every shape in it compiles for sm_90a without spilling (2026-12-07: 137-255 registers a thread;
+(64, 256, 64) over 4 warps spilled in the FP8 forward and is left out).
 """
 import argparse
 import json
@@ -28,9 +33,17 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kernels.triton_quant_gemm import PLAIN, GROUPED, Tiles, quant_gemm  # noqa: E402
 from model.quant import BLOCK_FP8, BLOCK_ROW  # noqa: E402
 from model.quantized_base import QuantizedMatrix  # noqa: E402
 from result_meta import result_meta  # noqa: E402
+
+
+# The launch shapes --sweep times: today's two, wider column tiles (one program an SM: 219-255 registers a thread over
+# 8 warps), 4 warps on 128 x 128, a 128-wide reduced step, and a narrow tile that fits three programs an SM.
+SWEEP = (PLAIN, GROUPED, Tiles(128, 256, 64, 8, 2, None), Tiles(256, 128, 64, 8, 2, None),
+         Tiles(128, 128, 64, 4, 3, None), Tiles(128, 128, 128, 8, 2, None), Tiles(128, 64, 64, 4, 3, None))
+SMOKE_SWEEP = (Tiles(16, 32, 32, 4, 1, None), Tiles(32, 32, 32, 4, 1, None))  # the interpreter's
 
 
 def timed(fn, reps: int, device: torch.device) -> float:
@@ -51,8 +64,29 @@ def timed(fn, reps: int, device: torch.device) -> float:
     return statistics.median(times[1:])  # the first compiles
 
 
-def case(name, weight, fmt, block, rows, counts, reps, device, dtype):
-    """One matrix (or stack) both ways: the quantised kernel and the bf16 GEMM on the dequantised values."""
+def sweep(quantized, x, grad, counts, shapes, reps, device) -> list[dict]:
+    """The kernel at each launch shape: ms forward and backward to x, and the largest relative difference of each
+    output from the default launch's."""
+    args = (quantized.codes, quantized.scale, counts, quantized.fmt == "fp4", quantized.block, quantized.shape[-2:])
+    x, default = x.detach(), {}
+    out = []
+    for tiles in (None, *shapes):
+        entry = {"tiles": tiles._asdict() if tiles else "default"}
+        for way, rows, transpose in (("forward", x, False), ("backward", grad, True)):
+            y = quant_gemm(rows, *args, transpose=transpose, tiles=tiles)
+            if tiles is None:
+                default[way] = y.float()
+                continue
+            entry[f"{way}_ms"] = timed(lambda: quant_gemm(rows, *args, transpose=transpose, tiles=tiles), reps, device)
+            entry[f"{way}_rel_diff"] = ((y.float() - default[way]).abs().max() / default[way].abs().max()).item()
+        if tiles is not None:
+            out.append(entry)
+    return out
+
+
+def case(name, weight, fmt, block, rows, counts, reps, device, dtype, shapes=()):
+    """One matrix (or stack) both ways: the quantised kernel and the bf16 GEMM on the dequantised values; and the
+    kernel at each of ``shapes`` (``sweep``)."""
     quantized = QuantizedMatrix.of(weight, fmt, block, "triton")
     dense = quantized.dequantized(dtype)
     x = torch.randn(rows, weight.shape[-1], device=device, dtype=dtype, requires_grad=True)
@@ -76,6 +110,8 @@ def case(name, weight, fmt, block, rows, counts, reps, device, dtype):
     for label, fn, y in (("bf16", plain, y_plain), ("quantised", quant, y_quant)):
         out[f"{label}_forward_ms"] = timed(fn, reps, device)
         out[f"{label}_backward_ms"] = timed(lambda: torch.autograd.grad(y, x, grad, retain_graph=True), reps, device)
+    if shapes:
+        out["sweep"] = sweep(quantized, x, grad, counts, shapes, reps, device)
     return out
 
 
@@ -86,6 +122,7 @@ def main():
     p.add_argument("--expert-parallel", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the Triton interpreter)")
+    p.add_argument("--sweep", action="store_true", help="also time the kernel at each launch shape of SWEEP")
     a = p.parse_args()
     device = torch.device("cpu" if a.smoke else "cuda")
     dtype = torch.float32 if a.smoke else torch.bfloat16  # the interpreter computes bf16 wrongly
@@ -99,15 +136,18 @@ def main():
     w13 = torch.randn(experts, 2 * inter, dim, device=device) * dim ** -0.5
     w2 = torch.randn(experts, dim, inter, device=device) * inter ** -0.5
     wq_b = torch.randn(heads * head_dim, q_rank, device=device) * q_rank ** -0.5
-    results = [case("experts w1|w3", w13, "fp4", BLOCK_ROW, rows, counts, reps, device, dtype),
-               case("experts w2", w2, "fp4", BLOCK_ROW, rows, counts, reps, device, dtype),
-               case("attn wq_b", wq_b, "fp8", BLOCK_FP8, tokens, None, reps, device, dtype)]
+    shapes = (SMOKE_SWEEP if a.smoke else SWEEP) if a.sweep else ()
+    results = [case("experts w1|w3", w13, "fp4", BLOCK_ROW, rows, counts, reps, device, dtype, shapes),
+               case("experts w2", w2, "fp4", BLOCK_ROW, rows, counts, reps, device, dtype, shapes),
+               case("attn wq_b", wq_b, "fp8", BLOCK_FP8, tokens, None, reps, device, dtype, shapes)]
     Path(a.out).write_text(json.dumps({"meta": result_meta(), "results": results}, indent=1))
     for r in results:
         print(f"{r['case']:<14} fwd {r['bf16_forward_ms']:.2f} -> {r['quantised_forward_ms']:.2f} ms, bwd "
               f"{r['bf16_backward_ms']:.2f} -> {r['quantised_backward_ms']:.2f} ms, weights "
               f"{r['weight_bytes']['bf16'] / 2**20:.0f} -> {r['weight_bytes']['quantised'] / 2**20:.0f} MiB, "
               f"max rel diff {r['max_rel_diff']:.1e}")
+        for e in r.get("sweep", ()):
+            print(f"  {tuple(e['tiles'].values())}: fwd {e['forward_ms']:.2f} ms, bwd {e['backward_ms']:.2f} ms")
 
 
 if __name__ == "__main__":

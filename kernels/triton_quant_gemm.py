@@ -212,10 +212,12 @@ def _check_block(block: tuple[int, int], t: Tiles):
 
 
 def quant_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor | None,
-               fp4: bool, block: tuple[int, int], shape: tuple[int, int], transpose: bool = False) -> torch.Tensor:
+               fp4: bool, block: tuple[int, int], shape: tuple[int, int], transpose: bool = False,
+               tiles: Tiles | None = None) -> torch.Tensor:
     """``x [M, K] -> [M, N]``, row ``m`` (of expert e) times ``W[e]ᵀ``; with ``transpose`` ``x [M, N] -> [M, K]``
     times ``W[e]``. ``codes``/``scale`` as the module docstring says (uint8 views, experts first, contiguous),
-    ``shape`` the dequantised ``(N, K)``, ``counts`` [E] rows per expert (None: E = 1). Output in x's dtype."""
+    ``shape`` the dequantised ``(N, K)``, ``counts`` [E] rows per expert (None: E = 1). Output in x's dtype.
+    ``tiles``: another launch shape than ``tiles_for``'s (a benchmark's sweep, ``bench/quant_gemm.py``)."""
     x = x.contiguous()
     (M, Q), (N, K) = x.shape, shape
     P = K if transpose else N
@@ -223,7 +225,7 @@ def quant_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, counts
         raise ValueError(f"quant_gemm: x has {Q} columns, the matrix is {N} x {K} (transpose={transpose})")
     if counts is None:
         counts = torch.full((1,), M, dtype=torch.int64, device=x.device)
-    t = tiles_for(M, counts.numel())
+    t = tiles or tiles_for(M, counts.numel())
     _check_block(block, t)
     out = new_output((M, P), x.dtype, x.device)
     if M == 0:

@@ -324,8 +324,9 @@ def test_the_memory_model_counts_the_converted_bytes():
 
 
 def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
-    """``bench/quant_gemm.py --smoke``: its three cases come back with both ways timed, the same products (fp32 on the
-    CPU) and the weights smaller quantised."""
+    """``bench/quant_gemm.py --smoke --sweep``: its three cases come back with both ways timed, the same products (fp32
+    on the CPU), the weights smaller quantised, and the kernel timed at each launch shape of the sweep with the
+    default launch's products."""
     import json
     import subprocess
     import sys
@@ -333,13 +334,28 @@ def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
 
     out = tmp_path / "quant_gemm.json"
     root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, str(root / "bench/quant_gemm.py"), "--smoke", "--out", str(out)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(root / "bench/quant_gemm.py"), "--smoke", "--sweep", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
     results = json.loads(out.read_text())["results"]
     assert [r["case"] for r in results] == ["experts w1|w3", "experts w2", "attn wq_b"]
     for r in results:
         assert r["max_rel_diff"] < 1e-5 and r["weight_bytes"]["quantised"] < r["weight_bytes"]["bf16"]
         assert all(r[f"{way}_{step}_ms"] > 0 for way in ("bf16", "quantised") for step in ("forward", "backward"))
+        assert [e["tiles"]["BM"] for e in r["sweep"]] == [16, 32]
+        for e in r["sweep"]:
+            assert all(e[f"{step}_ms"] > 0 and e[f"{step}_rel_diff"] < 1e-5 for step in ("forward", "backward"))
+
+
+def test_a_launch_shape_is_the_one_asked_for():
+    """``quant_gemm(..., tiles=)`` launches the shape it is given: 16-wide tiles cannot hold an FP8 matrix's 32 x 32
+    scale blocks, and say so (``tiles_for``'s choice would have run)."""
+    from kernels.triton_quant_gemm import Tiles, quant_gemm
+
+    codes, scale = quantize(torch.randn(64, 64), "fp8", BLOCK_FP8)
+    x = torch.randn(8, 64)
+    quant_gemm(x, codes, scale, None, False, BLOCK_FP8, (64, 64))
+    with pytest.raises(ValueError, match=r"scale blocks \(32, 32\) do not tile 16 x 16"):
+        quant_gemm(x, codes, scale, None, False, BLOCK_FP8, (64, 64), tiles=Tiles(16, 16, 16, 4, 1, None))
 
 
 def _table_lookup(rank, out):
