@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 if "--smoke" in sys.argv:
@@ -33,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.triton_quant_gemm import PLAIN, GROUPED, Tiles, quant_gemm  # noqa: E402
+from kernels.triton_quant_gemm import GROUPED, PLAIN, Tiles, quant_gemm  # noqa: E402
 from model.quant import BLOCK_FP8, BLOCK_ROW  # noqa: E402
 from model.quantized_base import QuantizedMatrix  # noqa: E402
 from result_meta import result_meta  # noqa: E402
@@ -68,19 +69,17 @@ def sweep(quantized, x, grad, counts, shapes, reps, device) -> list[dict]:
     """The kernel at each launch shape: ms forward and backward to x, and the largest relative difference of each
     output from the default launch's."""
     args = (quantized.codes, quantized.scale, counts, quantized.fmt == "fp4", quantized.block, quantized.shape[-2:])
-    x, default = x.detach(), {}
+    inputs = {"forward": (x.detach(), False), "backward": (grad, True)}
+    default = {way: quant_gemm(rows, *args, transpose=t).float() for way, (rows, t) in inputs.items()}
     out = []
-    for tiles in (None, *shapes):
-        entry = {"tiles": tiles._asdict() if tiles else "default"}
-        for way, rows, transpose in (("forward", x, False), ("backward", grad, True)):
-            y = quant_gemm(rows, *args, transpose=transpose, tiles=tiles)
-            if tiles is None:
-                default[way] = y.float()
-                continue
-            entry[f"{way}_ms"] = timed(lambda: quant_gemm(rows, *args, transpose=transpose, tiles=tiles), reps, device)
-            entry[f"{way}_rel_diff"] = ((y.float() - default[way]).abs().max() / default[way].abs().max()).item()
-        if tiles is not None:
-            out.append(entry)
+    for tiles in shapes:
+        entry = {"tiles": tiles._asdict()}
+        for way, (rows, transpose) in inputs.items():
+            run = partial(quant_gemm, rows, *args, transpose=transpose, tiles=tiles)
+            y = run().float()
+            entry[f"{way}_ms"] = timed(run, reps, device)
+            entry[f"{way}_rel_diff"] = ((y - default[way]).abs().max() / default[way].abs().max()).item()
+        out.append(entry)
     return out
 
 
