@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from result_meta import result_meta  # noqa: E402
+from result_meta import result_meta, write_result  # noqa: E402
 
 DEFAULTS = ["model=small_moe", "layout=v41", "data.seq_len=4096", "data.micro_batch_size=1",
             "train.grad_accum_steps=1", "parallel.recompute=layer", "logger.mode=disabled", "train.progress=false",
@@ -300,8 +300,7 @@ def main() -> int:
 
     def publish(res: dict) -> None:
         if out:  # whole or not at all: a write cut by the time limit leaves the previous phase's file
-            Path(out + ".tmp").write_text(json.dumps(res, indent=1, default=str))
-            os.replace(out + ".tmp", out)
+            write_result(Path(out), res)
 
     res = measure(a, publish)
     publish(res)
