@@ -25,7 +25,8 @@
 #   quant_gemm        quant_gemm.json: bench/quant_gemm.py, the frozen base's FP8/FP4 GEMMs against bf16 (issue 56)
 #                                                                                                    -> finetune/
 #   quant_gemm_base   the same on the BASE tree                                   -> finetune/quant_gemm_base.json
-#   quant_gemm_sweep  quant_gemm_sweep.json: the same with --sweep, the kernel at each launch shape of SWEEP -> finetune/
+#   quant_gemm_sweep  quant_gemm_sweep.json: the same with --sweep, the kernel at each launch shape of SWEEP
+#                                                                                                    -> finetune/
 #   train_small_moe_full, train_small_moe_lora  train_step_small_moe_{full,lora}_65536.json: the step (its timing
 #                     and peak only) in full and with LoRA rank 16: the memory model's measured peaks  -> finetune/
 #   lora_slice        lora_slice.json: bench/lora_slice.py, the one-node LoRA plan's GPU (1 x 8 x 8: 8,192 tokens,

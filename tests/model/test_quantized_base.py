@@ -141,9 +141,9 @@ def test_the_decode_is_the_reference_dequantisation_bit_for_bit(fmt, block):
     kernel's ``_decode_tile`` against ``model/quant.py``'s ``dequantize`` in fp32: the same bits wherever the reference
     is a number (-0 included), NaN where it is NaN. Each code meets each scale: row block i, column block j holds
     scale ``EVERY_SCALE[(i + j) % 11]`` and every row holds every code. The matrix is the third of a stack whose
-    first two are zero codes at scale 1 (the expert's offsets count). Planted and caught: the FP4 nibbles swapped, the scale of the
-    next 32 columns, the e8m0 byte 0 read as zero and 255 as inf, e4m3's NaN missed, FP4's sign dropped from the
-    low nibble."""
+    first two are zero codes at scale 1 (the expert's offsets count). Planted and caught: the FP4 nibbles swapped,
+    the scale of the next 32 columns, the e8m0 byte 0 read as zero and 255 as inf, e4m3's NaN missed, FP4's sign
+    dropped from the low nibble."""
     n_scales = len(EVERY_SCALE)
     if fmt == "fp8":
         codes = torch.arange(256, dtype=torch.uint8).repeat(32 * n_scales, 1)  # [352, 256]
