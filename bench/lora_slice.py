@@ -180,6 +180,7 @@ def hold_optimizer_state(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def state_gib(optimizer: torch.optim.Optimizer) -> float:
+    """GiB of the optimizer's state tensors (AdamW's moments; its step counters are scalars, left out)."""
     return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
                if torch.is_tensor(t) and t.dim() > 0) / GIB
 
