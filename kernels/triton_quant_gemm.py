@@ -1,5 +1,10 @@
 """GEMMs on a frozen matrix kept in DeepSeek's released block-scaled form (SPEC §6): ``x Wᵀ`` and its backward to
-the input ``dy W``, with W dequantised one tile at a time in registers and never written out whole.
+the input ``dy W``, two ways on the same decode:
+- fused (``quant_gemm``): W dequantised one tile at a time in registers, never written out, for few rows a matrix
+  (a product bound by reading W);
+- transient (``dequantize_stack``, then torch's GEMM): the matrix, or one rank's stack of an expert matrix, decoded
+  into a buffer freed after the product, for many rows a matrix, where the fused kernel's decode in its main loop
+  costs more than the buffer's bytes (``model/quantized_base.py``'s ``DEQUANT_ROWS`` says which).
 
 W is ``[E, N, K]`` (E = 1: one linear; E > 1: a stack of routed experts whose rows of x arrive sorted by expert,
 ``counts[e]`` of each). Its codes are FP8 e4m3 bytes ``[E, N, K]`` or FP4 e2m1 nibbles packed two a byte along K
@@ -40,6 +45,7 @@ the bound ``⌈M / BM⌉ + E``; the tiles past the last expert's exit at once.
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -241,22 +247,74 @@ def quant_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, counts
     return out
 
 
+@triton.jit
+def _dequant_kernel(CODES, SCALE, OUT, N, K, code_stride, scale_rows, scale_cols, TN: tl.constexpr,
+                    TK: tl.constexpr, R: tl.constexpr, C: tl.constexpr, FP4: tl.constexpr, MASK_N: tl.constexpr,
+                    MASK_K: tl.constexpr):
+    """``OUT[e, n0:n0+TN, k0:k0+TK]`` (``[E, N, K]``, contiguous) = the tile ``_decode_tile`` gives the GEMM."""
+    n0, k0, expert = tl.program_id(0) * TN, tl.program_id(1) * TK, tl.program_id(2).to(tl.int64)
+    s = _scale_bytes(SCALE, expert, n0, k0, scale_rows, scale_cols, TN, TK, R, C)
+    w = _decode_tile(CODES, s, expert, n0, k0, N, K, code_stride, TN, TK, R, C, FP4, MASK_N, MASK_K)
+    n, k = n0 + tl.arange(0, TN), k0 + tl.arange(0, TK)
+    tl.store(OUT + (expert * N + n.to(tl.int64))[:, None] * K + k[None, :], w.to(OUT.dtype.element_ty),
+             mask=(n < N)[:, None] & (k < K)[None, :])
+
+
+DEQUANT_TILE = (32, 32) if INTERPRET else (32, 256)  # (TN, TK), holding whole 32 x 32 scale blocks
+DEQUANT_WARPS = 4
+
+
+def dequantize_stack(codes: torch.Tensor, scale: torch.Tensor, fp4: bool, block: tuple[int, int],
+                     shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """``codes * scale`` of every matrix of the stack, ``[E, N, K]`` in ``dtype``: one pass over the stored bytes,
+    each tile decoded exactly as the GEMM decodes it (``model/quant.py``'s ``dequantize``, bit for bit)."""
+    (N, K), (TN, TK) = shape, DEQUANT_TILE
+    codes, scale = codes.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
+    _check_block(block, Tiles(0, TN, TK, 0, 0, None))
+    out = new_output((codes.shape[0], N, K), dtype, codes.device)
+    if out.numel():
+        _dequant_kernel[(triton.cdiv(N, TN), triton.cdiv(K, TK), codes.shape[0])](
+            codes, scale, out, N, K, codes.shape[-1], scale.shape[-2], scale.shape[-1], TN=TN, TK=TK, R=block[0],
+            C=block[1], FP4=fp4, MASK_N=N % TN != 0, MASK_K=K % TK != 0, num_warps=DEQUANT_WARPS)
+    return out
+
+
+def _dequantized_product(x, codes, scale, counts, fp4, block, shape, transpose) -> torch.Tensor:
+    """``quant_gemm``'s product through ``dequantize_stack`` and torch's GEMMs (the stack freed on return)."""
+    w = dequantize_stack(codes, scale, fp4, block, shape, x.dtype)
+    if counts is None:
+        return x @ w[0] if transpose else F.linear(x, w[0])
+    return F.grouped_mm(x, w if transpose else w.mT, offs=counts.cumsum(0, dtype=torch.int32))
+
+
+def quant_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor | None, fp4: bool,
+                  block: tuple[int, int], shape: tuple[int, int], transpose: bool = False,
+                  dequantize: bool = False) -> torch.Tensor:
+    """``quant_gemm``'s product, fused or (``dequantize``) through a transient dequantised stack, whose rows must be
+    16-byte multiples (torch's grouped GEMM strides them so)."""
+    if dequantize:
+        return _dequantized_product(x.contiguous(), codes, scale, counts, fp4, block, shape, transpose)
+    return quant_gemm(x, codes, scale, counts, fp4, block, shape, transpose=transpose)
+
+
 class QuantMatmul(torch.autograd.Function):
-    """``quant_gemm`` with its backward to x (the matrix is frozen: no gradient of its own)."""
+    """``quant_product`` with its backward to x (the matrix is frozen: no gradient of its own)."""
 
     @staticmethod
-    def forward(ctx, x, codes, scale, counts, fp4, block, shape):
+    def forward(ctx, x, codes, scale, counts, fp4, block, shape, dequantize):
         ctx.save_for_backward(codes, scale, counts)
         ctx.meta = fp4, block, shape
-        return quant_gemm(x, codes, scale, counts, fp4, block, shape)
+        ctx.dequantize = dequantize
+        return quant_product(x, codes, scale, counts, fp4, block, shape, dequantize=dequantize)
 
     @staticmethod
     def backward(ctx, grad):
         codes, scale, counts = ctx.saved_tensors
-        return quant_gemm(grad, codes, scale, counts, *ctx.meta, transpose=True), None, None, None, None, None, None
+        dx = quant_product(grad, codes, scale, counts, *ctx.meta, transpose=True, dequantize=ctx.dequantize)
+        return dx, None, None, None, None, None, None, None
 
 
 def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor | None, fp4: bool,
-                 block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
-    """Differentiable ``quant_gemm`` (forward ``x W[e]ᵀ``, backward ``dy W[e]``)."""
-    return QuantMatmul.apply(x, codes, scale, counts, fp4, tuple(block), tuple(shape))
+                 block: tuple[int, int], shape: tuple[int, int], dequantize: bool = False) -> torch.Tensor:
+    """Differentiable ``quant_product`` (forward ``x W[e]ᵀ``, backward ``dy W[e]``)."""
+    return QuantMatmul.apply(x, codes, scale, counts, fp4, tuple(block), tuple(shape), dequantize)

@@ -13,9 +13,11 @@ Why it is built this way:
   through ``model.weights.linear`` / ``grouped_linear``.
 - The products run on the stored bytes: ``kernels/triton_quant_gemm.py`` decodes a tile of codes and scales in
   registers, in the forward (``x Wᵀ``) and in the backward to the input (``dy W``); a frozen base has no gradient of
-  its own. No layer's bf16 copy is ever materialised. The PyTorch reference (``kernel_backend=torch``, and ``auto``
-  off CUDA) dequantises one matrix (one expert) at a time and multiplies: the same values (a code times a power of
-  two is exact in bf16), another summation order.
+  its own. For many rows a matrix (``DEQUANT_ROWS``), where that decode costs more than it saves, one matrix (one
+  rank's stack of one expert matrix) is decoded into a transient copy for torch's GEMM and freed after it; no layer's
+  bf16 copy is ever materialised. The PyTorch reference (``kernel_backend=torch``, and ``auto`` off CUDA)
+  dequantises one matrix (one expert) at a time and multiplies: the same values (a code times a power of two is
+  exact in bf16), another summation order.
 - Quantising the loaded weights (``model/quant.py``'s rule) gives back the released values exactly: the base loads
   as ``codes * scale`` and dequantise -> quantise is the identity on values. A weight that was not on the grid
   (a seeded init, a merged adapter) is rounded to it: that is what "the released form" means for it.
@@ -41,6 +43,24 @@ TABLE_BLOCK = (1, 32)  # an Engram table's FP8 rows: an e8m0 scale per 32 values
 FP8_MATRICES = re.compile(r".*\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv"
                           r")\.weight|mtp\.\d+\.main_proj\.weight")
 FP4_MATRICES = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight")
+
+
+# Rows a matrix multiplies (on average over a stack of experts) from which its product goes through a transient
+# dequantised copy (``kernels.triton_quant_gemm.dequantize_stack``) and torch's GEMMs (cuBLAS, CUTLASS's grouped
+# GEMM) instead of the fused kernel. The fused kernel decodes in its main loop and runs at 180-230 TFLOP/s on an H100
+# however many rows a decoded tile serves (2026-12-07: 181 at 1,024 rows an FP4 expert in
+# `bench/results/finetune/lora_slice.json`). The copy costs about 4.5 bytes a value more memory traffic (the stored
+# bytes read, bf16 written, then read by the GEMM), 1.3 ps at 3.35 TB/s, and buys the bf16 GEMM's 600-700 TFLOP/s:
+# 2 FLOPs / 200 TFLOP/s - 2 / 650 = 0.007 ps saved a value and row of x, so it pays from about 200 rows. The copy is
+# one matrix, or one rank's stack of one expert matrix, never a layer, and is freed when the product returns.
+DEQUANT_ROWS = 256
+
+
+def dequantizes(rows: int, matrices: int, shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether ``rows`` rows over ``matrices`` matrices of ``shape`` take the transient dequantised product: at least
+    ``DEQUANT_ROWS`` a matrix, and rows of N and K values that torch's grouped GEMM can stride (16-byte multiples)."""
+    aligned = all(side * dtype.itemsize % 16 == 0 for side in shape)
+    return rows >= DEQUANT_ROWS * matrices and aligned
 
 
 def quantized_form(name: str) -> tuple[str, tuple[int, int]] | None:
@@ -125,7 +145,8 @@ class QuantizedMatrix(nn.Module):
         if uses_triton(self.kernel_backend, x.device):
             from kernels.triton_quant_gemm import quant_matmul  # lazily: Triton is only needed where it runs
 
-            out = quant_matmul(rows, self.codes, self.scale, counts, self.fmt == "fp4", self.block, self.shape[-2:])
+            out = quant_matmul(rows, self.codes, self.scale, counts, self.fmt == "fp4", self.block, self.shape[-2:],
+                               dequantizes(rows.shape[0], self.experts, self.shape[-2:], dtype))
         else:
             out = self._reference(rows, counts)
         return out.view(*x.shape[:-1], self.shape[-2])

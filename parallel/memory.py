@@ -25,7 +25,8 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
 - kept attention: a recomputed layer that keeps its sparse-attention outputs (``parallel.keep_attention_layers``,
   the first k of a stage) holds them per microbatch in flight as well;
 - a transient: the working set of one layer's backward (its recomputed forward's saved tensors, the kernels'
-  workspace, the row's compressed entries rotated and their gradient), the largest over the stage's layers.
+  workspace, the row's compressed entries rotated and their gradient, and under a quantised base its products'
+  largest transient dequantised copy), the largest over the stage's layers.
 
 Context parallelism (C ranks a row, ``parallel/context.py``): a rank computes one chunk of ``seq_len / C`` tokens, so
 every per-token figure above is the chunk's; the compressed entries a Full layer gathers (its latent, and the index
@@ -49,7 +50,7 @@ from model.hyper import mix_width
 from model.layout import Layout, Mode
 from model.lora import FFN_MATRICES, LOW_PRECISION, Adapter, LoRA, targeted_modules
 from model.matrices import matrix_shape
-from model.quantized_base import STORED_BYTES, base_targets, quantized_form, table_bytes
+from model.quantized_base import DEQUANT_ROWS, STORED_BYTES, base_targets, quantized_form, table_bytes
 from model.transformer import Transformer
 from parallel.payload import Payload, boundary_fields, latent_dtype
 
@@ -94,10 +95,12 @@ def lora_counts(args: ModelArgs, layout: Layout, lora: LoRA) -> dict[str, tuple[
     over expert ranks with their experts). The adapters are ``Adapter``s of the shapes ``targeted_modules`` finds,
     built on the meta device (no draws). With ``lora.quantized_base`` the matrices the stage holds in the release's
     form (``model.quantized_base.base_targets``: the blocks' and the draft head's routed experts) are ``fp8`` and
-    ``fp4`` (the routed experts) instead, whatever their kind above; the Engram tables are ``estimate``'s."""
+    ``fp4`` (the routed experts) instead, whatever their kind above; the Engram tables are ``estimate``'s. Of them,
+    ``fp8_largest`` is the layer's largest FP8 matrix and ``fp4_stack`` its largest stack of one routed matrix over
+    all the experts (values): what the products' transient dequantised buffer holds at most."""
     model = _meta_model(args, layout)
     counts = {kind: [0] * layout.n_layers for kind in ("low", "low_experts", "adapters", "adapter_experts", "fp8",
-                                                       "fp4")}
+                                                       "fp4", "fp8_largest", "fp4_stack")}
     held = {}  # parameter name -> fmt
     for owner, attribute, name, (fmt, _) in base_targets(model, quantized_form) if lora.quantized_base else ():
         target = getattr(owner, attribute)
@@ -110,6 +113,9 @@ def lora_counts(args: ModelArgs, layout: Layout, lora: LoRA) -> dict[str, tuple[
             routed = ".ffn.experts." in name
             kind = held[name] if name in held else "low_experts" if routed else "low"
             counts[kind][_layer_of(name)] += p.numel()
+            if name in held:
+                largest = counts[f"{kind}_largest" if kind == "fp8" else "fp4_stack"]
+                largest[_layer_of(name)] = max(largest[_layer_of(name)], p.numel())
     with torch.device("meta"):
         for name, module in targeted_modules(model, lora.targets):
             stacked = hasattr(module, "expert_ids")
@@ -117,6 +123,21 @@ def lora_counts(args: ModelArgs, layout: Layout, lora: LoRA) -> dict[str, tuple[
             numel = sum(q.numel() for shape in shapes for q in Adapter(shape, lora.rank, lora.scale).parameters())
             counts["adapter_experts" if stacked else "adapters"][_layer_of(name)] += numel
     return {kind: tuple(c) for kind, c in counts.items()}
+
+
+def _dequantized_copies(args: ModelArgs, layout: Layout, lora: LoRA | None, tokens: int, expert_parallel: int,
+                        dtype: torch.dtype) -> list[float]:
+    """Per layer, the bytes of the largest transient dequantised copy a quantised base's product makes
+    (``model.quantized_base.DEQUANT_ROWS``): the largest FP8 matrix where a rank's chunk has that many tokens, the
+    rank's stack of one routed matrix where its experts receive that many rows each on average (its tokens x top-k
+    over its experts); 0 without a quantised base. The model's matrices are taken as aligned for torch's GEMM."""
+    if lora is None or not lora.quantized_base:
+        return [0.0] * layout.n_layers
+    low = lora_counts(args, layout, lora)
+    local = max(args.moe.n_routed_experts // expert_parallel, 1) if args.ffn == "moe" else 1
+    routed_rows = tokens * args.moe.n_activated_experts / local if args.ffn == "moe" else 0
+    return [max(f8 if tokens >= DEQUANT_ROWS else 0, f4 / expert_parallel if routed_rows >= DEQUANT_ROWS else 0)
+            * dtype.itemsize for f8, f4 in zip(low["fp8_largest"], low["fp4_stack"])]
 
 
 def layer_parameters(args: ModelArgs, layout: Layout, tables: bool = False) -> list[int]:
@@ -307,6 +328,7 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     exchange = 0.0
     if E > 1 and args.ffn == "moe":
         exchange = 2 * tokens * args.moe.n_activated_experts * routed_rows * args.dim * dtype.itemsize
+    copies = _dequantized_copies(args, layout, lora, tokens, E, dtype)
     retained, transient = [], []
     stream = tokens * (4 * args.dim if args.hc_mult == 1  # the plain stream is fp32, the copies the compute dtype
                        else args.hc_mult * (args.dim * dtype.itemsize + 4))  # with the fp32 pre-mix
@@ -315,7 +337,7 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
         saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize, routed_rows)
         retained.append((0 if on_host else stream) + produced[i] + (0 if all_recomputed else saved))
         transient.append((saved if all_recomputed else 0) + entries[i] + exchange + (KERNEL_WORKSPACE if cuda else 0)
-                         + (2 * stream if on_host else 0))
+                         + (2 * stream if on_host else 0) + copies[i])
     head = HEAD_BYTES * min(head_chunk or tokens, tokens) * args.vocab_size
     transient[-1] = max(transient[-1], head)
     if measured is not None and context_parallel == 1:

@@ -16,10 +16,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
-from kernels.triton_quant_gemm import _decode_tile, _scale_bytes, quant_matmul  # noqa: E402
+from kernels.triton_quant_gemm import dequantize_stack, quant_matmul  # noqa: E402
 from model import Transformer  # noqa: E402
 from model.lora import LoRA, attach  # noqa: E402
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, e2m1_to_float, quantize  # noqa: E402
@@ -43,18 +41,21 @@ def _stack(fmt, block, experts, out, fan_in, seed=0):
     return codes, scale, values
 
 
+@pytest.mark.parametrize("dequantize", [False, True], ids=["fused", "transient"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("fmt, block", FORMS)
-def test_grouped_kernel_equals_dequantise_then_matmul(fmt, block, dtype, tol):
+def test_grouped_kernel_equals_dequantise_then_matmul(fmt, block, dtype, tol, dequantize):
     """Rows sorted by expert (3 experts, one with no rows) times each expert's matrix, forward and backward to the
-    input; 40 x 70 (fp8) / 40 x 66 (fp4) cross the 32-column scale blocks, the interpreter's 16 x 16 x 32 tiles and
-    end inside them. Planted and caught: the FP4 nibbles swapped, the scale's block column read as k // R, the tile
-    table's expert off by one, the backward reducing over the input columns (the forward's transpose)."""
-    out, fan_in = 40, 70 if fmt == "fp8" else 66
+    input, fused and through the transient dequantised stack; 40 x 70 (fp8) / 40 x 66 (fp4) cross the 32-column
+    scale blocks, the interpreter's 16 x 16 x 32 tiles and end inside them (72 columns for the transient path: torch's
+    grouped GEMM strides rows by 16 bytes). Planted and caught: the FP4 nibbles swapped, the scale's block column
+    read as k // R, the tile table's expert off by one, the backward reducing over the input columns (the forward's
+    transpose); the transient path's forward multiplying by W[e] untransposed, its stack written an expert off."""
+    out, fan_in = 40, 72 if dequantize else 70 if fmt == "fp8" else 66
     codes, scale, values = _stack(fmt, block, 3, out, fan_in)
     counts = torch.tensor([17, 0, 21])
     x = torch.randn(int(counts.sum()), fan_in, dtype=dtype, requires_grad=True)
-    y = quant_matmul(x, codes, scale, counts, fmt == "fp4", block, (out, fan_in))
+    y = quant_matmul(x, codes, scale, counts, fmt == "fp4", block, (out, fan_in), dequantize=dequantize)
     grad = torch.randn(y.shape, dtype=dtype)
     (dx,) = torch.autograd.grad(y, x, grad)
     xs, gs = x.detach().double().split(counts.tolist()), grad.double().split(counts.tolist())
@@ -63,6 +64,19 @@ def test_grouped_kernel_equals_dequantise_then_matmul(fmt, block, dtype, tol):
     for got, want in ((y, want_y), (dx, want_dx)):
         assert got.dtype == dtype and torch.isfinite(got).all()
         assert ((got.double() - want).norm() / want.norm()).item() < tol
+
+
+def test_many_rows_a_matrix_take_the_transient_product():
+    """``dequantizes``: from ``DEQUANT_ROWS`` rows a matrix on average, and only for rows torch's grouped GEMM can
+    stride; a linear (one matrix) by its rows alone. Planted and caught: the rule inverted, the rows not divided
+    among the experts, the alignment ignored (torch's grouped GEMM would refuse 70 fp32 columns)."""
+    from model.quantized_base import DEQUANT_ROWS, dequantizes
+
+    assert dequantizes(DEQUANT_ROWS * 48, 48, (2304, 5120), torch.bfloat16)
+    assert not dequantizes(DEQUANT_ROWS * 48 - 1, 48, (2304, 5120), torch.bfloat16)
+    assert dequantizes(DEQUANT_ROWS, 1, (32768, 1280), torch.bfloat16)
+    assert not dequantizes(DEQUANT_ROWS * 3, 3, (40, 70), torch.float32)
+    assert dequantizes(DEQUANT_ROWS * 3, 3, (40, 72), torch.float32)
 
 
 @pytest.mark.parametrize("fmt, block", FORMS)
@@ -119,31 +133,20 @@ def test_every_code_decodes_as_torch_and_the_reference_do():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@triton.jit
-def _decode_kernel(CODES, SCALE, OUT, expert, N, K, code_stride, scale_rows, scale_cols, TN: tl.constexpr,
-                   TK: tl.constexpr, R: tl.constexpr, C: tl.constexpr, FP4: tl.constexpr):
-    """The GEMM kernel's decode of one tile of ``W[expert]`` (masked at the edges, as its last step), written out as
-    fp32."""
-    n0, k0 = tl.program_id(0) * TN, tl.program_id(1) * TK
-    s = _scale_bytes(SCALE, expert, n0, k0, scale_rows, scale_cols, TN, TK, R, C)
-    w = _decode_tile(CODES, s, expert, n0, k0, N, K, code_stride, TN, TK, R, C, FP4, True, True)
-    n, k = n0 + tl.arange(0, TN), k0 + tl.arange(0, TK)
-    tl.store(OUT + n[:, None] * K + k[None, :], w, mask=(n < N)[:, None] & (k < K)[None, :])
-
-
 EVERY_SCALE = (0, 1, 2, 100, 126, 127, 128, 200, 253, 254, 255)  # 2^-127 (subnormal) .. 2^127, and NaN
 
 
 @pytest.mark.parametrize("fmt, block", FORMS)
 def test_the_decode_is_the_reference_dequantisation_bit_for_bit(fmt, block):
     """Every FP8 byte (NaNs, subnormals, -0, 448) and every packed FP4 byte (every pair of nibbles) times every scale
-    of ``EVERY_SCALE`` (2^-127, a subnormal, to 2^127, where large codes overflow to inf; 255 NaN), decoded by the
-    kernel's ``_decode_tile`` against ``model/quant.py``'s ``dequantize`` in fp32: the same bits wherever the reference
-    is a number (-0 included), NaN where it is NaN. Each code meets each scale: row block i, column block j holds
-    scale ``EVERY_SCALE[(i + j) % 11]`` and every row holds every code. The matrix is the third of a stack whose
-    first two are zero codes at scale 1 (the expert's offsets count). Planted and caught: the FP4 nibbles swapped,
-    the scale of the next 32 columns, the e8m0 byte 0 read as zero and 255 as inf, e4m3's NaN missed, FP4's sign
-    dropped from the low nibble."""
+    of ``EVERY_SCALE`` (2^-127, a subnormal, to 2^127, where large codes overflow to inf; 255 NaN), decoded by
+    ``dequantize_stack`` (the GEMM kernel's ``_decode_tile``, written out) against ``model/quant.py``'s
+    ``dequantize`` in fp32: the same bits wherever the reference is a number (-0 included), NaN where it is NaN.
+    Each code meets each scale: row block i, column block j holds scale ``EVERY_SCALE[(i + j) % 11]`` and every row
+    holds every code. The matrix is the third of a stack whose first two are zero codes at scale 1 (the expert's
+    offsets count; those two must come back zero). Planted and caught: the FP4 nibbles swapped, the scale of the
+    next 32 columns, the e8m0 byte 0 read as zero and 255 as inf, e4m3's NaN missed, FP4's sign dropped from the low
+    nibble."""
     n_scales = len(EVERY_SCALE)
     if fmt == "fp8":
         codes = torch.arange(256, dtype=torch.uint8).repeat(32 * n_scales, 1)  # [352, 256]
@@ -159,11 +162,8 @@ def test_the_decode_is_the_reference_dequantisation_bit_for_bit(fmt, block):
     assert ((want != 0) & (want.abs() < 2 ** -126)).any()  # fp32 subnormals
     other, one = torch.zeros_like(codes), torch.full_like(scale, 127)
     stack, scales = torch.stack([other, other, codes]), torch.stack([one, one, scale])
-    got = torch.full(shape, float("nan"))
-    tn, tk = 32, 64
-    _decode_kernel[(triton.cdiv(shape[0], tn), triton.cdiv(shape[1], tk))](
-        stack, scales, got, 2, *shape, codes.shape[1], rows, cols, TN=tn, TK=tk, R=block[0], C=block[1],
-        FP4=fmt == "fp4")
+    first, second, got = dequantize_stack(stack, scales, fmt == "fp4", block, shape, torch.float32)
+    assert not first.any() and not second.any()
     assert torch.equal(got.isnan(), want.isnan())
     number = ~want.isnan()
     assert torch.equal(got[number].view(torch.int32), want[number].view(torch.int32))
@@ -324,13 +324,16 @@ def test_the_memory_model_counts_the_converted_bytes():
 
 
 def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
-    """``bench/quant_gemm.py --smoke --sweep``: its three cases come back with both ways timed, the same products (fp32
-    on the CPU), the weights smaller quantised, and the kernel timed at each launch shape of the sweep with the
-    default launch's products."""
+    """``bench/quant_gemm.py --smoke --sweep``: its three cases come back at each row count with the three products
+    timed (bf16, fused, transient), the same products (fp32 on the CPU), the rule's choice by rows a matrix, the
+    weights smaller quantised, and the fused kernel timed at each launch shape of the sweep with the default launch's
+    products."""
     import json
     import subprocess
     import sys
     from pathlib import Path
+
+    from model.quantized_base import DEQUANT_ROWS
 
     out = tmp_path / "quant_gemm.json"
     root = Path(__file__).resolve().parents[2]
@@ -338,11 +341,18 @@ def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
                    check=True, capture_output=True, timeout=300)
     results = json.loads(out.read_text())["results"]
     assert [r["case"] for r in results] == ["experts w1|w3", "experts w2", "attn wq_b"]
+    assert [e["rows_per_matrix"] for e in results[0]["by_rows"]] == [4, 16]
+    assert [e["rows"] for e in results[2]["by_rows"]] == [4, 16, 64]
     for r in results:
-        assert r["max_rel_diff"] < 1e-5 and r["weight_bytes"]["quantised"] < r["weight_bytes"]["bf16"]
-        assert all(r[f"{way}_{step}_ms"] > 0 for way in ("bf16", "quantised") for step in ("forward", "backward"))
-        assert [e["tiles"]["BM"] for e in r["sweep"]] == [16, 32]
-        for e in r["sweep"]:
+        assert r["weight_bytes"]["quantised"] < r["weight_bytes"]["bf16"]
+        for e in r["by_rows"]:
+            assert e["chosen"] == ("transient" if e["rows_per_matrix"] >= DEQUANT_ROWS else "fused")
+            assert e["fused_max_rel_diff"] < 1e-5 and e["transient_max_rel_diff"] < 1e-5
+            assert all(e[f"{way}_{step}_ms"] > 0 for way in ("bf16", "fused", "transient")
+                       for step in ("forward", "backward"))
+        assert r["sweep"]["rows"] == r["by_rows"][0]["rows"]
+        assert [e["tiles"]["BM"] for e in r["sweep"]["shapes"]] == [16, 32]
+        for e in r["sweep"]["shapes"]:
             assert all(e[f"{step}_ms"] > 0 and e[f"{step}_rel_diff"] < 1e-5 for step in ("forward", "backward"))
 
 
