@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from model.deepseek_config import CONFIG, INDEX, WEIGHTS, reference_fields
 from model.quant import BLOCK_FP8, BLOCK_ROW, dequantize, quantize, scale_shape
 from model.quantized_base import quantized_form
+from train.formats.parallel_read import Span, read_in_order
 from train.formats.reference_format import SHARD, _file_mode, write_json
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,8 @@ class Entry:
     file: str
     dtype: str
     shape: list[int]
-    offsets: tuple[int, int]
+    offsets: tuple[int, int]  # of its bytes after the header, which ends at byte ``data_start`` of the file
+    data_start: int
 
 
 def read_header(path: Path) -> dict[str, Entry]:
@@ -93,7 +95,8 @@ def read_header(path: Path) -> dict[str, Entry]:
             raise ValueError(f"{path} is not a safetensors file (its header is cut: {size} bytes)")
         header = json.loads(handle.read(length))
     header.pop("__metadata__", None)
-    entries = {name: Entry(path.name, h["dtype"], h["shape"], tuple(h["data_offsets"])) for name, h in header.items()}
+    entries = {name: Entry(path.name, h["dtype"], h["shape"], tuple(h["data_offsets"]), 8 + length)
+               for name, h in header.items()}
     for name, entry in sorted(entries.items(), key=lambda item: item[1].offsets[1]):
         if 8 + length + entry.offsets[1] > size:
             raise ValueError(f"{path} is truncated: tensor {name} ends at byte {8 + length + entry.offsets[1]}, the "
@@ -170,62 +173,64 @@ class ReleasedWeights:
     def load(self, names, dtype: torch.dtype = torch.float32, rows: dict[str, tuple[int, int]] | None = None,
              device: torch.device | None = None) -> dict[str, torch.Tensor]:
         """``names`` dequantised into ``dtype``; ``rows[name] = (start, stop)`` reads only those rows of it (an
-        Engram table's shard). Each file is opened once and only the asked slices are read (``safe_open``).
-        ``device``: where the stored bytes go before they are decoded (a GPU decodes them at memory speed; the host
-        took 13.8 of a V4.1 slice's 27 s import on the FP4 experts alone); default the host."""
-        rows = rows or {}
-        return self._per_file(names, lambda name, handle, file: self._read(name, handle, file, dtype, rows.get(name),
-                                                                           device))
-
-    def _per_file(self, names, read) -> dict[str, torch.Tensor]:
-        """``{name: read(name, handle, file)}``, each file opened once."""
-        by_file: dict[str, list[str]] = {}
-        for name in names:
-            by_file.setdefault(self.entries[name].file, []).append(name)
-        out = {}
-        for file, wanted in by_file.items():
-            with safe_open(str(self.directory / file), framework="pt") as handle:
-                out.update({name: read(name, handle, file) for name in wanted})
-        return out
+        Engram table's shard). Only the asked bytes are read, by several threads at once
+        (``train/formats/parallel_read.py``). ``device``: where the stored bytes go before they are decoded (a GPU
+        decodes them at memory speed; the host took 13.8 of a V4.1 slice's 27 s import on the FP4 experts alone);
+        default the host."""
+        return {name: codes.to(dtype) if scale is None else dequantize(codes, scale, fmt, block, dtype)
+                for name, (codes, scale, fmt, block) in self.load_stored(names, rows, device).items()}
 
     def load_stored(self, names, rows: dict[str, tuple[int, int]] | None = None,
                     device: torch.device | None = None) -> dict[str, tuple]:
         """``names`` as stored, onto ``device``: ``(codes, scale, fmt, block)`` of a quantised tensor (fp8 codes;
         fp4 codes packed two a byte, as stored), ``(values, None, None, None)`` of a plain one; ``rows`` as
         ``load``'s. Nothing is decoded (a base held quantised, ``train.lora.quantized_base``)."""
-        rows = rows or {}
-        return self._per_file(names, lambda name, handle, file: self._stored(name, handle, file, rows.get(name),
-                                                                             device))
+        rows, names = rows or {}, list(names)
+        in_file_order = sorted(names, key=lambda name: (self.entries[name].file, self.entries[name].offsets))
+        parts = [[name] + ([scale_name(name)] if scale_name(name) in self.entries else []) for name in in_file_order]
+        for part in parts:
+            if len(part) == 2 and rows.get(part[0]) is not None and block_of(part[0], self._packed(part[0]))[0] != 1:
+                raise ValueError(f"tensor {part[0]}: rows of a matrix in 32 x 32 blocks are not read apart")
+        out = {}
+        requests = ([self._span(p, rows.get(part[0])) for p in part] for part in parts)
+        for part, buffers in zip(parts, read_in_order(requests)):
+            codes, *scale = [self._typed(p, b, rows.get(part[0])).to(device) for p, b in zip(part, buffers)]
+            self.bytes_read += sum(b.numel() for b in buffers)
+            if not scale:
+                out[part[0]] = (codes, None, None, None)
+            else:
+                packed = self._packed(part[0])
+                out[part[0]] = (codes, scale[0], "fp4" if packed else "fp8", block_of(part[0], packed))
+        return {name: out[name] for name in names}
 
-    def _read(self, name, handle, file, dtype, rows, device):
-        codes, scale, fmt, block = self._stored(name, handle, file, rows, device)
-        return codes.to(dtype) if scale is None else dequantize(codes, scale, fmt, block, dtype)
+    def _packed(self, name: str) -> bool:
+        return self.entries[name].dtype in PACKED
 
-    def _stored(self, name, handle, file, rows, device):
-        entry, scale_entry = self.entries[name], self.entries.get(scale_name(name))
-        codes = self._slice(handle, name, rows).to(device)
-        if scale_entry is None:
-            return codes, None, None, None
-        packed = entry.dtype in PACKED
-        block = block_of(name, packed)
-        if rows is not None and block[0] != 1:
-            raise ValueError(f"tensor {name}: rows of a matrix in 32 x 32 blocks are not read apart")
-        if scale_entry.file == file:
-            scale = self._slice(handle, scale_name(name), rows)
-        else:
-            with safe_open(str(self.directory / scale_entry.file), framework="pt") as other:
-                scale = self._slice(other, scale_name(name), rows)
-        return codes, scale.to(device), "fp4" if packed else "fp8", block
+    def _span(self, name: str, rows: tuple[int, int] | None) -> Span:
+        """Where ``name``'s bytes (only rows ``[start, stop)`` of them) lie in its file."""
+        entry = self.entries[name]
+        start, stop = entry.offsets
+        if rows is not None:
+            row = (stop - start) // max(entry.shape[0], 1)
+            start, stop = start + rows[0] * row, start + rows[1] * row
+        return Span(self.directory / entry.file, entry.data_start + start, stop - start)
 
-    def _slice(self, handle, name: str, rows: tuple[int, int] | None) -> torch.Tensor:
-        piece = handle.get_slice(name)
-        tensor = piece[rows[0]:rows[1]] if rows else piece[:]
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+    def _typed(self, name: str, data: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+        """The bytes read of ``name`` as its stored dtype and shape (its rows ``[start, stop)`` only)."""
+        entry = self.entries[name]
+        shape = [rows[1] - rows[0], *entry.shape[1:]] if rows is not None else entry.shape
+        return data.view(DTYPES[entry.dtype]).view(shape)
 
     def stored(self, names) -> dict[str, torch.Tensor]:
         """The stored tensors themselves (codes, scales, vision tensors), for an export to keep or copy them."""
-        return self._per_file(names, lambda name, handle, file: handle.get_tensor(name))
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.entries[name].file, []).append(name)
+        out = {}
+        for file, wanted in by_file.items():
+            with safe_open(str(self.directory / file), framework="pt") as handle:
+                out.update({name: handle.get_tensor(name) for name in wanted})
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ writing
