@@ -236,7 +236,7 @@ def specs() -> list[KernelSpec]:
     for R, C, fp4 in ((32, 32, False), (1, 32, True)):  # the transient dequantised stack of many rows a matrix
         out.append(KernelSpec(untuned(qgemm._dequant_kernel, qgemm.DEQUANT_WARPS),
                               dict(CODES="*u8", SCALE="*u8", OUT=bf, N=i32, K=i32, code_stride=i32, scale_rows=i32,
-                                   scale_cols=i32),
+                                   scale_cols=i32, out_stride=i32),
                               dict(TN=qgemm.DEQUANT_TILE[0], TK=qgemm.DEQUANT_TILE[1], R=R, C=C, FP4=fp4,
                                    MASK_N=False, MASK_K=False)))
     for conj in (False, True):  # forward rotation; its transpose in the backward

@@ -248,15 +248,16 @@ def quant_gemm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, counts
 
 
 @triton.jit
-def _dequant_kernel(CODES, SCALE, OUT, N, K, code_stride, scale_rows, scale_cols, TN: tl.constexpr,
+def _dequant_kernel(CODES, SCALE, OUT, N, K, code_stride, scale_rows, scale_cols, out_stride, TN: tl.constexpr,
                     TK: tl.constexpr, R: tl.constexpr, C: tl.constexpr, FP4: tl.constexpr, MASK_N: tl.constexpr,
                     MASK_K: tl.constexpr):
-    """``OUT[e, n0:n0+TN, k0:k0+TK]`` (``[E, N, K]``, contiguous) = the tile ``_decode_tile`` gives the GEMM."""
+    """``OUT[e, n0:n0+TN, k0:k0+TK]`` = the tile ``_decode_tile`` gives the GEMM; OUT's matrices ``out_stride``
+    values apart, each ``[N, K]`` contiguous."""
     n0, k0, expert = tl.program_id(0) * TN, tl.program_id(1) * TK, tl.program_id(2).to(tl.int64)
     s = _scale_bytes(SCALE, expert, n0, k0, scale_rows, scale_cols, TN, TK, R, C)
     w = _decode_tile(CODES, s, expert, n0, k0, N, K, code_stride, TN, TK, R, C, FP4, MASK_N, MASK_K)
     n, k = n0 + tl.arange(0, TN), k0 + tl.arange(0, TK)
-    tl.store(OUT + (expert * N + n.to(tl.int64))[:, None] * K + k[None, :], w.to(OUT.dtype.element_ty),
+    tl.store(OUT + expert * out_stride + n.to(tl.int64)[:, None] * K + k[None, :], w.to(OUT.dtype.element_ty),
              mask=(n < N)[:, None] & (k < K)[None, :])
 
 
@@ -265,23 +266,28 @@ DEQUANT_WARPS = 4
 
 
 def dequantize_stack(codes: torch.Tensor, scale: torch.Tensor, fp4: bool, block: tuple[int, int],
-                     shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+                     shape: tuple[int, int], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """``codes * scale`` of every matrix of the stack, ``[E, N, K]`` in ``dtype``: one pass over the stored bytes,
-    each tile decoded exactly as the GEMM decodes it (``model/quant.py``'s ``dequantize``, bit for bit)."""
+    each tile decoded exactly as the GEMM decodes it (``model/quant.py``'s ``dequantize``, bit for bit). ``out``: where
+    to write it, a ``[E, N, K]`` view whose rows are contiguous (the matrix's rows of a stack of several)."""
     (N, K), (TN, TK) = shape, DEQUANT_TILE
     codes, scale = codes.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
     _check_block(block, Tiles(0, TN, TK, 0, 0, None))
-    out = new_output((codes.shape[0], N, K), dtype, codes.device)
+    if out is None:
+        out = new_output((codes.shape[0], N, K), dtype, codes.device)
+    if out.shape != (codes.shape[0], N, K) or out.stride()[1:] != (K, 1):
+        raise ValueError(f"dequantize_stack: out is {tuple(out.shape)} with strides {out.stride()}, the stack "
+                         f"[{codes.shape[0]}, {N}, {K}] with contiguous rows")
     if out.numel():
         _dequant_kernel[(triton.cdiv(N, TN), triton.cdiv(K, TK), codes.shape[0])](
-            codes, scale, out, N, K, codes.shape[-1], scale.shape[-2], scale.shape[-1], TN=TN, TK=TK, R=block[0],
-            C=block[1], FP4=fp4, MASK_N=N % TN != 0, MASK_K=K % TK != 0, num_warps=DEQUANT_WARPS)
+            codes, scale, out, N, K, codes.shape[-1], scale.shape[-2], scale.shape[-1], out.stride(0), TN=TN,
+            TK=TK, R=block[0], C=block[1], FP4=fp4, MASK_N=N % TN != 0, MASK_K=K % TK != 0,
+            num_warps=DEQUANT_WARPS)
     return out
 
 
-def _dequantized_product(x, codes, scale, counts, fp4, block, shape, transpose) -> torch.Tensor:
-    """``quant_gemm``'s product through ``dequantize_stack`` and torch's GEMMs (the stack freed on return)."""
-    w = dequantize_stack(codes, scale, fp4, block, shape, x.dtype)
+def _product(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor | None, transpose: bool) -> torch.Tensor:
+    """``x W[e]ᵀ`` (``transpose``: ``x W[e]``) of the rows of each expert, W ``[E, N, K]`` dense: torch's GEMMs."""
     if counts is None:
         return x @ w[0] if transpose else F.linear(x, w[0])
     return F.grouped_mm(x, w if transpose else w.mT, offs=counts.cumsum(0, dtype=torch.int32))
@@ -293,8 +299,44 @@ def quant_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, cou
     """``quant_gemm``'s product, fused or (``dequantize``) through a transient dequantised stack, whose rows must be
     16-byte multiples (torch's grouped GEMM strides them so)."""
     if dequantize:
-        return _dequantized_product(x.contiguous(), codes, scale, counts, fp4, block, shape, transpose)
+        return _product(x.contiguous(), dequantize_stack(codes, scale, fp4, block, shape, x.dtype), counts, transpose)
     return quant_gemm(x, codes, scale, counts, fp4, block, shape, transpose=transpose)
+
+
+class StackedTransientMatmul(torch.autograd.Function):
+    """Matrices of one input width stacked by rows (w1 over w3: ``[E, ΣN, K]``) decoded into one transient buffer
+    and multiplied once, forward and backward to x: one GEMM, where a GEMM per matrix would join the outputs by
+    columns and sum the inputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, counts, fp4, block, widths, K, *stored):
+        ctx.save_for_backward(counts, *stored)
+        ctx.meta = fp4, block, widths, K
+        return _product(x.contiguous(), StackedTransientMatmul.stack(stored, *ctx.meta, x.dtype), counts, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        counts, *stored = ctx.saved_tensors
+        dx = _product(grad.contiguous(), StackedTransientMatmul.stack(stored, *ctx.meta, grad.dtype), counts, True)
+        return dx, None, None, None, None, None, *([None] * len(stored))
+
+    @staticmethod
+    def stack(stored, fp4, block, widths, K, dtype) -> torch.Tensor:
+        codes = stored[0::2]
+        w = new_output((codes[0].shape[0], sum(widths), K), dtype, codes[0].device)
+        start = 0
+        for c, s, n in zip(codes, stored[1::2], widths):
+            dequantize_stack(c, s, fp4, block, (n, K), dtype, out=w[:, start:start + n])
+            start += n
+        return w
+
+
+def stacked_transient_matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor, int]],
+                             counts: torch.Tensor | None, fp4: bool, block: tuple[int, int], K: int) -> torch.Tensor:
+    """``x [M, K] -> [M, ΣN]``: the product with the matrices ``parts`` (``(codes, scale, N)`` each, one format and
+    input width K) stacked by rows, through one transient buffer (``StackedTransientMatmul``)."""
+    stored = [t for codes, scale, _ in parts for t in (codes, scale)]
+    return StackedTransientMatmul.apply(x, counts, fp4, tuple(block), tuple(n for *_, n in parts), K, *stored)
 
 
 class QuantMatmul(torch.autograd.Function):

@@ -14,7 +14,7 @@ Why it is built this way:
 - The products run on the stored bytes: ``kernels/triton_quant_gemm.py`` decodes a tile of codes and scales in
   registers, in the forward (``x Wᵀ``) and in the backward to the input (``dy W``); a frozen base has no gradient of
   its own. For many rows a matrix (``DEQUANT_ROWS``), where that decode costs more than it saves, one matrix (one
-  rank's stack of one expert matrix) is decoded into a transient copy for torch's GEMM and freed after it; no layer's
+  rank's stack of an expert matrix, w1 over w3 as one) is decoded into a transient copy for torch's GEMM and freed after it; no layer's
   bf16 copy is ever materialised. The PyTorch reference (``kernel_backend=torch``, and ``auto`` off CUDA)
   dequantises one matrix (one expert) at a time and multiplies: the same values (a code times a power of two is
   exact in bf16), another summation order.
@@ -52,7 +52,8 @@ FP4_MATRICES = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight")
 # `bench/results/finetune/lora_slice.json`). The copy costs about 4.5 bytes a value more memory traffic (the stored
 # bytes read, bf16 written, then read by the GEMM), 1.3 ps at 3.35 TB/s, and buys the bf16 GEMM's 600-700 TFLOP/s:
 # 2 FLOPs / 200 TFLOP/s - 2 / 650 = 0.007 ps saved a value and row of x, so it pays from about 200 rows. The copy is
-# one matrix, or one rank's stack of one expert matrix, never a layer, and is freed when the product returns.
+# one matrix, or one rank's stack of an expert matrix (w1 over w3 in one), never a layer, and is freed when the
+# product returns.
 DEQUANT_ROWS = 256
 
 
@@ -180,8 +181,24 @@ class QuantizedRows:
         self.parts = list(parts)
 
     def linear(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        if len(self.parts) > 1 and self._one_transient(x):
+            from kernels.triton_quant_gemm import stacked_transient_matmul  # lazily, as QuantizedMatrix.linear
+
+            first, rows = self.parts[0], x.reshape(-1, x.shape[-1]).to(compute_dtype(x))
+            out = stacked_transient_matmul(rows, [(p.codes, p.scale, p.shape[-2]) for p in self.parts], counts,
+                                           first.fmt == "fp4", first.block, first.shape[-1])
+            return out.view(*x.shape[:-1], out.shape[-1])
         outs = [p.linear(x, counts) for p in self.parts]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def _one_transient(self, x: torch.Tensor) -> bool:
+        """Whether every part would take the transient product (``dequantizes``) of one format, so that one buffer
+        stacks them all: one GEMM instead of a GEMM each, no join of the outputs and no sum of the gradients."""
+        first, rows, dtype = self.parts[0], x.numel() // x.shape[-1], compute_dtype(x)
+        return (uses_triton(first.kernel_backend, x.device)
+                and all((p.fmt, p.block, p.experts, p.shape[-1]) == (first.fmt, first.block, first.experts,
+                                                                      first.shape[-1])
+                        and dequantizes(rows, p.experts, p.shape[-2:], dtype) for p in self.parts))
 
     def __getitem__(self, i: int) -> "QuantizedRows":
         return QuantizedRows([p.expert(i) for p in self.parts])

@@ -129,15 +129,17 @@ def _dequantized_copies(args: ModelArgs, layout: Layout, lora: LoRA | None, toke
                         dtype: torch.dtype) -> list[float]:
     """Per layer, the bytes of the largest transient dequantised copy a quantised base's product makes
     (``model.quantized_base.DEQUANT_ROWS``): the largest FP8 matrix where a rank's chunk has that many tokens, the
-    rank's stack of one routed matrix where its experts receive that many rows each on average (its tokens x top-k
-    over its experts); 0 without a quantised base. The model's matrices are taken as aligned for torch's GEMM."""
+    rank's stack of w1 over w3 (twice its largest routed stack, ``QuantizedRows``' one buffer) where its experts
+    receive that many rows each on average (its tokens x top-k over its experts); 0 without a quantised base. The
+    model's matrices are taken as aligned for torch's GEMM, and wq_a over wkv as smaller than the largest FP8 one."""
     if lora is None or not lora.quantized_base:
         return [0.0] * layout.n_layers
     low = lora_counts(args, layout, lora)
     local = max(args.moe.n_routed_experts // expert_parallel, 1) if args.ffn == "moe" else 1
     routed_rows = tokens * args.moe.n_activated_experts / local if args.ffn == "moe" else 0
-    return [max(f8 if tokens >= DEQUANT_ROWS else 0, f4 / expert_parallel if routed_rows >= DEQUANT_ROWS else 0)
-            * dtype.itemsize for f8, f4 in zip(low["fp8_largest"], low["fp4_stack"])]
+    return [max(f8 if tokens >= DEQUANT_ROWS else 0,
+                2 * f4 / expert_parallel if routed_rows >= DEQUANT_ROWS else 0) * dtype.itemsize
+            for f8, f4 in zip(low["fp8_largest"], low["fp4_stack"])]
 
 
 def layer_parameters(args: ModelArgs, layout: Layout, tables: bool = False) -> list[int]:

@@ -66,6 +66,39 @@ def test_grouped_kernel_equals_dequantise_then_matmul(fmt, block, dtype, tol, de
         assert ((got.double() - want).norm() / want.norm()).item() < tol
 
 
+@pytest.mark.parametrize("fmt, block", FORMS)
+def test_matrices_stacked_by_rows_take_one_transient_product(fmt, block):
+    """``QuantizedRows`` of two quantised stacks (w1 over w3: 40 and 32 rows, 72 columns) whose experts get at least
+    ``DEQUANT_ROWS`` rows each (one expert none) multiply through one stacked transient buffer: forward and backward to
+    the input against each expert's dequantised matrices stacked, in fp64. Planted and caught: the second matrix
+    written over the first's rows, the experts' stride of the stacked buffer taken as one matrix's, the backward's
+    input gradient of one part only."""
+    from model.quantized_base import DEQUANT_ROWS, QuantizedRows
+
+    (c1, s1, v1), (c3, s3, v3) = _stack(fmt, block, 3, 40, 72, seed=1), _stack(fmt, block, 3, 32, 72, seed=2)
+    parts = [QuantizedMatrix(c, s_, fmt, block, v.shape, "triton") for c, s_, v in ((c1, s1, v1), (c3, s3, v3))]
+    counts = torch.tensor([DEQUANT_ROWS, 0, 2 * DEQUANT_ROWS + 5])
+    x = torch.randn(int(counts.sum()), 72, requires_grad=True)
+    y = QuantizedRows(parts).linear(x, counts)
+    grad = torch.randn(y.shape)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    values = torch.cat([v1, v3], dim=1)  # [3, 72, 72]
+    xs, gs = x.detach().double().split(counts.tolist()), grad.double().split(counts.tolist())
+    want_y = torch.cat([part @ values[e].T for e, part in enumerate(xs)])
+    want_dx = torch.cat([part @ values[e] for e, part in enumerate(gs)])
+    for got, want in ((y, want_y), (dx, want_dx)):
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+
+
+def test_a_transient_buffer_of_another_shape_is_refused():
+    """``dequantize_stack(out=)`` writes only into a view of the stack's shape with contiguous rows: one line saying
+    what it got."""
+    codes, scale = quantize(torch.randn(64, 64), "fp8", BLOCK_FP8)
+    with pytest.raises(ValueError, match=r"out is \(1, 64, 32\)"):
+        dequantize_stack(codes[None], scale[None], False, BLOCK_FP8, (64, 64), torch.float32,
+                         out=torch.empty(1, 64, 32))
+
+
 def test_many_rows_a_matrix_take_the_transient_product():
     """``dequantizes``: from ``DEQUANT_ROWS`` rows a matrix on average, and only for rows torch's grouped GEMM can
     stride; a linear (one matrix) by its rows alone. Planted and caught: the rule inverted, the rows not divided
