@@ -22,7 +22,8 @@
 #   slice             v41_slice.json: bench/v41_slice.py, layers 20-23 and 24-27 at V4.1 width, splits own_tokens
 #                     and uniform, each run's device time by kernel                                  -> v41_slice/
 #   slice_base        the same on the BASE tree                                      -> v41_slice/v41_slice_base.json
-#   quant_gemm        quant_gemm.json: bench/quant_gemm.py, the frozen base's FP8/FP4 GEMMs against bf16 (issue 56)
+#   quant_gemm        quant_gemm.json: bench/quant_gemm.py, the frozen base's FP8/FP4 GEMMs, fused and through a
+#                     transient copy, against bf16 at 128-1,024 rows a matrix (issue 56)
 #                                                                                                    -> finetune/
 #   quant_gemm_base   the same on the BASE tree                                   -> finetune/quant_gemm_base.json
 #   quant_gemm_sweep  quant_gemm_sweep.json: the same with --sweep, the kernel at each launch shape of SWEEP
