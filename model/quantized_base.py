@@ -14,10 +14,10 @@ Why it is built this way:
 - The products run on the stored bytes: ``kernels/triton_quant_gemm.py`` decodes a tile of codes and scales in
   registers, in the forward (``x Wᵀ``) and in the backward to the input (``dy W``); a frozen base has no gradient of
   its own. For many rows a matrix (``DEQUANT_ROWS``), where that decode costs more than it saves, one matrix (one
-  rank's stack of an expert matrix, w1 over w3 as one) is decoded into a transient copy for torch's GEMM and freed after it; no layer's
-  bf16 copy is ever materialised. The PyTorch reference (``kernel_backend=torch``, and ``auto`` off CUDA)
-  dequantises one matrix (one expert) at a time and multiplies: the same values (a code times a power of two is
-  exact in bf16), another summation order.
+  rank's stack of an expert matrix, w1 over w3 as one) is decoded into a transient copy for torch's GEMM and freed
+  after it; no layer's bf16 copy is ever materialised. The PyTorch reference (``kernel_backend=torch``, and ``auto``
+  off CUDA) dequantises one matrix (one expert) at a time and multiplies: the same values (a code times a power of
+  two is exact in bf16), another summation order.
 - Quantising the loaded weights (``model/quant.py``'s rule) gives back the released values exactly: the base loads
   as ``codes * scale`` and dequantise -> quantise is the identity on values. A weight that was not on the grid
   (a seeded init, a merged adapter) is rounded to it: that is what "the released form" means for it.

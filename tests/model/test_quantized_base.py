@@ -208,8 +208,8 @@ RANK, ALPHA = 4, 8.0
 
 def _quantized_state(model, seed: int) -> dict:
     """``random_state``'s fp64 values with every matrix the release stores quantised in the blocks (``layers.*``)
-    and the draft head's routed experts replaced by its dequantised FP8 / FP4 values (the Engram tables too, which ``quantize_base`` leaves as they
-    are: a lookup, not a GEMM)."""
+    and the draft head's routed experts replaced by its dequantised FP8 / FP4 values (the Engram tables too, which
+    ``quantize_base`` leaves as they are: a lookup, not a GEMM)."""
     state = {}
     for name, value in random_state(model, seed).items():
         form = quantized_form(name) if name.startswith("layers.") or ".ffn.experts." in name else None
@@ -354,6 +354,35 @@ def test_the_memory_model_counts_the_converted_bytes():
     low = lora_counts(args, layout, lora)
     fp32_matrices = sum(low["fp8"]) * (4 - STORED_BYTES["fp8"]) + sum(low["fp4"]) * (4 - STORED_BYTES["fp4"])
     assert sum(fp32.state) - sum(kept.state) == pytest.approx(fp32_matrices + table_values * 4 - tables, rel=1e-12)
+
+
+@pytest.mark.parametrize("expert_parallel", [1, 2, None], ids=["E1", "E2", "one_expert_a_rank"])
+def test_the_memory_model_counts_the_largest_transient_copy(expert_parallel):
+    """``parallel.memory``'s transient copy per layer under ``quantized_base`` against the converted ``v41_mini``'s
+    own matrices: at a rank's chunk of ``DEQUANT_ROWS`` tokens or more, the larger of its largest FP8 matrix and its
+    rank's w1 over w3 stack (1 / E of the experts), in bf16; below it, none. Planted and caught: the stack of one
+    matrix (w1 alone), the experts not divided among the ranks, the FP8 matrices left out."""
+    from model.quantized_base import DEQUANT_ROWS
+    from parallel.memory import _dequantized_copies
+
+    args, layout = configured([])
+    lora = LoRA(RANK, ALPHA, EVERY_MOE, quantized_base=True)
+    model = Transformer(args, layout)
+    attach(model, lora, seed=0)
+    quantize_base(model, quantized_form, "torch")
+    expert_parallel = expert_parallel or args.moe.n_routed_experts
+    want = []
+    for i in range(layout.n_layers):
+        held = [m for m in model.layers[str(i)].modules() if isinstance(m, QuantizedMatrix)]
+        fp8 = max((m.shape.numel() for m in held if m.fmt == "fp8"), default=0)
+        experts = model.layers[str(i)].ffn.experts
+        stack = (experts.w1.shape.numel() + experts.w3.shape.numel()) // expert_parallel
+        want.append(max(fp8, stack) * 2)
+    tokens = DEQUANT_ROWS * args.moe.n_routed_experts  # every local expert gets at least DEQUANT_ROWS rows
+    assert fp8 > 0 and _dequantized_copies(args, layout, lora, tokens, expert_parallel, torch.bfloat16) == want
+    local, k = args.moe.n_routed_experts // expert_parallel, args.moe.n_activated_experts
+    below = min(DEQUANT_ROWS - 1, (DEQUANT_ROWS - 1) * local // k)  # fewer tokens, and fewer rows an expert
+    assert set(_dequantized_copies(args, layout, lora, below, expert_parallel, torch.bfloat16)) == {0}
 
 
 def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
