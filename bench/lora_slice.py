@@ -50,10 +50,11 @@ What runs, and why so:
   dense adapters' moments are held whole, where the plan's ZeRO-1 gives a rank 1/8 of them (0.04 GiB more than the
   plan at V4.1 width); the routed experts' adapters, nearly all of them, are held by their expert rank alone in both.
 
-Per run: the ``v41_slice.measure`` keys (``--warmup`` steps, ``--steps`` timed, one probed; 3 timed so that the
-median keeps out one step of one-time work: on 2026-12-07 the first timed step of the first quantised run took 13.2 s
-against 0.58 s for the next, not explained; step / fwd / bwd ms, per layer and per part, peak allocated and
-reserved, model TFLOP/s and MFU), ``base_held`` (quantised matrices by format, frozen GiB, adapter parameters,
+Per run: the ``v41_slice.measure`` keys (``--warmup`` steps, ``--steps`` timed, one probed; 3 warm-up steps,
+because the first quantised run's first steps do one-time work, not explained: on 2026-12-07 its first timed step
+took 13.2 s against 0.58 for the next after one warm-up step, and at bedd9d1 its three timed steps took 4.0, 9.5 and
+0.37 s; step / fwd / bwd ms, per layer and per part, peak allocated and reserved, model TFLOP/s and MFU),
+``base_held`` (quantised matrices by format, frozen GiB, adapter parameters,
 ``base_in_floating_point``: the matrices the release stores quantised that the stage holds in bf16 / fp32, none for
 the quantised base) and ``adapter_grad_norm``; per slice
 ``quantized_over_bf16`` (step, forward, backward, peak). A run that fails (out of memory: ``out_of_memory``) is
@@ -297,14 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None, help="T: a GPU's chunk of the row (default 8192; smoke 64)")
     p.add_argument("--rank", type=int, default=16, help="train.lora.rank")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 3; smoke 1)")
-    p.add_argument("--warmup", type=int, default=None, help="steps before them (default 1; smoke 0)")
+    p.add_argument("--warmup", type=int, default=None, help="steps before them (default 3; smoke 0)")
     p.add_argument("--kernel-table", action="store_true",
                    help="each run: one more step's device time by kernel (CUDA; v41_slice.measure)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="config overrides after the preset's")
     a = p.parse_args(argv)
     started = time.monotonic()
-    for name, gpu, smoke in (("steps", 3, 1), ("warmup", 1, 0), ("tokens", 8192, 64)):
+    for name, gpu, smoke in (("steps", 3, 1), ("warmup", 3, 0), ("tokens", 8192, 64)):
         if getattr(a, name) is None:
             setattr(a, name, smoke if a.smoke else gpu)
     bases = a.bases.split(",")

@@ -47,11 +47,13 @@ FP4_MATRICES = re.compile(r".*\.ffn\.experts\.\d+\.w[123]\.weight")
 
 # Rows a matrix multiplies (on average over a stack of experts) from which its product goes through a transient
 # dequantised copy (``kernels.triton_quant_gemm.dequantize_stack``) and torch's GEMMs (cuBLAS, CUTLASS's grouped
-# GEMM) instead of the fused kernel. The fused kernel decodes in its main loop and runs at 180-230 TFLOP/s on an H100
-# however many rows a decoded tile serves (2026-12-07: 181 at 1,024 rows an FP4 expert in
-# `bench/results/finetune/lora_slice.json`). The copy costs about 4.5 bytes a value more memory traffic (the stored
+# GEMM) instead of the fused kernel. The fused kernel decodes in its main loop and runs at 170-230 TFLOP/s on an H100
+# however many rows a decoded tile serves. The copy costs about 4.5 bytes a value more memory traffic (the stored
 # bytes read, bf16 written, then read by the GEMM), 1.3 ps at 3.35 TB/s, and buys the bf16 GEMM's 600-700 TFLOP/s:
-# 2 FLOPs / 200 TFLOP/s - 2 / 650 = 0.007 ps saved a value and row of x, so it pays from about 200 rows. The copy is
+# 2 FLOPs / 200 TFLOP/s - 2 / 650 = 0.007 ps saved a value and row of x, so it pays from about 200 rows. Measured
+# (`bench/results/finetune/quant_gemm.json`, one H100, 2026-12-07): the FP4 experts' crossover lies between 128 and
+# 256 rows an expert; at 1,024 the transient path is 3.5x faster than the fused kernel (w1 | w3: 4.0 against 13.8
+# ms forward, bf16 3.1); FP8 matrices gain already at 128 rows (wq_b: 0.14 against 0.34 ms). The copy is
 # one matrix, or one rank's stack of an expert matrix (w1 over w3 in one), never a layer, and is freed when the
 # product returns.
 DEQUANT_ROWS = 256

@@ -25,8 +25,10 @@ A stage's peak is modelled as (bytes) state + retained + max(casts, transient):
 - kept attention: a recomputed layer that keeps its sparse-attention outputs (``parallel.keep_attention_layers``,
   the first k of a stage) holds them per microbatch in flight as well;
 - a transient: the working set of one layer's backward (its recomputed forward's saved tensors, the kernels'
-  workspace, the row's compressed entries rotated and their gradient, and under a quantised base its products'
-  largest transient dequantised copy), the largest over the stage's layers.
+  workspace, the row's compressed entries rotated and their gradient), the largest over the stage's layers; under a
+  quantised base, at least its products' largest transient dequantised copy, which lives inside one MoE product and
+  not during the attention's backward, where the layer peaks (measured on a V4.1-width stage, one H100, 2026-12-07:
+  the peak unchanged, 14.4 / 14.5 GiB, with a 2.1 GiB copy, ``bench/results/finetune/lora_slice.json``).
 
 Context parallelism (C ranks a row, ``parallel/context.py``): a rank computes one chunk of ``seq_len / C`` tokens, so
 every per-token figure above is the chunk's; the compressed entries a Full layer gathers (its latent, and the index
@@ -338,8 +340,8 @@ def estimate(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, dt
     for i in range(layout.n_layers):
         saved = _saved_bytes(args, layout, i, tokens, dtype.itemsize, routed_rows)
         retained.append((0 if on_host else stream) + produced[i] + (0 if all_recomputed else saved))
-        transient.append((saved if all_recomputed else 0) + entries[i] + exchange + (KERNEL_WORKSPACE if cuda else 0)
-                         + (2 * stream if on_host else 0) + copies[i])
+        transient.append(max((saved if all_recomputed else 0) + entries[i] + exchange
+                             + (KERNEL_WORKSPACE if cuda else 0) + (2 * stream if on_host else 0), copies[i]))
     head = HEAD_BYTES * min(head_chunk or tokens, tokens) * args.vocab_size
     transient[-1] = max(transient[-1], head)
     if measured is not None and context_parallel == 1:
