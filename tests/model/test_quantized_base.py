@@ -385,6 +385,29 @@ def test_the_memory_model_counts_the_largest_transient_copy(expert_parallel):
     assert set(_dequantized_copies(args, layout, lora, below, expert_parallel, torch.bfloat16)) == {0}
 
 
+def test_the_transient_copy_is_a_floor_of_the_layers_transient(monkeypatch):
+    """``estimate``'s transient under a quantised base is, per layer, the larger of the backward's working set and
+    the copy (which lives inside one MoE product, not in the attention's backward where the layer peaks: measured,
+    the stage's peak did not move with a 2.1 GiB copy). Planted and caught: the copy added to the working set."""
+    import parallel.memory as memory
+    from model.quantized_base import DEQUANT_ROWS
+
+    args, layout = configured([])
+    lora = LoRA(RANK, ALPHA, EVERY_MOE, quantized_base=True)
+    seq = DEQUANT_ROWS * args.moe.n_routed_experts
+
+    def transient():
+        return memory.estimate(args, layout, 1, seq, torch.bfloat16, layout.n_layers, 1, 1, False, lora=lora).transient
+    copies = memory._dequantized_copies(args, layout, lora, seq, 1, torch.bfloat16)
+    with_copies = transient()
+    monkeypatch.setattr(memory, "_dequantized_copies", lambda *a: [0.0] * layout.n_layers)
+    working = transient()
+    monkeypatch.setattr(memory, "_dequantized_copies", lambda *a: [w + 1.0 for w in working])
+    assert all(c > 0 for c in copies)
+    assert list(with_copies) == [max(w, c) for w, c in zip(working, copies)]
+    assert list(transient()) == [w + 1.0 for w in working]  # a copy larger than the working set is the transient
+
+
 def test_the_gemm_benchmark_runs_at_smoke_size(tmp_path):
     """``bench/quant_gemm.py --smoke --sweep``: its three cases come back at each row count with the three products
     timed (bf16, fused, transient), the same products (fp32 on the CPU), the rule's choice by rows a matrix, the
