@@ -69,26 +69,27 @@ def timed(fn, reps: int, device: torch.device) -> float:
     return statistics.median(times[1:])  # the first compiles
 
 
+def rel_diff(y: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference of ``y`` from ``want`` over ``want``'s largest magnitude."""
+    return ((y.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
 def sweep(quantized, x, grad, counts, shapes, reps, device) -> list[dict]:
     """The kernel at each launch shape: ms forward and backward to x, and the largest relative difference of each
     output from the default launch's."""
     args = (quantized.codes, quantized.scale, counts, quantized.fmt == "fp4", quantized.block, quantized.shape[-2:])
     inputs = {"forward": (x.detach(), False), "backward": (grad, True)}
-    default = {way: quant_gemm(rows, *args, transpose=t).float() for way, (rows, t) in inputs.items()}
+    default = {way: quant_gemm(rows, *args, transpose=t) for way, (rows, t) in inputs.items()}
     out = []
     for tiles in shapes:
         entry = {"tiles": tiles._asdict()}
         for way, (rows, transpose) in inputs.items():
             run = partial(quant_gemm, rows, *args, transpose=transpose, tiles=tiles)
-            y = run().float()
+            y = run()
             entry[f"{way}_ms"] = timed(run, reps, device)
-            entry[f"{way}_rel_diff"] = ((y - default[way]).abs().max() / default[way].abs().max()).item()
+            entry[f"{way}_rel_diff"] = rel_diff(y, default[way])
         out.append(entry)
     return out
-
-
-def rel_diff(y: torch.Tensor, want: torch.Tensor) -> float:
-    return ((y.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 def at_rows(quantized, dense, rows, counts, reps, device, dtype) -> dict:
