@@ -6,7 +6,8 @@
 #   ONLY=small_moe OUT=<dir> bash bench/gpu_save.sh
 # Stages (file under $OUT -> bench/results/checkpoints/), the model first; each may take most of a call
 # (2026-12-07, H100: `small` had not finished at its 170 s limit, its log silent after the job's start), so run
-# `ONLY=small_moe` in a call of its own. The JSON is rewritten after each phase (sync, async, resume: `phases_done`), so a cut stage keeps those done:
+# `ONLY=small_moe` in a call of its own. The JSON is rewritten after each phase (sync, async, resume:
+# `phases_done`), so a cut stage keeps those done:
 #   small      save_timing_small.json: `model=small layout=v41` at 4K tokens (3.16 B parameters, ~38 GB a checkpoint)
 #   small_moe  save_timing_small_moe.json: `model=small_moe layout=v41` at 4K: 3.4 B parameters, ~54 GB a checkpoint
 # The checkpoints go under WORK (default /tmp/save_timing; the machine's disk is 64 GB: one checkpoint at a time,

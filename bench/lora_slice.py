@@ -54,10 +54,9 @@ Per run: the ``v41_slice.measure`` keys (``--warmup`` steps, ``--steps`` timed, 
 because the first quantised run's first steps do one-time work, not explained: on 2026-12-07 its first timed step
 took 13.2 s against 0.58 for the next after one warm-up step, and at bedd9d1 its three timed steps took 4.0, 9.5 and
 0.37 s; step / fwd / bwd ms, per layer and per part, peak allocated and reserved, model TFLOP/s and MFU),
-``base_held`` (quantised matrices by format, frozen GiB, adapter parameters,
-``base_in_floating_point``: the matrices the release stores quantised that the stage holds in bf16 / fp32, none for
-the quantised base) and ``adapter_grad_norm``; per slice
-``quantized_over_bf16`` (step, forward, backward, peak). A run that fails (out of memory: ``out_of_memory``) is
+``base_held`` (quantised matrices by format, frozen GiB, adapter parameters, ``base_in_floating_point``: the
+matrices the release stores quantised that the stage holds in bf16 / fp32, none for the quantised base) and
+``adapter_grad_norm``; per slice ``quantized_over_bf16`` (step, forward, backward, peak). A run that fails (out of memory: ``out_of_memory``) is
 recorded and the next one runs; the exit status is 1 when none was measured. The JSON is rewritten after each run,
 so a cut call keeps what ran; a short table is printed at the end.
 """

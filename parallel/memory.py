@@ -116,7 +116,7 @@ def lora_counts(args: ModelArgs, layout: Layout, lora: LoRA) -> dict[str, tuple[
             kind = held[name] if name in held else "low_experts" if routed else "low"
             counts[kind][_layer_of(name)] += p.numel()
             if name in held:
-                largest = counts[f"{kind}_largest" if kind == "fp8" else "fp4_stack"]
+                largest = counts["fp8_largest" if kind == "fp8" else "fp4_stack"]
                 largest[_layer_of(name)] = max(largest[_layer_of(name)], p.numel())
     with torch.device("meta"):
         for name, module in targeted_modules(model, lora.targets):
