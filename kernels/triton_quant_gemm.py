@@ -293,18 +293,8 @@ def _product(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor | None, tran
     return F.grouped_mm(x, w if transpose else w.mT, offs=counts.cumsum(0, dtype=torch.int32))
 
 
-def quant_product(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor | None, fp4: bool,
-                  block: tuple[int, int], shape: tuple[int, int], transpose: bool = False,
-                  dequantize: bool = False) -> torch.Tensor:
-    """``quant_gemm``'s product, fused or (``dequantize``) through a transient dequantised stack, whose rows must be
-    16-byte multiples (torch's grouped GEMM strides them so)."""
-    if dequantize:
-        return _product(x.contiguous(), dequantize_stack(codes, scale, fp4, block, shape, x.dtype), counts, transpose)
-    return quant_gemm(x, codes, scale, counts, fp4, block, shape, transpose=transpose)
-
-
 class StackedTransientMatmul(torch.autograd.Function):
-    """Matrices of one input width stacked by rows (w1 over w3: ``[E, ΣN, K]``) decoded into one transient buffer
+    """One or more matrices of one input width stacked by rows (w1 over w3: ``[E, ΣN, K]``) decoded into one buffer
     and multiplied once, forward and backward to x: one GEMM, where a GEMM per matrix would join the outputs by
     columns and sum the inputs' gradients."""
 
@@ -340,23 +330,25 @@ def stacked_transient_matmul(x: torch.Tensor, parts: list[tuple[torch.Tensor, to
 
 
 class QuantMatmul(torch.autograd.Function):
-    """``quant_product`` with its backward to x (the matrix is frozen: no gradient of its own)."""
+    """``quant_gemm`` with its backward to x (the matrix is frozen: no gradient of its own)."""
 
     @staticmethod
-    def forward(ctx, x, codes, scale, counts, fp4, block, shape, dequantize):
+    def forward(ctx, x, codes, scale, counts, fp4, block, shape):
         ctx.save_for_backward(codes, scale, counts)
         ctx.meta = fp4, block, shape
-        ctx.dequantize = dequantize
-        return quant_product(x, codes, scale, counts, fp4, block, shape, dequantize=dequantize)
+        return quant_gemm(x, codes, scale, counts, fp4, block, shape)
 
     @staticmethod
     def backward(ctx, grad):
         codes, scale, counts = ctx.saved_tensors
-        dx = quant_product(grad, codes, scale, counts, *ctx.meta, transpose=True, dequantize=ctx.dequantize)
-        return dx, None, None, None, None, None, None, None
+        return quant_gemm(grad, codes, scale, counts, *ctx.meta, transpose=True), None, None, None, None, None, None
 
 
 def quant_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor | None, fp4: bool,
                  block: tuple[int, int], shape: tuple[int, int], dequantize: bool = False) -> torch.Tensor:
-    """Differentiable ``quant_product`` (forward ``x W[e]ᵀ``, backward ``dy W[e]``)."""
-    return QuantMatmul.apply(x, codes, scale, counts, fp4, tuple(block), tuple(shape), dequantize)
+    """Differentiable ``x W[e]ᵀ`` (backward ``dy W[e]``): fused (``QuantMatmul``), or with ``dequantize`` through a
+    transient copy (``stacked_transient_matmul`` of one matrix), whose rows must be 16-byte multiples (torch's
+    grouped GEMM strides them so)."""
+    if dequantize:
+        return stacked_transient_matmul(x, [(codes, scale, shape[0])], counts, fp4, block, shape[1])
+    return QuantMatmul.apply(x, codes, scale, counts, fp4, tuple(block), tuple(shape))
